@@ -1,0 +1,166 @@
+"""Cluster specs: nodes of GPUs, the links inside and between nodes, and per-device memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from baton.catalog import GIB, GpuType, gpu_type
+from baton.errors import BatonError
+from baton.fields import Fields, load_yaml
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    """A point-to-point path: alpha-beta model, time = latency + bytes / bandwidth."""
+
+    bandwidth_gb_per_s: float
+    """Unidirectional bandwidth, 10^9 bytes/s."""
+    latency_us: float
+    """Per-message latency, microseconds."""
+
+    def transfer_ms(self, num_bytes: float) -> float:
+        return self.latency_us * 1e-3 + num_bytes / (self.bandwidth_gb_per_s * 1e9) * 1e3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Device:
+    """One GPU (or CPU process) of the cluster."""
+
+    id: str
+    """'<node>:<index>', unique in the cluster; plans refer to devices by it."""
+    node: str
+    """Name of the node that holds it."""
+    gpu: GpuType
+    """Its catalog entry."""
+    memory_bytes: int
+    """Usable capacity: the catalog memory unless the spec overrides it."""
+    reserve_bytes: int
+    """Held back for the CUDA context, allocator fragmentation and communication buffers."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """Devices in node order and the two kinds of link between them."""
+
+    name: str
+    """The spec's label (the file stem unless it sets one)."""
+    devices: tuple[Device, ...]
+    """All devices, node by node."""
+    intra_links: dict
+    """Node name -> Link between devices of that node."""
+    inter_link: Link | None
+    """Link between devices of different nodes (None for a single-node cluster)."""
+    source: str = "<memory>"
+    """The file it was read from, for error messages."""
+
+    def device(self, device_id: str) -> Device:
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        raise BatonError(f"no device '{device_id}' in cluster '{self.name}'")
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between two devices (a device talking to itself costs nothing)."""
+        da, db = self.device(a), self.device(b)
+        if da.node == db.node:
+            return self.intra_links[da.node]
+        if self.inter_link is None:
+            raise BatonError(f"devices {a} and {b} are on different nodes but no inter_node_link is given", source=self.source)
+        return self.inter_link
+
+    def slowest_link(self, ids: list[str]) -> Link | None:
+        """The lowest-bandwidth link among all pairs of ``ids`` (None for fewer than two devices)."""
+        links = [self.link(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
+        if not links:
+            return None
+        return Link(
+            bandwidth_gb_per_s=min(l.bandwidth_gb_per_s for l in links),
+            latency_us=max(l.latency_us for l in links),
+        )
+
+    @property
+    def gpu_types(self) -> list[str]:
+        seen: list[str] = []
+        for d in self.devices:
+            if d.gpu.name not in seen:
+                seen.append(d.gpu.name)
+        return seen
+
+
+_TOP = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description"}
+_NODE = {"name", "gpus", "intra_node_link", "count"}
+_GPUS = {"type", "count", "memory_gib", "memory_reserve_gib"}
+_LINK = {"bandwidth_gb_per_s", "latency_us", "kind"}
+
+
+def _link(f: Fields) -> Link:
+    f.check_known(_LINK)
+    return Link(bandwidth_gb_per_s=f.number("bandwidth_gb_per_s"), latency_us=f.number("latency_us", default=0.0, allow_zero=True))
+
+
+def from_mapping(data, *, source: str) -> ClusterSpec:
+    """Build a ClusterSpec from parsed YAML.
+
+    A node entry with ``count: k`` stands for k identical nodes named ``<name>-0`` ... ``<name>-(k-1)``,
+    so large clusters stay short to write.
+    """
+    top = Fields(data, source=source)
+    top.check_known(_TOP)
+    default_reserve = top.number("memory_reserve_gib", default=0.0, allow_zero=True)
+    devices: list[Device] = []
+    intra: dict[str, Link] = {}
+    node_names: set[str] = set()
+    for i, raw_node in enumerate(top.sequence("nodes")):
+        node = Fields(raw_node, source=source, prefix=f"nodes[{i}]")
+        node.check_known(_NODE)
+        base_name = node.string("name", default=f"node{i}")
+        copies = node.integer("count", default=1)
+        link = _link(node.mapping("intra_node_link")) if node.has("intra_node_link") else None
+        entries = node.sequence("gpus")
+        parsed = []
+        for j, raw_gpu in enumerate(entries):
+            g = Fields(raw_gpu, source=source, prefix=f"{node.prefix}.gpus[{j}]")
+            g.check_known(_GPUS)
+            gpu = gpu_type(g.string("type"), source=source, field=g.path("type"))
+            count = g.integer("count", default=1)
+            memory = int(g.number("memory_gib") * GIB) if g.has("memory_gib") else gpu.memory_bytes
+            reserve = int(g.number("memory_reserve_gib", default=default_reserve, allow_zero=True) * GIB)
+            if reserve >= memory:
+                raise g.error("memory_reserve_gib", f"reserve {reserve / GIB:g} GiB leaves no memory of {memory / GIB:g} GiB")
+            parsed.append((gpu, count, memory, reserve))
+        total = sum(c for _, c, _, _ in parsed)
+        if total > 1 and link is None:
+            raise node.error("intra_node_link", "missing required field (the node has more than one device)")
+        for c in range(copies):
+            name = base_name if copies == 1 else f"{base_name}-{c}"
+            if name in node_names:
+                raise node.error("name", f"duplicate node name '{name}'")
+            node_names.add(name)
+            intra[name] = link or Link(bandwidth_gb_per_s=1e6, latency_us=0.0)
+            k = 0
+            for gpu, count, memory, reserve in parsed:
+                for _ in range(count):
+                    devices.append(Device(id=f"{name}:{k}", node=name, gpu=gpu, memory_bytes=memory, reserve_bytes=reserve))
+                    k += 1
+    inter = _link(top.mapping("inter_node_link")) if top.has("inter_node_link") else None
+    if len(node_names) > 1 and inter is None:
+        raise top.error("inter_node_link", "missing required field (the cluster has more than one node)")
+    return ClusterSpec(
+        name=top.string("name", default=Path(source).stem),
+        devices=tuple(devices), intra_links=intra, inter_link=inter, source=source,
+    )
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Read a cluster YAML file."""
+    return from_mapping(load_yaml(path), source=str(path))
+
+
+def homogeneous_cpu_cluster(num_devices: int, *, name: str = "cpu") -> ClusterSpec:
+    """N CPU processes on one node: what ``baton train`` runs on a machine without GPUs."""
+    data = {
+        "name": name,
+        "nodes": [{"name": "local", "gpus": [{"type": "cpu", "count": num_devices}],
+                   "intra_node_link": {"bandwidth_gb_per_s": 5.0, "latency_us": 50.0}}],
+    }
+    return from_mapping(data, source=f"<{name}>")

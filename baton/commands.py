@@ -1,0 +1,152 @@
+"""Subcommands of the planning core: ``evaluate``, ``profile --analytic`` and ``show``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from baton.catalog import CATALOG, GIB, gpu_type
+from baton.cli_support import console, guarded
+from baton.cluster import load_cluster
+from baton.errors import BatonError
+from baton.evaluate import PlanReport, ProfileSet, evaluate
+from baton.model_spec import PRESETS, load_model
+from baton.plan import load_plan
+from baton.profile import DEFAULT_MICRO_BATCHES, derive_table, profiles_dir, table_filename, write_table
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def render_report(report: PlanReport, *, title: str) -> None:
+    """Rich tables of stages and devices, then the headline figures."""
+    stages = Table(title=title, show_lines=False)
+    for col in ("replica", "stage", "devices", "layers", "F ms", "B ms", "TP all-reduce ms", "send ms"):
+        stages.add_column(col, justify="right" if "ms" in col or col in ("replica", "stage") else "left")
+    for s in report.stages:
+        stages.add_row(str(s.pipeline), str(s.index), " ".join(s.devices),
+                       f"{s.first_layer}-{s.first_layer + s.num_layers - 1}" if s.num_layers else "-",
+                       f"{s.fwd_ms:.2f}", f"{s.bwd_ms:.2f}", f"{s.allreduce_ms:.2f}", f"{s.send_fwd_ms:.2f}")
+    console.print(stages)
+    devs = Table(show_lines=False)
+    for col in ("device", "gpu", "stage", "units", "recompute", "fwd ms", "bwd ms", "recomp ms", "weights+grads+opt GiB",
+                "activations GiB", "peak / capacity GiB", "fits"):
+        devs.add_column(col, justify="left" if col in ("device", "gpu", "recompute") else "right")
+    for d in report.devices:
+        static = d.weights_bytes + d.grads_bytes + d.optimizer_bytes
+        devs.add_row(d.id, d.gpu, f"{d.pipeline}.{d.stage}", str(d.units), ",".join(d.recompute) or "-",
+                     f"{d.fwd_ms:.2f}", f"{d.bwd_ms:.2f}", f"{d.recompute_ms:.2f}", _gib(static),
+                     _gib(d.activation_bytes + d.transient_bytes), f"{_gib(d.peak_memory_bytes)} / {_gib(d.capacity_bytes)}",
+                     "[green]yes[/]" if d.fits else "[bold red]NO[/]")
+    console.print(devs)
+    console.print(
+        f"iteration [bold]{report.iteration_time_ms:.1f} ms[/] (pipeline {report.pipeline_ms:.1f}, embedding sync "
+        f"{report.embedding_sync_ms:.1f}, data-parallel sync {report.dp_sync_ms:.1f}, optimizer {report.optimizer_ms:.1f})  "
+        f"throughput [bold]{report.tokens_per_s:,.0f} tokens/s[/]  MFU {report.mfu:.1%}  "
+        f"efficiency vs ideal [bold]{report.efficiency_vs_ideal:.1%}[/] (ideal {report.ideal_tokens_per_s:,.0f} tokens/s)",
+        highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("evaluate")
+    @guarded
+    def evaluate_cmd(
+        plan: Annotated[Path, typer.Argument(help="Plan JSON (from 'baton solve --out' or written by hand).")],
+        cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster spec YAML.")],
+        model: Annotated[Optional[str], typer.Option("--model", "-m", help="Preset or model YAML; must match the plan's model.")] = None,
+        profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: the shipped profiles/).")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    ) -> None:
+        """Predict iteration time, throughput and per-device memory of a plan, independently of any solver."""
+        p = load_plan(plan)
+        if model is not None:
+            spec = load_model(model)
+            if spec.to_dict() != p.model.to_dict():
+                raise BatonError(f"the plan was made for model '{p.model.name}', not '{spec.name}'", source=str(plan), field="model")
+        c = load_cluster(cluster)
+        report = evaluate(p, c, ProfileSet(p.model, directory=profiles), plan_source=str(plan))
+        if as_json:
+            print(json.dumps(report.to_dict(), indent=2))
+        else:
+            render_report(report, title=f"{p.model.name} on {c.name}: {p.global_batch} samples x {p.model.seq_len} tokens")
+        if not report.fits:
+            raise typer.Exit(1)
+
+    @app.command("profile")
+    @guarded
+    def profile_cmd(
+        model: Annotated[str, typer.Option("--model", "-m", help="Preset, model YAML, or 'all' presets.")],
+        analytic: Annotated[bool, typer.Option("--analytic", help="Derive the table from the GPU catalog (roofline).")] = False,
+        gpu: Annotated[Optional[str], typer.Option(help="Catalog GPU type, or 'all' (with --analytic).")] = None,
+        seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (default: the model's).")] = None,
+        micro_batch: Annotated[Optional[list[int]], typer.Option(help="Micro-batch sizes to tabulate (repeatable).")] = None,
+        out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: profiles/derived/<gpu>__<model>__s<seq>.csv).")] = None,
+    ) -> None:
+        """Write operator-level profile tables."""
+        if not analytic:
+            raise BatonError("choose --analytic (derive from the GPU catalog)", field="--analytic")
+        if gpu is None:
+            raise BatonError("missing --gpu (a catalog GPU type or 'all')", field="--gpu")
+        gpus = list(CATALOG) if gpu == "all" else [gpu_type(gpu, field="--gpu").name]
+        specs = [s for s in PRESETS.values()] if model == "all" else [load_model(model)]
+        mbs = tuple(micro_batch) if micro_batch else DEFAULT_MICRO_BATCHES
+        if any(b <= 0 for b in mbs):
+            raise BatonError("micro-batch sizes must be positive", field="--micro-batch")
+        if seq_len is not None and seq_len <= 0:
+            raise BatonError("must be positive", field="--seq-len")
+        if out is not None and len(gpus) * len(specs) > 1:
+            raise BatonError("--out names one file; use it with one GPU and one model", field="--out")
+        written = 0
+        for spec in specs:
+            for g in gpus:
+                gt = CATALOG[g]
+                if spec.dtype == "bf16" and gt.peak_bf16_tflops is None and gpu == "all":
+                    continue
+                s = seq_len or spec.seq_len
+                df = derive_table(spec, gt, micro_batches=mbs, seq_len=s)
+                path = out or profiles_dir() / "derived" / table_filename(g, spec.name, s)
+                write_table(df, path)
+                written += 1
+                if len(gpus) * len(specs) == 1:
+                    console.print(f"wrote {len(df)} rows to {path}")
+        if written > 1:
+            console.print(f"wrote {written} tables under {profiles_dir() / 'derived'}")
+
+    @app.command("show")
+    @guarded
+    def show_cmd(
+        what: Annotated[str, typer.Argument(help="'gpus', 'models', a cluster YAML, or a model preset/YAML.")],
+    ) -> None:
+        """Show the GPU catalog, the model presets, a cluster or a model."""
+        if what == "gpus":
+            t = Table(title="GPU catalog")
+            for col in ("type", "memory GiB", "fp16 TFLOPS", "bf16 TFLOPS", "fp32 TFLOPS", "GB/s", "source"):
+                t.add_column(col)
+            for g in CATALOG.values():
+                t.add_row(g.name, f"{g.memory_bytes / GIB:g}", f"{g.peak_fp16_tflops:g}",
+                          "-" if g.peak_bf16_tflops is None else f"{g.peak_bf16_tflops:g}", f"{g.peak_fp32_tflops:g}",
+                          f"{g.memory_bandwidth_gb_per_s:g}", g.note)
+            console.print(t)
+        elif what == "models":
+            t = Table(title="Model presets")
+            for col in ("name", "layers", "hidden", "heads", "ffn", "seq", "vocab", "dtype", "params"):
+                t.add_column(col)
+            for m in PRESETS.values():
+                t.add_row(m.name, str(m.num_layers), str(m.hidden_dim), str(m.num_heads), str(m.ffn_dim), str(m.seq_len),
+                          str(m.vocab_size), m.dtype, f"{m.num_params() / 1e6:,.1f}M")
+            console.print(t)
+        elif what.endswith((".yaml", ".yml")) and Path(what).is_file() and "nodes" in Path(what).read_text():
+            c = load_cluster(what)
+            t = Table(title=f"cluster {c.name} ({len(c.devices)} devices)")
+            for col in ("device", "gpu", "memory GiB", "reserve GiB"):
+                t.add_column(col)
+            for d in c.devices:
+                t.add_row(d.id, d.gpu.name, f"{d.memory_bytes / GIB:g}", f"{d.reserve_bytes / GIB:g}")
+            console.print(t)
+        else:
+            m = load_model(what)
+            console.print_json(json.dumps({**m.to_dict(), "num_params": m.num_params()}))

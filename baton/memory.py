@@ -1,0 +1,105 @@
+"""Which activation tensors of a layer stay alive under a recompute choice (docs/cost-model.md, section 3).
+
+A tensor t (produced by operator p, saved by its "needers", read by its "consumers") is held from the
+forward pass to the backward pass when
+  (a) some needer of t is not recomputed (it keeps t for its own backward), or
+  (b) some consumer of t is recomputed while p is not (t is where the recomputation starts).
+Recomputing an operator therefore frees its output only if every operator that saves that output is
+recomputed too. The layer input and the all-reduce results have producers that are never recomputed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.model_spec import ModelSpec
+from baton.operators import ALLREDUCE, ALLREDUCE_OUTPUTS, LAYER_INPUT, Operator, layer_operators, tensor_sizes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorRole:
+    """Who creates, keeps and reads one tensor of a layer."""
+
+    name: str
+    """Tensor name."""
+    producer: str
+    """Operator that creates it; LAYER_INPUT or ALLREDUCE for tensors never recomputed."""
+    needers: tuple[str, ...]
+    """Operators whose backward keeps it."""
+    consumers: tuple[str, ...]
+    """Operators that read it in the forward pass."""
+
+
+def tensor_roles(spec: ModelSpec) -> dict[str, TensorRole]:
+    """Roles of every tensor that one layer keeps or reads (the layer output belongs to the next layer)."""
+    ops = layer_operators(spec)
+    producer: dict[str, str] = {LAYER_INPUT: LAYER_INPUT}
+    for full in ALLREDUCE_OUTPUTS.values():
+        producer[full] = ALLREDUCE
+    needers: dict[str, list[str]] = {}
+    consumers: dict[str, list[str]] = {}
+    for op in ops:
+        for t in op.outputs:
+            producer.setdefault(t, op.name)
+        for t in op.saves:
+            needers.setdefault(t, []).append(op.name)
+            producer.setdefault(t, op.name)  # private tensors (masks, statistics)
+        for t in op.inputs:
+            consumers.setdefault(t, []).append(op.name)
+    names = [t for t in producer if t != "layer_output"]
+    return {t: TensorRole(name=t, producer=producer[t], needers=tuple(needers.get(t, ())), consumers=tuple(consumers.get(t, ())))
+            for t in names}
+
+
+def is_held(role: TensorRole, recompute: frozenset[str]) -> bool:
+    """Rule (a) or (b) above."""
+    if any(n not in recompute for n in role.needers):
+        return True
+    producer_recomputed = role.producer in recompute
+    return any(c in recompute for c in role.consumers) and not producer_recomputed
+
+
+def is_rematerialised(role: TensorRole, recompute: frozenset[str]) -> bool:
+    """True when the backward pass needs t and must recompute it (it was not held)."""
+    return bool(role.needers) and not is_held(role, recompute)
+
+
+def tensor_bytes(spec: ModelSpec, micro_batch: int, share: float, op_saved: dict[str, float], op_output: dict[str, float],
+                 seq_len: int | None = None) -> dict[str, float]:
+    """Bytes of each tensor, scaled so each operator's tensors add up to its profiled saved/output bytes.
+
+    Analytic sizes give the split between the tensors of one operator; the profile table (measured or
+    derived) gives the operator's total. For derived tables the scale factors are exactly 1.
+    """
+    sizes = tensor_sizes(spec, micro_batch, seq_len)
+    ops = {o.name: o for o in layer_operators(spec)}
+    roles = tensor_roles(spec)
+    analytic = {t: sizes[t].bytes(share) for t in roles}
+
+    def scale_saved(op: Operator) -> float:
+        total = sum(sizes[t].bytes(share) for t in op.saves)
+        return op_saved[op.name] / total if total > 0 else 1.0
+
+    def scale_output(op: Operator) -> float:
+        total = sum(sizes[t].bytes(share) for t in op.outputs)
+        return op_output[op.name] / total if total > 0 else 1.0
+
+    partial_of = {full: part for part, full in ALLREDUCE_OUTPUTS.items()}
+    result = {}
+    for t, role in roles.items():
+        if role.needers:
+            result[t] = analytic[t] * scale_saved(ops[role.needers[0]])
+        elif role.producer in ops:
+            result[t] = analytic[t] * scale_output(ops[role.producer])
+        elif t in partial_of:
+            producer = next(o for o in ops.values() if partial_of[t] in o.outputs)
+            result[t] = analytic[t] * scale_output(producer)
+        else:
+            result[t] = analytic[t]
+    return result
+
+
+def layer_activation_bytes(roles: dict[str, TensorRole], sizes: dict[str, float], recompute: frozenset[str]) -> tuple[float, float]:
+    """(bytes held per layer per in-flight micro-batch, transient bytes re-created while one layer runs backward)."""
+    held = sum(sizes[t] for t, r in roles.items() if is_held(r, recompute))
+    transient = sum(sizes[t] for t, r in roles.items() if is_rematerialised(r, recompute))
+    return held, transient

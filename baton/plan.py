@@ -1,0 +1,257 @@
+"""A training plan as plain data: what every device holds and recomputes. JSON in, JSON out.
+
+A plan has one or more identical pipelines (data-parallel replicas); each pipeline is a list of
+stages in order; each stage is a tensor-parallel group of devices that holds a contiguous range of
+layers, cuts every layer into ``units_per_layer`` units (groups of heads and the matching FFN columns)
+and gives each device its own number of units and its own set of recomputed operators.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from baton.errors import BatonError
+from baton.fields import Fields, load_json
+from baton.model_spec import ModelSpec, from_mapping as model_from_mapping
+from baton.operators import operator_names
+
+FORMAT = "baton-plan/1"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceShare:
+    """One device's part of a stage."""
+
+    id: str
+    """Cluster device id ('<node>:<index>')."""
+    units: int
+    """Tensor-parallel units of every layer of the stage this device holds (at least one)."""
+    recompute: tuple[str, ...] = ()
+    """Operators whose activations this device drops in the forward pass and recomputes in backward."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stage:
+    """A pipeline stage: a tensor-parallel group and the layers it holds."""
+
+    first_layer: int
+    """Index of the first transformer layer held (0-based)."""
+    num_layers: int
+    """Layers held; may be 0 only for a stage that holds the embedding or head alone."""
+    units_per_layer: int
+    """Partition granularity U: each layer is cut into U units; divides the head count and FFN width."""
+    devices: tuple[DeviceShare, ...]
+    """The group, in tensor-parallel rank order; their units add up to U."""
+
+    @property
+    def device_ids(self) -> list[str]:
+        return [d.id for d in self.devices]
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pipeline:
+    """One data-parallel replica: stages in pipeline order."""
+
+    stages: tuple[Stage, ...]
+    """First stage holds the embedding, last the final LayerNorm, LM head and loss."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """Everything ``baton evaluate`` and ``baton train`` need to know about how to run one iteration."""
+
+    model: ModelSpec
+    """The model being trained (embedded in full so a plan file stands alone)."""
+    cluster: str
+    """Name of the cluster spec the device ids refer to."""
+    micro_batch_size: int
+    """Samples per micro-batch."""
+    num_microbatches: int
+    """Micro-batches per pipeline per iteration (gradient accumulation steps)."""
+    pipelines: tuple[Pipeline, ...]
+    """Data-parallel replicas; all have the same layer ranges and unit counts per position."""
+    info: dict = field(default_factory=dict)
+    """Free-form provenance (solver, objective, gap); ignored by validation."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * len(self.pipelines)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.pipelines[0].stages)
+
+    def device_ids(self) -> list[str]:
+        """Every device in rank order: pipeline by pipeline, stage by stage, TP rank by rank."""
+        return [d.id for p in self.pipelines for s in p.stages for d in s.devices]
+
+    def to_dict(self) -> dict:
+        data = {
+            "format": FORMAT,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster,
+            "micro_batch_size": self.micro_batch_size,
+            "num_microbatches": self.num_microbatches,
+            "pipelines": [
+                {"stages": [
+                    {"first_layer": s.first_layer, "num_layers": s.num_layers, "units_per_layer": s.units_per_layer,
+                     "devices": [{"id": d.id, "units": d.units, "recompute": list(d.recompute)} for d in s.devices]}
+                    for s in p.stages]}
+                for p in self.pipelines
+            ],
+            "info": self.info,
+        }
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def with_info(self, **info) -> "Plan":
+        return replace(self, info={**self.info, **info})
+
+
+def from_dict(data, *, source: str = "<plan>") -> Plan:
+    """Parse a plan mapping (as written by ``Plan.to_dict``) and validate it."""
+    top = Fields(data, source=source)
+    top.check_known({"format", "model", "cluster", "micro_batch_size", "num_microbatches", "pipelines", "info"})
+    fmt = top.string("format", default=FORMAT)
+    if fmt != FORMAT:
+        raise top.error("format", f"unsupported plan format '{fmt}' (expected '{FORMAT}')")
+    model = model_from_mapping(top.raw("model"), source=f"{source}: model")
+    pipelines = []
+    for pi, raw_p in enumerate(top.sequence("pipelines")):
+        pf = Fields(raw_p, source=source, prefix=f"pipelines[{pi}]")
+        pf.check_known({"stages"})
+        stages = []
+        for si, raw_s in enumerate(pf.sequence("stages")):
+            sf = Fields(raw_s, source=source, prefix=f"{pf.prefix}.stages[{si}]")
+            sf.check_known({"first_layer", "num_layers", "units_per_layer", "devices"})
+            devices = []
+            for di, raw_d in enumerate(sf.sequence("devices")):
+                df = Fields(raw_d, source=source, prefix=f"{sf.prefix}.devices[{di}]")
+                df.check_known({"id", "units", "recompute"})
+                recompute = df.raw("recompute", default=[])
+                if not isinstance(recompute, list) or not all(isinstance(x, str) for x in recompute):
+                    raise df.error("recompute", "expected a list of operator names")
+                devices.append(DeviceShare(id=df.string("id"), units=df.integer("units"), recompute=tuple(recompute)))
+            stages.append(Stage(
+                first_layer=sf.integer("first_layer", minimum=0), num_layers=sf.integer("num_layers", minimum=0),
+                units_per_layer=sf.integer("units_per_layer"), devices=tuple(devices)))
+        pipelines.append(Pipeline(stages=tuple(stages)))
+    info = top.raw("info", default={})
+    plan = Plan(
+        model=model, cluster=top.string("cluster"), micro_batch_size=top.integer("micro_batch_size"),
+        num_microbatches=top.integer("num_microbatches"), pipelines=tuple(pipelines),
+        info=info if isinstance(info, dict) else {},
+    )
+    return validate(plan, source=source)
+
+
+def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
+    """Structural checks that need no cluster: coverage, units, recompute names, replica shapes."""
+    spec = plan.model
+    known_ops = set(operator_names(spec))
+    seen: set[str] = set()
+
+    def err(field_path: str, message: str) -> BatonError:
+        return BatonError(message, source=source, field=field_path)
+
+    shape0 = None
+    for pi, pipe in enumerate(plan.pipelines):
+        next_layer = 0
+        shape = []
+        for si, stage in enumerate(pipe.stages):
+            where = f"pipelines[{pi}].stages[{si}]"
+            if stage.first_layer != next_layer:
+                raise err(f"{where}.first_layer",
+                          f"expected layer {next_layer} (stages must cover layers 0..{spec.num_layers - 1} once, in order), got {stage.first_layer}")
+            if stage.num_layers == 0 and 0 < si < len(pipe.stages) - 1:
+                raise err(f"{where}.num_layers", "only the first or last stage may hold no transformer layer")
+            next_layer += stage.num_layers
+            U = stage.units_per_layer
+            if spec.num_heads % U or spec.ffn_dim % U:
+                raise err(f"{where}.units_per_layer",
+                          f"{U} units do not divide the {spec.num_heads} heads and {spec.ffn_dim} FFN columns evenly")
+            if len(stage.devices) > U:
+                raise err(f"{where}.devices", f"{len(stage.devices)} devices but only {U} units per layer (each device needs at least one)")
+            total = sum(d.units for d in stage.devices)
+            if total != U:
+                raise err(f"{where}.devices", f"units add up to {total}, expected units_per_layer = {U}")
+            for di, d in enumerate(stage.devices):
+                if d.id in seen:
+                    raise err(f"{where}.devices[{di}].id", f"device '{d.id}' is used more than once")
+                seen.add(d.id)
+                for name in d.recompute:
+                    if name not in known_ops:
+                        raise err(f"{where}.devices[{di}].recompute",
+                                  f"unknown operator '{name}' (known: {', '.join(sorted(known_ops))})")
+            shape.append((stage.first_layer, stage.num_layers, U, tuple(d.units for d in stage.devices)))
+        if next_layer != spec.num_layers:
+            raise err(f"pipelines[{pi}].stages", f"stages cover {next_layer} layers, the model has {spec.num_layers}")
+        if shape0 is None:
+            shape0 = shape
+        elif shape != shape0:
+            raise err(f"pipelines[{pi}]", "data-parallel replicas must have the same stages, layers and units as pipelines[0]")
+    if spec.seq_len <= 0:
+        raise err("model.seq_len", "must be positive")
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    return from_dict(load_json(path), source=str(path))
+
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """Write via a temporary file and rename, so a failure never leaves half a file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    write_atomically(path, plan.to_json() + "\n")
+
+
+def check_against_cluster(plan: Plan, cluster, *, source: str = "<plan>") -> None:
+    """Every device id exists in the cluster; the plan names that cluster."""
+    ids = {d.id for d in cluster.devices}
+    for pi, pipe in enumerate(plan.pipelines):
+        for si, stage in enumerate(pipe.stages):
+            for di, d in enumerate(stage.devices):
+                if d.id not in ids:
+                    raise BatonError(f"device '{d.id}' is not in cluster '{cluster.name}' ({cluster.source})",
+                                     source=source, field=f"pipelines[{pi}].stages[{si}].devices[{di}].id")
+
+
+def simple_plan(spec: ModelSpec, *, cluster: str, stages: list[list[tuple[str, int]]], layers: list[int],
+                units_per_layer: list[int] | int, micro_batch_size: int = 1, num_microbatches: int = 1,
+                recompute: dict[str, list[str]] | None = None) -> Plan:
+    """Build a one-pipeline plan from short lists: ``stages[i]`` is [(device id, units), ...]."""
+    recompute = recompute or {}
+    U = units_per_layer if isinstance(units_per_layer, list) else [units_per_layer] * len(stages)
+    first = 0
+    built = []
+    for i, group in enumerate(stages):
+        built.append(Stage(first_layer=first, num_layers=layers[i], units_per_layer=U[i], devices=tuple(
+            DeviceShare(id=d, units=u, recompute=tuple(recompute.get(d, ()))) for d, u in group)))
+        first += layers[i]
+    return validate(Plan(model=spec, cluster=cluster, micro_batch_size=micro_batch_size,
+                         num_microbatches=num_microbatches, pipelines=(Pipeline(stages=tuple(built)),)))

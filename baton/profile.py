@@ -1,0 +1,317 @@
+"""Operator-level profile tables: schema, loading, validation, interpolation, analytic derivation.
+
+One long-form table per (device type, model, sequence length). A row gives one operator's cost on
+one device type at one micro-batch size and one tensor-parallel share. Measured rows (from
+``baton profile --device``) and derived rows (from the catalog, ``--analytic``) share the schema.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from baton.catalog import GpuType, gpu_type
+from baton.errors import BatonError
+from baton.model_spec import ModelSpec
+from baton.operators import (EMBEDDING, HEAD, Operator, layer_operators, operator_flops, operator_param_count,
+                             tensor_sizes)
+
+COLUMNS = [
+    "gpu", "model", "op", "micro_batch", "seq_len", "tp_share",
+    "fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes", "source",
+]
+"""The table schema, in column order."""
+
+NUMERIC = ["micro_batch", "seq_len", "tp_share", "fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes"]
+SOURCES = ("measured", "derived")
+
+DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+DEFAULT_SHARES = tuple(sorted({1 / 64, 1 / 32, 1 / 40, 1 / 20, 1 / 10, 3 / 40} | {k / 16 for k in range(1, 17)} | {k / 8 for k in range(1, 9)}))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpCost:
+    """One operator's cost for one micro-batch on one device."""
+
+    fwd_ms: float
+    """Forward time."""
+    bwd_ms: float
+    """Backward time (not counting recomputation)."""
+    saved_bytes: float
+    """Activation bytes the operator keeps for its backward when it is not recomputed."""
+    output_bytes: float
+    """Bytes of the tensors the operator creates."""
+    param_bytes: float
+    """Parameter bytes the device holds for this operator (one layer)."""
+
+
+def profiles_dir() -> Path:
+    """Where shipped and user tables live: $BATON_PROFILES, else the repository's profiles/."""
+    env = os.environ.get("BATON_PROFILES")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "profiles"
+
+
+def table_filename(gpu: str, model: str, seq_len: int) -> str:
+    return f"{gpu}__{model}__s{seq_len}.csv"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and I/O
+
+
+def validate_table(df: pd.DataFrame, *, source: str) -> pd.DataFrame:
+    """Check columns, types and ranges; return the table with numeric columns as numbers."""
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise BatonError(f"missing column(s) {', '.join(missing)}", source=source, field=missing[0])
+    if df.empty:
+        raise BatonError("table has no rows", source=source)
+    df = df[COLUMNS].copy()
+    for col in NUMERIC:
+        values = pd.to_numeric(df[col], errors="coerce")
+        bad = values.isna() | ~np.isfinite(values.astype(float))
+        if bad.any():
+            row = int(np.flatnonzero(bad.to_numpy())[0])
+            raise BatonError(f"row {row + 1}: not a finite number: {df[col].iloc[row]!r}", source=source, field=col)
+        df[col] = values.astype(float)
+    for col in ("micro_batch", "seq_len"):
+        if (df[col] <= 0).any() or (df[col] != df[col].round()).any():
+            raise BatonError("must be a positive integer in every row", source=source, field=col)
+        df[col] = df[col].astype(int)
+    if ((df["tp_share"] <= 0) | (df["tp_share"] > 1)).any():
+        raise BatonError("must be in (0, 1] in every row", source=source, field="tp_share")
+    for col in ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes"):
+        if (df[col] < 0).any():
+            raise BatonError("must be >= 0 in every row", source=source, field=col)
+    bad_src = ~df["source"].isin(SOURCES)
+    if bad_src.any():
+        raise BatonError(f"must be one of {SOURCES}, got {df['source'][bad_src].iloc[0]!r}", source=source, field="source")
+    for col in ("gpu", "model", "op", "source"):
+        df[col] = df[col].astype(str)
+    dup = df.duplicated(subset=["gpu", "model", "op", "micro_batch", "seq_len", "tp_share"])
+    if dup.any():
+        row = int(np.flatnonzero(dup.to_numpy())[0])
+        raise BatonError(f"row {row + 1} repeats an (op, micro_batch, seq_len, tp_share) key", source=source, field="op")
+    return df.reset_index(drop=True)
+
+
+def read_table(path: str | Path) -> pd.DataFrame:
+    path = Path(path)
+    if not path.is_file():
+        raise BatonError("profile table not found", source=str(path))
+    try:
+        df = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise BatonError(f"not a readable CSV table: {str(exc).splitlines()[0]}", source=str(path)) from None
+    return validate_table(df, source=str(path))
+
+
+def write_table(df: pd.DataFrame, path: str | Path) -> None:
+    from baton.plan import write_atomically
+
+    df = validate_table(df, source=str(path))
+    df = df.sort_values(["op", "micro_batch", "tp_share"], kind="stable")
+    write_atomically(path, df.to_csv(index=False, float_format="%.12g"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpolation
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly beyond both ends."""
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0]) if xs[0] else ys[0]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return ys[i]
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class Profile:
+    """The table of one device type for one model and sequence length, with interpolating lookups."""
+
+    VALUE_COLUMNS = ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes")
+
+    def __init__(self, df: pd.DataFrame, *, source: str = "<table>"):
+        df = validate_table(df, source=source)
+        gpus, models, seqs = df["gpu"].unique(), df["model"].unique(), df["seq_len"].unique()
+        if len(gpus) != 1 or len(models) != 1 or len(seqs) != 1:
+            raise BatonError("a profile table holds one gpu, one model and one seq_len", source=source, field="gpu")
+        self.source = source
+        self.gpu = str(gpus[0])
+        self.model = str(models[0])
+        self.seq_len = int(seqs[0])
+        self.df = df
+        self.measured = bool((df["source"] == "measured").any())
+        self._grid: dict[str, dict[int, tuple[list[float], np.ndarray]]] = {}
+        for op, rows in df.groupby("op"):
+            per_mb = {}
+            for mb, g in rows.groupby("micro_batch"):
+                g = g.sort_values("tp_share")
+                per_mb[int(mb)] = (g["tp_share"].tolist(), g[list(self.VALUE_COLUMNS)].to_numpy(dtype=float))
+            self._grid[str(op)] = per_mb
+
+    @property
+    def ops(self) -> list[str]:
+        return list(self._grid)
+
+    def micro_batches(self, op: str) -> list[int]:
+        return sorted(self._grid[op])
+
+    @functools.lru_cache(maxsize=None)
+    def cost(self, op: str, micro_batch: int, share: float = 1.0) -> OpCost:
+        """Interpolate over the table's shares, then over its micro-batch sizes."""
+        if op not in self._grid:
+            raise BatonError(f"no rows for operator '{op}'", source=self.source, field="op")
+        per_mb = self._grid[op]
+        mbs = sorted(per_mb)
+
+        def at(mb: int) -> list[float]:
+            shares, values = per_mb[mb]
+            return [_interp(shares, list(values[:, c]), share) for c in range(values.shape[1])]
+
+        if micro_batch in per_mb:
+            vals = at(micro_batch)
+        else:
+            cols = [at(mb) for mb in mbs]
+            vals = [_interp([float(m) for m in mbs], [c[i] for c in cols], float(micro_batch)) for i in range(len(self.VALUE_COLUMNS))]
+        return OpCost(**{k: float(v) for k, v in zip(self.VALUE_COLUMNS, vals)})
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """Refuse a table made for a model of a different shape."""
+        needed = {o.name for o in layer_operators(spec)} | {EMBEDDING, HEAD}
+        missing = sorted(needed - set(self._grid))
+        if missing:
+            raise BatonError(f"no rows for operator(s) {', '.join(missing)} of model '{spec.name}'", source=self.source, field="op")
+        expect = operator_param_count(spec, next(o for o in layer_operators(spec) if o.name == "qkv")) * spec.dtype_bytes
+        got = self.cost("qkv", self.micro_batches("qkv")[0], 1.0).param_bytes
+        if not math.isclose(expect, got, rel_tol=1e-3):
+            raise BatonError(f"made for a different model: qkv holds {got:.0f} parameter bytes, model '{spec.name}' needs {expect}",
+                             source=self.source, field="param_bytes")
+
+
+def load_profile(gpu: str, spec: ModelSpec, *, directory: str | Path | None = None, seq_len: int | None = None) -> Profile:
+    """Find the table for (gpu, model, seq_len): measured tables win over derived ones."""
+    directory = Path(directory) if directory else profiles_dir()
+    seq = seq_len or spec.seq_len
+    name = table_filename(gpu, spec.name, seq)
+    candidates = [directory / "measured" / name, directory / name, directory / "derived" / name]
+    for path in candidates:
+        if path.is_file():
+            prof = Profile(read_table(path), source=str(path))
+            prof.check_model(spec)
+            return prof
+    raise BatonError(
+        f"no profile for GPU '{gpu}', model '{spec.name}', seq_len {seq} "
+        f"(looked for {name} in {directory}/measured, {directory}, {directory}/derived); "
+        f"create it with: baton profile --analytic --gpu {gpu} --model {spec.name} --seq-len {seq}",
+        source=str(directory), field="profile",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic derivation
+
+# Fraction of peak an operator kind reaches: compute-bound kinds against the matrix peak, all kinds
+# against DRAM bandwidth. Chosen from published measurements of GEMM and elementwise kernels on
+# V100/A100-class GPUs (large GEMMs reach 60-80% of tensor peak, batched attention GEMMs less, and
+# bandwidth-bound kernels 70-85% of DRAM bandwidth). Measured tables replace these.
+COMPUTE_EFFICIENCY = {"matmul": 0.6, "bmm": 0.45, "norm": 0.3, "softmax": 0.3, "dropout": 0.3, "elementwise": 0.3, "embedding": 0.3, "head": 0.6}
+MEMORY_EFFICIENCY = {"matmul": 0.8, "bmm": 0.8, "norm": 0.7, "softmax": 0.7, "dropout": 0.7, "elementwise": 0.75, "embedding": 0.6, "head": 0.7}
+BACKWARD_FACTOR = {"matmul": 2.0, "bmm": 2.0, "norm": 2.0, "softmax": 1.5, "dropout": 1.0, "elementwise": 1.5, "embedding": 1.5, "head": 2.0}
+LAUNCH_MS = 0.008
+"""Per-kernel launch and framework overhead on a GPU, added once per operator and pass."""
+
+
+def _bytes_moved(spec: ModelSpec, op: str, b: int, s: int) -> float:
+    """DRAM traffic of one operator's forward at share 1 (reads + writes, weights included)."""
+    h, a, f, e = spec.hidden_dim, spec.num_heads, spec.ffn_dim, spec.dtype_bytes
+    tsh, ass = b * s * h * e, b * a * s * s * e
+    return {
+        "ln1": 2 * tsh, "ln2": 2 * tsh,
+        "qkv": 3 * h * h * e + 4 * tsh,
+        "attn_scores": 2 * tsh + ass,
+        "softmax": 2 * ass,
+        "attn_dropout": 2 * ass + ass / e,
+        "attn_v": ass + 2 * tsh,
+        "out_proj": h * h * e + 2 * tsh,
+        "resid1": 3 * tsh + tsh / e, "resid2": 3 * tsh + tsh / e,
+        "fc1": h * f * e + tsh + b * s * f * e,
+        "gelu": 2 * b * s * f * e,
+        "fc2": f * h * e + tsh + b * s * f * e,
+    }[op]
+
+
+def _time_ms(flops: float, bytes_moved: float, kind: str, gpu: GpuType, dtype: str) -> float:
+    peak = gpu.peak_tflops(dtype) if kind in ("matmul", "bmm", "head") else gpu.peak_fp32_tflops
+    compute = flops / (peak * 1e12 * COMPUTE_EFFICIENCY[kind])
+    memory = bytes_moved / (gpu.memory_bandwidth_gb_per_s * 1e9 * MEMORY_EFFICIENCY[kind])
+    return max(compute, memory) * 1e3
+
+
+def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch: int, share: float, seq_len: int | None = None) -> OpCost:
+    """Roofline estimate of one layer operator: max(FLOPs / compute, bytes / bandwidth) + launch."""
+    s = seq_len or spec.seq_len
+    r = share if op.tp_split else 1.0
+    flops = operator_flops(spec, op, micro_batch, s) * r
+    moved = _bytes_moved(spec, op.name, micro_batch, s) * r
+    fwd = _time_ms(flops, moved, op.kind, gpu, spec.dtype) + LAUNCH_MS
+    bwd = _time_ms(flops * BACKWARD_FACTOR[op.kind], moved * BACKWARD_FACTOR[op.kind], op.kind, gpu, spec.dtype) + LAUNCH_MS
+    sizes = tensor_sizes(spec, micro_batch, s)
+    saved = sum(sizes[t].bytes(share) for t in op.saves)
+    out = sum(sizes[t].bytes(share) for t in op.outputs)
+    params = operator_param_count(spec, op) * r * spec.dtype_bytes
+    return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=out, param_bytes=params)
+
+
+def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: int, seq_len: int | None = None) -> OpCost:
+    """Embedding (first stage) or final LayerNorm + LM head + cross-entropy (last stage).
+
+    The head's parameter bytes hold only the final LayerNorm: the tied embedding matrix is charged to
+    the embedding row, and the evaluator charges it again on a last stage that is not the first.
+    """
+    s = seq_len or spec.seq_len
+    b, h, V, e = micro_batch, spec.hidden_dim, spec.vocab_size, spec.dtype_bytes
+    tokens = b * s
+    if name == EMBEDDING:
+        moved = 3 * tokens * h * e
+        fwd = _time_ms(tokens * h, moved, "embedding", gpu, spec.dtype) + LAUNCH_MS
+        bwd = _time_ms(tokens * h, moved * BACKWARD_FACTOR["embedding"], "embedding", gpu, spec.dtype) + LAUNCH_MS
+        return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=tokens * 8, output_bytes=tokens * h * e,
+                      param_bytes=(V * h + s * h) * e)
+    if name == HEAD:
+        flops = 2 * tokens * h * V + 5 * tokens * h + 5 * tokens * V
+        moved = V * h * e + 2 * tokens * h * e + tokens * V * (e + 8)
+        fwd = _time_ms(flops, moved, "head", gpu, spec.dtype) + 3 * LAUNCH_MS
+        bwd = _time_ms(2 * flops, 2 * moved, "head", gpu, spec.dtype) + 3 * LAUNCH_MS
+        # Saved: final-LN input and output, and the fp32 log-probabilities cross-entropy keeps.
+        saved = 2 * tokens * h * e + tokens * 2 * 4 + tokens * V * 4
+        return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=tokens * V * e, param_bytes=2 * h * e)
+    raise ValueError(name)
+
+
+def derive_table(spec: ModelSpec, gpu: GpuType | str, *, micro_batches=DEFAULT_MICRO_BATCHES, shares=DEFAULT_SHARES,
+                 seq_len: int | None = None) -> pd.DataFrame:
+    """The analytic table of one GPU type for one model: every operator at every (micro-batch, share)."""
+    gpu = gpu_type(gpu) if isinstance(gpu, str) else gpu
+    gpu.peak_tflops(spec.dtype)  # rejects bf16 on GPUs without it before we build anything
+    s = seq_len or spec.seq_len
+    rows = []
+    for mb in micro_batches:
+        for op in layer_operators(spec):
+            for share in (shares if op.tp_split else (1.0,)):
+                c = analytic_layer_cost(spec, gpu, op, mb, share, s)
+                rows.append((gpu.name, spec.name, op.name, mb, s, share, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes, "derived"))
+        for name in (EMBEDDING, HEAD):
+            c = analytic_edge_cost(spec, gpu, name, mb, s)
+            rows.append((gpu.name, spec.name, name, mb, s, 1.0, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes, "derived"))
+    return validate_table(pd.DataFrame(rows, columns=COLUMNS), source=f"<derived {gpu.name}/{spec.name}>")

@@ -1,0 +1,37 @@
+"""The ``baton`` command: each area of the package registers its own subcommands here."""
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="baton",
+    help="Plan and run LLM training on heterogeneous GPU clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def main() -> None:
+    """Baton: uneven pipelines, uneven tensor shards and per-operator recomputation, planned as one MILP."""
+
+
+def _register() -> None:
+    from baton import commands as core_commands
+
+    core_commands.register(app)
+    for module in ("solver.commands", "runtime.commands"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.register(app)
+
+
+_register()
+
+if __name__ == "__main__":
+    app()
