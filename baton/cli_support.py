@@ -9,8 +9,9 @@ from rich.console import Console
 
 from baton.errors import BatonError
 
-console = Console()
-err_console = Console(stderr=True)
+# Piped output (logs, tests, CI) gets a wide fixed width so tables never wrap device names.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=10_000)
 
 EXIT_USER_ERROR = 2
 
