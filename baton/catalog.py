@@ -63,10 +63,13 @@ CATALOG: dict[str, GpuType] = {
     for g in [
         _gpu("a100-40gb", 40, 312.0, 312.0, 19.5, 1555.0, "NVIDIA A100 SXM4 40GB datasheet"),
         _gpu("a100-80gb", 80, 312.0, 312.0, 19.5, 2039.0, "NVIDIA A100 SXM4 80GB datasheet"),
+        _gpu("a800-80gb", 80, 312.0, 312.0, 19.5, 1935.0, "NVIDIA A800 PCIe 80GB: A100 compute, NVLink capped at 400 GB/s"),
         _gpu("h100", 80, 989.0, 989.0, 67.0, 3350.0, "NVIDIA H100 SXM5 80GB datasheet (dense)"),
         _gpu("h200", 141, 989.0, 989.0, 67.0, 4800.0, "NVIDIA H200 SXM 141GB datasheet (dense)"),
         _gpu("v100-16gb", 16, 125.0, None, 15.7, 900.0, "NVIDIA V100 SXM2 16GB datasheet"),
         _gpu("v100-32gb", 32, 125.0, None, 15.7, 900.0, "NVIDIA V100 SXM2 32GB datasheet"),
+        _gpu("v100s-32gb", 32, 130.0, None, 16.4, 1134.0, "NVIDIA V100S PCIe 32GB datasheet"),
+        _gpu("p100-12gb", 12, 18.7, None, 9.3, 549.0, "NVIDIA P100 PCIe 12GB datasheet"),
         _gpu("t4", 16, 65.0, None, 8.1, 320.0, "NVIDIA T4 datasheet (70 W)"),
         _gpu("l4", 24, 121.0, 121.0, 30.3, 300.0, "NVIDIA L4 datasheet (dense; 242 with sparsity)"),
         _gpu("a10g", 24, 70.0, 70.0, 31.2, 600.0, "AWS A10G as reported for g5 instances (dense tensor ~70 TFLOPS)"),
