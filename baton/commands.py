@@ -15,7 +15,7 @@ from baton.errors import BatonError
 from baton.evaluate import PlanReport, ProfileSet, evaluate
 from baton.model_spec import PRESETS, load_model
 from baton.plan import load_plan
-from baton.profile import DEFAULT_MICRO_BATCHES, derive_table, profiles_dir, table_filename, write_table
+from baton.profile import DEFAULT_MICRO_BATCHES, calibrate, derive_table, profiles_dir, read_table, table_filename, write_table
 
 
 def _gib(x: float) -> str:
@@ -79,42 +79,33 @@ def register(app: typer.Typer) -> None:
     @app.command("profile")
     @guarded
     def profile_cmd(
-        model: Annotated[str, typer.Option("--model", "-m", help="Preset, model YAML, or 'all' presets.")],
+        model: Annotated[str, typer.Option("--model", "-m", help="Preset, model YAML, or 'all' presets (with --analytic).")],
         analytic: Annotated[bool, typer.Option("--analytic", help="Derive the table from the GPU catalog (roofline).")] = False,
-        gpu: Annotated[Optional[str], typer.Option(help="Catalog GPU type, or 'all' (with --analytic).")] = None,
+        device: Annotated[Optional[str], typer.Option(help="Measure on this device: cpu, cuda or cuda:N.")] = None,
+        gpu: Annotated[Optional[str], typer.Option(help="Catalog GPU type ('all' with --analytic); with --device, the type to record.")] = None,
         seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (default: the model's).")] = None,
         micro_batch: Annotated[Optional[list[int]], typer.Option(help="Micro-batch sizes to tabulate (repeatable).")] = None,
-        out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: profiles/derived/<gpu>__<model>__s<seq>.csv).")] = None,
+        tp_shares: Annotated[Optional[str], typer.Option(help="Comma-separated TP shares to measure, e.g. 0.25,0.5,1.")] = None,
+        warmup: Annotated[int, typer.Option(help="Untimed repetitions before measuring.")] = 2,
+        reps: Annotated[int, typer.Option(help="Timed repetitions; the median is kept.")] = 7,
+        threads: Annotated[Optional[int], typer.Option(help="torch threads while measuring on CPU.")] = None,
+        comm: Annotated[bool, typer.Option("--comm", help="Also measure all-reduce and send/receive and fit a link.")] = False,
+        comm_ranks: Annotated[int, typer.Option(help="Processes for --comm.")] = 2,
+        calibrate_from: Annotated[Optional[Path], typer.Option(help="With --analytic: scale by a measured table of a similar device.")] = None,
+        out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: profiles/<derived|measured>/<gpu>__<model>__s<seq>.csv).")] = None,
     ) -> None:
-        """Write operator-level profile tables."""
-        if not analytic:
-            raise BatonError("choose --analytic (derive from the GPU catalog)", field="--analytic")
-        if gpu is None:
-            raise BatonError("missing --gpu (a catalog GPU type or 'all')", field="--gpu")
-        gpus = list(CATALOG) if gpu == "all" else [gpu_type(gpu, field="--gpu").name]
-        specs = [s for s in PRESETS.values()] if model == "all" else [load_model(model)]
-        mbs = tuple(micro_batch) if micro_batch else DEFAULT_MICRO_BATCHES
+        """Write operator-level profile tables: derived from the catalog, or measured on this machine."""
+        if analytic == (device is not None):
+            raise BatonError("choose exactly one of --analytic (derive from the catalog) or --device (measure here)", field="--device")
+        mbs = tuple(micro_batch) if micro_batch else (DEFAULT_MICRO_BATCHES if analytic else (1, 2))
         if any(b <= 0 for b in mbs):
             raise BatonError("micro-batch sizes must be positive", field="--micro-batch")
         if seq_len is not None and seq_len <= 0:
             raise BatonError("must be positive", field="--seq-len")
-        if out is not None and len(gpus) * len(specs) > 1:
-            raise BatonError("--out names one file; use it with one GPU and one model", field="--out")
-        written = 0
-        for spec in specs:
-            for g in gpus:
-                gt = CATALOG[g]
-                if spec.dtype == "bf16" and gt.peak_bf16_tflops is None and gpu == "all":
-                    continue
-                s = seq_len or spec.seq_len
-                df = derive_table(spec, gt, micro_batches=mbs, seq_len=s)
-                path = out or profiles_dir() / "derived" / table_filename(g, spec.name, s)
-                write_table(df, path)
-                written += 1
-                if len(gpus) * len(specs) == 1:
-                    console.print(f"wrote {len(df)} rows to {path}")
-        if written > 1:
-            console.print(f"wrote {written} tables under {profiles_dir() / 'derived'}")
+        if analytic:
+            _derive(model, gpu, seq_len, mbs, calibrate_from, out)
+        else:
+            _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads, comm, comm_ranks, out)
 
     @app.command("show")
     @guarded
@@ -150,3 +141,82 @@ def register(app: typer.Typer) -> None:
         else:
             m = load_model(what)
             console.print_json(json.dumps({**m.to_dict(), "num_params": m.num_params()}))
+
+
+def _derive(model, gpu, seq_len, mbs, calibrate_from, out) -> None:
+    if gpu is None:
+        raise BatonError("missing --gpu (a catalog GPU type or 'all')", field="--gpu")
+    gpus = list(CATALOG) if gpu == "all" else [gpu_type(gpu, field="--gpu").name]
+    specs = list(PRESETS.values()) if model == "all" else [load_model(model)]
+    if out is not None and len(gpus) * len(specs) > 1:
+        raise BatonError("--out names one file; use it with one GPU and one model", field="--out")
+    measured = None
+    if calibrate_from is not None:
+        measured = read_table(calibrate_from)
+    written = 0
+    for spec in specs:
+        for g in gpus:
+            gt = CATALOG[g]
+            if spec.dtype == "bf16" and gt.peak_bf16_tflops is None and gpu == "all":
+                continue
+            s = seq_len or spec.seq_len
+            df = derive_table(spec, gt, micro_batches=mbs, seq_len=s)
+            if measured is not None:
+                if set(measured["model"]) != {spec.name} or set(measured["seq_len"]) != {s}:
+                    raise BatonError(f"measured for model {sorted(set(measured['model']))}, not '{spec.name}' at seq_len {s}",
+                                     source=str(calibrate_from), field="model")
+                src_gpu = gpu_type(str(measured["gpu"].iloc[0]), source=str(calibrate_from), field="gpu")
+                df = calibrate(df, measured, derive_table(spec, src_gpu, micro_batches=tuple(sorted(set(measured["micro_batch"]))),
+                                                          shares=tuple(sorted(set(measured["tp_share"]))), seq_len=s))
+            path = out or profiles_dir() / "derived" / table_filename(g, spec.name, s)
+            write_table(df, path)
+            written += 1
+            if len(gpus) * len(specs) == 1:
+                console.print(f"wrote {len(df)} rows to {path}")
+    if written > 1:
+        console.print(f"wrote {written} tables under {profiles_dir() / 'derived'}")
+
+
+def _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads, comm, comm_ranks, out) -> None:
+    import torch
+    from rich.progress import Progress
+
+    from runtime.op_profiler import profile_table
+
+    spec = load_model(model)
+    if seq_len:
+        spec = spec.with_overrides(seq_len=seq_len)
+    try:
+        shares = tuple(float(x) for x in tp_shares.split(",")) if tp_shares else (1.0,)
+    except ValueError:
+        raise BatonError(f"expected comma-separated numbers, got '{tp_shares}'", field="--tp-shares") from None
+    if any(not 0 < s <= 1 for s in shares):
+        raise BatonError("shares must be in (0, 1]", field="--tp-shares")
+    if warmup < 0 or reps < 1:
+        raise BatonError("need --warmup >= 0 and --reps >= 1", field="--reps")
+    dev = device.lower()
+    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise BatonError(f"unknown device '{device}' (expected cpu, cuda or cuda:N)", field="--device")
+    if threads:
+        torch.set_num_threads(threads)
+    name = gpu_type(gpu, field="--gpu").name if gpu else None
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"profiling {spec.name} on {device}", total=None)
+        df = profile_table(spec, device=dev, micro_batches=mbs, shares=shares, warmup=warmup, reps=reps, gpu_name=name,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    gpu_name = str(df["gpu"].iloc[0])
+    path = out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)
+    write_table(df, path)
+    console.print(f"wrote {len(df)} measured rows to {path} "
+                  f"(torch {torch.__version__}, {torch.get_num_threads()} threads, median of {reps} after {warmup} warm-up)")
+    if comm:
+        from runtime.comm_profiler import measure_links
+        from baton.plan import write_atomically
+
+        backend = "nccl" if dev.startswith("cuda") else "gloo"
+        fit = measure_links(backend=backend, world_size=comm_ranks)
+        link_path = Path(str(path).removesuffix(".csv") + ".link.yaml")
+        write_atomically(link_path, fit.yaml_block())
+        write_atomically(link_path.with_suffix(".json"), json.dumps(fit.to_dict(), indent=2))
+        console.print(f"link over {backend}: {fit.bandwidth_gb_per_s:.2f} GB/s, {fit.latency_us:.0f} us per message "
+                      f"(all-reduce implies {fit.allreduce_bandwidth_gb_per_s:.2f} GB/s); wrote {link_path}")

@@ -5,6 +5,7 @@ MILP in ``solver/`` encodes the same equations; tests check the two agree.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from baton.cluster import ClusterSpec, Link
@@ -44,8 +45,16 @@ class LayerCost:
 
 
 def layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, recompute: frozenset[str] | set[str] = frozenset()) -> LayerCost:
-    """Eq. 2 (block times), eq. 3 (held activations), eq. 4 (recompute buffer) for one device."""
-    recompute = frozenset(recompute)
+    """Eq. 2 (block times), eq. 3 (held activations), eq. 4 (recompute buffer) for one device.
+
+    Memoised: planners evaluate the same (device type, micro-batch, share, recompute set) many times.
+    The result is shared between callers and must not be modified.
+    """
+    return _layer_cost(profile, spec, micro_batch, share, frozenset(recompute))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, recompute: frozenset[str]) -> LayerCost:
     ops = layer_operators(spec)
     costs = {o.name: profile.cost(o.name, micro_batch, share if o.tp_split else 1.0) for o in ops}
     fwd = {b: 0.0 for b in BLOCKS}

@@ -315,3 +315,29 @@ def derive_table(spec: ModelSpec, gpu: GpuType | str, *, micro_batches=DEFAULT_M
             c = analytic_edge_cost(spec, gpu, name, mb, s)
             rows.append((gpu.name, spec.name, name, mb, s, 1.0, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes, "derived"))
     return validate_table(pd.DataFrame(rows, columns=COLUMNS), source=f"<derived {gpu.name}/{spec.name}>")
+
+
+def calibrate(target: pd.DataFrame, measured: pd.DataFrame, measured_as_derived: pd.DataFrame) -> pd.DataFrame:
+    """Scale a derived table by how far measurement departs from derivation on a similar device.
+
+    For every operator, the median over shared (micro-batch, share) rows of measured / derived time on
+    the measured device (separately for forward and backward) multiplies the target's derived times.
+    The roofline captures the GPUs' differences in peak and bandwidth; the ratio carries what the
+    roofline misses on this code (kernel efficiency, launch overhead, framework time), which is
+    similar across GPUs of one generation. Bytes are structural and are taken from the measurement's
+    ratios as well, so a runtime that keeps more than the formulas (fp32 dropout masks) is reflected.
+    """
+    key = ["op", "micro_batch", "tp_share"]
+    joined = measured.merge(measured_as_derived, on=key, suffixes=("_m", "_d"))
+    if joined.empty:
+        raise BatonError("the measured table shares no (op, micro_batch, tp_share) rows with its derivation", field="--calibrate-from")
+    ratios = {}
+    for op, g in joined.groupby("op"):
+        ratios[op] = {col: float(np.median(g[f"{col}_m"] / g[f"{col}_d"].where(g[f"{col}_d"] > 0)).item())
+                      if (g[f"{col}_d"] > 0).any() else 1.0
+                      for col in ("fwd_ms", "bwd_ms", "saved_bytes")}
+    out = target.copy()
+    for col in ("fwd_ms", "bwd_ms", "saved_bytes"):
+        factor = out["op"].map(lambda o: ratios.get(o, {}).get(col, 1.0)).astype(float).fillna(1.0)
+        out[col] = out[col] * factor
+    return validate_table(out, source="<calibrated>")

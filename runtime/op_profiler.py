@@ -1,0 +1,218 @@
+"""Measured operator tables: time and saved bytes of each operator of the runtime's own layer.
+
+Each operator of ``runtime.stage.ParallelBlock`` (the code ``baton train`` runs) is called on its
+own, with inputs made by running the layer's earlier operators once, at every requested micro-batch
+size and tensor-parallel share. Forward and backward are timed after warm-up over several
+repetitions and the median is kept; on CUDA with events, on CPU with a monotonic clock. Saved bytes
+are what autograd keeps for the operator's backward (storages counted once, parameters excluded).
+Every measurement seeds its own inputs, so the table does not depend on the order of the runs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from baton.errors import BatonError
+from baton.model_spec import ModelSpec
+from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, layer_operators, operator_param_count
+from baton.profile import COLUMNS, validate_table
+from runtime.stage import MicroBatch, ParallelBlock, StageModel
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """One operator at one (micro-batch, share)."""
+
+    fwd_ms: float
+    """Median forward time."""
+    bwd_ms: float
+    """Median backward time."""
+    saved_bytes: int
+    """Bytes autograd keeps for this operator's backward."""
+    output_bytes: int
+    """Bytes of the operator's outputs."""
+
+
+class _Timer:
+    """Wall time on CPU, CUDA events on GPUs (they time the device, not the launch)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _saved_bytes(fn: Callable[[], object], params: list[torch.Tensor]) -> tuple[int, object]:
+    """Run ``fn`` under a saved-tensors hook; sum the storages autograd keeps (not parameters)."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in param_ptrs:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(kept.values()), out
+
+
+def _as_tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[], list[torch.Tensor]], params: list[torch.Tensor],
+            device: torch.device, *, warmup: int, reps: int) -> Measurement:
+    """Time forward and backward of ``fn(inputs)``; inputs are rebuilt for every repetition."""
+    timer = _Timer(device)
+    saved, outs = _saved_bytes(lambda: _as_tuple(fn(make_inputs())), params)
+    storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor)}
+    output_bytes = sum(storages.values())
+    fwd, bwd = [], []
+    for i in range(warmup + reps):
+        inputs = make_inputs()
+        t_f = timer(lambda: fn(inputs))
+        outs = [o for o in _as_tuple(fn(inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        grads = [torch.ones_like(o) for o in outs]
+        for p in params:
+            p.grad = None
+        t_b = timer(lambda: torch.autograd.backward(outs, grads)) if outs else 0.0
+        if i >= warmup:
+            fwd.append(t_f)
+            bwd.append(t_b)
+    return Measurement(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), saved_bytes=saved, output_bytes=output_bytes)
+
+
+def local_sizes(spec: ModelSpec, share: float) -> tuple[int, int]:
+    """(heads, FFN columns) a device with ``share`` holds; the share must cut whole heads."""
+    heads = share * spec.num_heads
+    if abs(heads - round(heads)) > 1e-9 or round(heads) < 1:
+        raise BatonError(f"share {share:g} of {spec.num_heads} heads is not a whole number of heads", field="--tp-shares")
+    return int(round(heads)), int(round(share * spec.ffn_dim))
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@torch.no_grad()
+def _init(module: torch.nn.Module, seed: int) -> None:
+    g = _seeded(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share: float, *, warmup: int, reps: int,
+                  seed: int = 0) -> dict[str, Measurement]:
+    """Measure every operator of one layer at one (micro-batch, share)."""
+    dtype = TORCH_DTYPES[spec.dtype]
+    nh, nf = local_sizes(spec, share)
+    block = ParallelBlock(spec, 0, heads=range(nh), ffn_cols=range(nf))
+    _init(block, seed)
+    block = block.to(device=device, dtype=dtype)
+    block.train()
+    params = list(block.parameters())
+    mb = MicroBatch(seed=seed, step=0, samples=torch.arange(micro_batch))
+    g = _seeded(seed + 1)
+    env = {LAYER_INPUT: torch.randn(micro_batch, spec.seq_len, spec.hidden_dim, generator=g).to(device=device, dtype=dtype)}
+    results = {}
+    for op in layer_operators(spec):
+        fn_op = getattr(block, "_" + op.name)
+        with torch.no_grad():
+            outs = fn_op(mb, *(env[n] for n in op.inputs))
+        values = {n: env[n] for n in op.inputs}
+
+        def make_inputs(values=values):
+            return [v.detach().requires_grad_(v.is_floating_point()) for v in values.values()]
+
+        results[op.name] = measure(lambda xs, f=fn_op: f(mb, *xs), make_inputs, params, device, warmup=warmup, reps=reps)
+        env.update(zip(op.outputs, outs))
+        for partial_name, full_name in ALLREDUCE_OUTPUTS.items():
+            if partial_name in env:
+                env[full_name] = env[partial_name]  # one device: the all-reduce is the identity
+    return results
+
+
+def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, *, warmup: int, reps: int, seed: int = 0) -> dict[str, Measurement]:
+    """The embedding of the first stage and the head (final LayerNorm, tied LM head, loss) of the last."""
+    dtype = TORCH_DTYPES[spec.dtype]
+    g = _seeded(seed + 2)
+    tokens = torch.randint(spec.vocab_size, (micro_batch, spec.seq_len), generator=g).to(device)
+    first = StageModel(spec, layers=range(0), heads=range(0), ffn_cols=range(0), first=True, last=False)
+    last = StageModel(spec, layers=range(0), heads=range(0), ffn_cols=range(0), first=False, last=True)
+    for m in (first, last):
+        _init(m, seed)
+        m.to(device=device, dtype=dtype).train()
+    mb = MicroBatch(seed=seed, step=0, samples=torch.arange(micro_batch))
+    x = torch.randn(micro_batch, spec.seq_len, spec.hidden_dim, generator=g).to(device=device, dtype=dtype)
+
+    def head(xs):
+        logits = last(xs[0], mb)
+        return F.cross_entropy(logits.float().reshape(-1, spec.vocab_size), tokens.reshape(-1))
+
+    return {
+        EMBEDDING: measure(lambda xs: first(tokens, mb), lambda: [], list(first.parameters()), device, warmup=warmup, reps=reps),
+        HEAD: measure(head, lambda: [x.detach().requires_grad_()], list(last.parameters()), device, warmup=warmup, reps=reps),
+    }
+
+
+def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2), shares=(1.0,), warmup: int = 2, reps: int = 5,
+                  gpu_name: str | None = None, progress=None) -> pd.DataFrame:
+    """The measured table (schema of ``baton.profile``) for the local device."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BatonError("CUDA is not available on this machine", field="--device")
+    if dev.type == "cpu" and spec.dtype == "fp16":
+        raise BatonError(f"model '{spec.name}' is fp16, which CPUs do not train in; give a model with dtype fp32 or bf16", field="--model")
+    for s in shares:
+        local_sizes(spec, s)
+    name = gpu_name or ("cpu" if dev.type == "cpu" else torch.cuda.get_device_name(dev).lower().replace(" ", "-"))
+    ops = {o.name: o for o in layer_operators(spec)}
+    rows = []
+    total = len(micro_batches) * (len(shares) + 1)
+    done = 0
+    for b in sorted(micro_batches):
+        for share in sorted(shares):
+            for op_name, m in profile_layer(spec, dev, b, share, warmup=warmup, reps=reps).items():
+                op = ops[op_name]
+                if not op.tp_split and share != max(shares):
+                    continue  # replicated operators are the same at every share: one row at share 1
+                row_share = share if op.tp_split else 1.0
+                params = operator_param_count(spec, op) * (share if op.tp_split else 1.0) * spec.dtype_bytes
+                rows.append((name, spec.name, op_name, b, spec.seq_len, row_share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params, "measured"))
+            done += 1
+            if progress:
+                progress(done, total)
+        for op_name, m in profile_edges(spec, dev, b, warmup=warmup, reps=reps).items():
+            params = (spec.vocab_size * spec.hidden_dim + spec.seq_len * spec.hidden_dim) * spec.dtype_bytes if op_name == EMBEDDING \
+                else 2 * spec.hidden_dim * spec.dtype_bytes
+            rows.append((name, spec.name, op_name, b, spec.seq_len, 1.0, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params, "measured"))
+        done += 1
+        if progress:
+            progress(done, total)
+    return validate_table(pd.DataFrame(rows, columns=COLUMNS), source=f"<measured {name}/{spec.name}>")

@@ -1,0 +1,101 @@
+"""Measured profiling on the CPU: the table's structure, its saved bytes, the calibration, the link fit."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from baton.model_spec import PRESETS
+from baton.operators import layer_operators, tensor_sizes
+from baton.profile import Profile, calibrate, derive_table, validate_table
+from runtime.comm_profiler import fit_line, measure_links
+from runtime.op_profiler import profile_table
+from tests.conftest import run_cli
+
+TINY = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    torch.set_num_threads(1)
+    return profile_table(TINY, micro_batches=(1, 2), shares=(0.5, 1.0), warmup=1, reps=2)
+
+
+def test_measured_table_has_the_schema_and_every_operator(measured):
+    validate_table(measured, source="<test>")
+    assert set(measured["source"]) == {"measured"}
+    prof = Profile(measured)
+    prof.check_model(TINY)
+    split = [o.name for o in layer_operators(TINY) if o.tp_split]
+    for op in split:
+        assert set(measured[measured.op == op]["tp_share"]) == {0.5, 1.0}
+    assert (measured["fwd_ms"] > 0).all() and (measured["bwd_ms"] >= 0).all()
+
+
+def test_structure_and_bytes_do_not_depend_on_run_order(measured):
+    """Catches state leaking between measurements (inputs, parameters, RNG) into the table."""
+    again = profile_table(TINY, micro_batches=(2, 1), shares=(1.0, 0.5), warmup=0, reps=1)
+    key = ["op", "micro_batch", "tp_share"]
+    a = measured.sort_values(key).reset_index(drop=True)
+    b = again.sort_values(key).reset_index(drop=True)
+    assert a[key].equals(b[key])
+    assert (a["saved_bytes"] == b["saved_bytes"]).all() and (a["output_bytes"] == b["output_bytes"]).all()
+
+
+def test_measured_saved_bytes_match_the_tensor_model_where_the_runtime_keeps_plain_tensors(measured):
+    """LayerNorms keep input + statistics, the MLP matmuls and GELU keep their inputs: exactly the formulas."""
+    sizes = tensor_sizes(TINY, 2)
+    prof = Profile(measured)
+    ops = {o.name: o for o in layer_operators(TINY)}
+    for name in ("ln1", "ln2", "fc1", "gelu", "fc2", "out_proj"):
+        share = 0.5 if ops[name].tp_split else 1.0
+        expect = sum(sizes[t].bytes(share) for t in ops[name].saves)
+        assert prof.cost(name, 2, share).saved_bytes == expect, name
+
+
+def test_calibration_transfers_the_measured_to_derived_ratio(measured):
+    derived_cpu = derive_table(TINY, "cpu", micro_batches=(1, 2), shares=(0.5, 1.0))
+    target = derive_table(TINY, "t4", micro_batches=(1, 2), shares=(0.5, 1.0))
+    cal = calibrate(target, measured, derived_cpu)
+    for op in ("fc1", "softmax"):
+        m = measured[(measured.op == op) & (measured.micro_batch == 1) & (measured.tp_share == 1.0)].fwd_ms.item()
+        d = derived_cpu[(derived_cpu.op == op) & (derived_cpu.micro_batch == 1) & (derived_cpu.tp_share == 1.0)].fwd_ms.item()
+        t = target[(target.op == op) & (target.micro_batch == 1) & (target.tp_share == 1.0)].fwd_ms.item()
+        c = cal[(cal.op == op) & (cal.micro_batch == 1) & (cal.tp_share == 1.0)].fwd_ms.item()
+        ratios = (measured[measured.op == op].set_index(["micro_batch", "tp_share"]).fwd_ms
+                  / derived_cpu[derived_cpu.op == op].set_index(["micro_batch", "tp_share"]).fwd_ms)
+        assert c == pytest.approx(t * ratios.median())
+        assert m > 0 and d > 0
+
+
+def test_link_fit_recovers_a_known_line():
+    pts = [(x, 0.05 + x / 2e6) for x in (1e3, 1e4, 1e5, 1e6, 1e7)]  # 50 us, 2 GB/s
+    lat, slope = fit_line(pts)
+    assert lat == pytest.approx(0.05) and 1 / (slope * 1e6) == pytest.approx(2.0)
+
+
+def test_link_measurement_over_gloo_between_two_processes():
+    fit = measure_links(world_size=2, sizes=(4096, 262144, 4194304), reps=2, timeout_s=120)
+    assert fit.bandwidth_gb_per_s > 0 and fit.latency_us >= 0
+    assert len(fit.points["p2p"]) == 3 and "intra_node_link" in fit.yaml_block()
+
+
+def test_profile_command_measures_on_cpu(tmp_path):
+    out = tmp_path / "cpu.csv"
+    code, stdout, err = run_cli("profile", "--device", "cpu", "--model", "tiny", "--micro-batch", "1", "--reps", "1",
+                                "--warmup", "0", "--threads", "1", "--out", out)
+    assert code == 0, err
+    assert set(validate_table(pd.read_csv(out), source="x")["source"]) == {"measured"}
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--device", "tpu"], "unknown device"),
+    (["--device", "cpu", "--tp-shares", "0.3"], "not a whole number of heads"),
+    (["--device", "cpu", "--tp-shares", "half"], "comma-separated numbers"),
+    (["--device", "cuda"], "CUDA is not available"),
+])
+def test_profile_command_bad_input(args, words):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run_cli("profile", "--model", "tiny", *args)
+    assert code == 2 and words in err and "Traceback" not in err
