@@ -35,10 +35,12 @@ def render_report(report: PlanReport, *, title: str) -> None:
     devs = Table(show_lines=False)
     for col in ("device", "gpu", "stage", "units", "recompute", "fwd ms", "bwd ms", "recomp ms", "weights+grads+opt GiB",
                 "activations GiB", "peak / capacity GiB", "fits"):
-        devs.add_column(col, justify="left" if col in ("device", "gpu", "recompute") else "right")
+        devs.add_column(col, justify="left" if col in ("device", "gpu", "recompute") else "right",
+                        overflow="fold" if col == "recompute" else "ellipsis")
+    multi = len({d.pipeline for d in report.devices}) > 1
     for d in report.devices:
         static = d.weights_bytes + d.grads_bytes + d.optimizer_bytes
-        devs.add_row(d.id, d.gpu, f"{d.pipeline}.{d.stage}", str(d.units), ",".join(d.recompute) or "-",
+        devs.add_row(d.id, d.gpu, f"r{d.pipeline}.s{d.stage}" if multi else str(d.stage), str(d.units), ",".join(d.recompute) or "-",
                      f"{d.fwd_ms:.2f}", f"{d.bwd_ms:.2f}", f"{d.recompute_ms:.2f}", _gib(static),
                      _gib(d.activation_bytes + d.transient_bytes), f"{_gib(d.peak_memory_bytes)} / {_gib(d.capacity_bytes)}",
                      "[green]yes[/]" if d.fits else "[bold red]NO[/]")
