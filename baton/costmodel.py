@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from baton.cluster import ClusterSpec, Link
 from baton.model_spec import ModelSpec
-from baton.memory import layer_activation_bytes, tensor_bytes, tensor_roles
+from baton.memory import layer_activation_bytes, layer_order, tensor_bytes, tensor_roles
 from baton.operators import EMBEDDING, HEAD, layer_operators
 from baton.profile import Profile
 
@@ -68,7 +68,7 @@ def _layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: floa
             rec[o.block] += c.fwd_ms
     sizes = tensor_bytes(spec, micro_batch, share, {k: v.saved_bytes for k, v in costs.items()},
                          {k: v.output_bytes for k, v in costs.items()}, profile.seq_len)
-    held, transient = layer_activation_bytes(tensor_roles(spec), sizes, recompute)
+    held, transient = layer_activation_bytes(tensor_roles(spec), sizes, recompute, layer_order(spec))
     params = sum(c.param_bytes for c in costs.values())
     return LayerCost(fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec, held_bytes=held, transient_bytes=transient, param_bytes=params)
 

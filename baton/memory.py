@@ -1,11 +1,15 @@
 """Which activation tensors of a layer stay alive under a recompute choice (docs/cost-model.md, section 3).
 
-A tensor t (produced by operator p, saved by its "needers", read by its "consumers") is held from the
-forward pass to the backward pass when
+Recomputed operators run in *segments*: maximal runs of consecutive recomputed operators that do not
+cross one of the layer's two all-reduces (ranks of a TP group recompute different sets, so a forward
+collective can never be replayed). A tensor t (produced by operator p, saved by its "needers", read by
+its "consumers") is held from the forward pass to the backward pass when
   (a) some needer of t is not recomputed (it keeps t for its own backward), or
-  (b) some consumer of t is recomputed while p is not (t is where the recomputation starts).
+  (b) some consumer of t is recomputed but p is not in the consumer's segment (t is where that
+      segment's recomputation starts).
 Recomputing an operator therefore frees its output only if every operator that saves that output is
-recomputed too. The layer input and the all-reduce results have producers that are never recomputed.
+recomputed too, in the same segment. The layer input and the all-reduce results have producers that
+are never recomputed.
 """
 from __future__ import annotations
 
@@ -50,17 +54,49 @@ def tensor_roles(spec: ModelSpec) -> dict[str, TensorRole]:
             for t in names}
 
 
-def is_held(role: TensorRole, recompute: frozenset[str]) -> bool:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerOrder:
+    """Position and all-reduce region of every operator of a layer, for the segment test."""
+
+    position: dict
+    """Operator name -> index in execution order."""
+    region: dict
+    """Operator name -> how many all-reduces precede it within the layer (0, 1 or 2)."""
+    names: tuple
+    """Operator names in execution order."""
+
+
+def layer_order(spec: ModelSpec) -> LayerOrder:
+    position, region, names = {}, {}, []
+    r = 0
+    for i, op in enumerate(layer_operators(spec)):
+        position[op.name], region[op.name] = i, r
+        names.append(op.name)
+        if any(t in ALLREDUCE_OUTPUTS for t in op.outputs):
+            r += 1
+    return LayerOrder(position=position, region=region, names=tuple(names))
+
+
+def same_segment(producer: str, consumer: str, recompute: frozenset[str], order: LayerOrder) -> bool:
+    """True when both operators are recomputed in one segment (no kept operator or all-reduce between)."""
+    if producer not in order.position or consumer not in order.position:
+        return False  # the layer input and all-reduce results are never recomputed
+    if order.region[producer] != order.region[consumer]:
+        return False
+    lo, hi = order.position[producer], order.position[consumer]
+    return all(order.names[i] in recompute for i in range(lo, hi + 1))
+
+
+def is_held(role: TensorRole, recompute: frozenset[str], order: LayerOrder) -> bool:
     """Rule (a) or (b) above."""
     if any(n not in recompute for n in role.needers):
         return True
-    producer_recomputed = role.producer in recompute
-    return any(c in recompute for c in role.consumers) and not producer_recomputed
+    return any(c in recompute and not same_segment(role.producer, c, recompute, order) for c in role.consumers)
 
 
-def is_rematerialised(role: TensorRole, recompute: frozenset[str]) -> bool:
+def is_rematerialised(role: TensorRole, recompute: frozenset[str], order: LayerOrder) -> bool:
     """True when the backward pass needs t and must recompute it (it was not held)."""
-    return bool(role.needers) and not is_held(role, recompute)
+    return bool(role.needers) and not is_held(role, recompute, order)
 
 
 def tensor_bytes(spec: ModelSpec, micro_batch: int, share: float, op_saved: dict[str, float], op_output: dict[str, float],
@@ -98,8 +134,13 @@ def tensor_bytes(spec: ModelSpec, micro_batch: int, share: float, op_saved: dict
     return result
 
 
-def layer_activation_bytes(roles: dict[str, TensorRole], sizes: dict[str, float], recompute: frozenset[str]) -> tuple[float, float]:
-    """(bytes held per layer per in-flight micro-batch, transient bytes re-created while one layer runs backward)."""
-    held = sum(sizes[t] for t, r in roles.items() if is_held(r, recompute))
-    transient = sum(sizes[t] for t, r in roles.items() if is_rematerialised(r, recompute))
+def layer_activation_bytes(roles: dict[str, TensorRole], sizes: dict[str, float], recompute: frozenset[str],
+                           order: LayerOrder) -> tuple[float, float]:
+    """(bytes held per layer per in-flight micro-batch, bytes re-created while one layer runs backward).
+
+    The second figure counts every re-created tensor of the layer as if all existed at once, an upper
+    bound on the recompute buffer (segments are replayed one after another in the backward pass).
+    """
+    held = sum(sizes[t] for t, r in roles.items() if is_held(r, recompute, order))
+    transient = sum(sizes[t] for t, r in roles.items() if is_rematerialised(r, recompute, order))
     return held, transient

@@ -1,0 +1,14 @@
+"""Baton's runtime: trains a GPT under a plan, with numerics equal to the single-device model.
+
+model.py            the single-device reference GPT (nanoGPT style) and the parameter inventory/init
+rng.py              dropout masks as pure functions of (seed, step, layer, op, sample, head, position)
+tensor_parallel.py  non-uniform TP communication (dual autograd Functions, padded uneven gather)
+stage.py            one rank's slice of the model; per-operator recompute segments; measurement hooks
+topology.py         plan devices -> ranks, stage pairing, process groups
+engine.py           the 1F1B step, gradient sync, AdamW, StepStats
+data.py             byte-level text or synthetic tokens addressed by sample position
+checkpoint.py       plan-independent checkpoints (full tensors, safetensors), atomic writes
+hf.py               Hugging Face GPT-2 import
+launch.py           spawning ranks (or running under torchrun), error reporting
+commands.py         `baton train`
+"""

@@ -11,7 +11,7 @@ import pytest
 from baton.costmodel import layer_cost, optimizer_bytes
 from baton.evaluate import ProfileSet, evaluate
 from baton.cluster import homogeneous_cpu_cluster
-from baton.memory import layer_activation_bytes, tensor_bytes, tensor_roles
+from baton.memory import layer_activation_bytes, layer_order, tensor_bytes, tensor_roles
 from baton.model_spec import PRESETS
 from baton.operators import layer_operators
 from baton.plan import simple_plan
@@ -59,9 +59,19 @@ def test_recomputing_everything_keeps_only_the_layer_input_and_allreduce_results
     everything = {o for o in ["ln1", "qkv", "attn_scores", "softmax", "attn_dropout", "attn_v", "out_proj", "resid1",
                               "ln2", "fc1", "gelu", "fc2", "resid2"]}
     h, transient = held(profile, everything)
-    # layer input, plus attn_out and mlp_out: the all-reduce is never re-run, so recomputed resid ops need them kept.
-    assert h == 3 * BSH
-    assert transient == FULL - BSH
+    # The layer input, attn_out and mlp_out (the all-reduce is never re-run), and x_mid, which resid2's
+    # segment reads across the mlp all-reduce: exactly what the runtime's checkpoints keep.
+    assert h == 4 * BSH
+    assert transient == FULL - 2 * BSH  # x_mid is kept, so ln2 re-reads it instead of re-creating it
+
+
+def test_recomputed_producer_and_consumer_in_different_segments_keep_the_tensor(profile):
+    """qkv and attn_v recomputed with the ops between them kept: two segments, so v stays (attn_v's
+    segment starts from it), and q, k stay for attn_scores: nothing is freed."""
+    assert held(profile, {"qkv", "attn_v"})[0] == FULL
+    # With every op from qkv to attn_v recomputed they form one segment and v, q, k, probs, probs_dropped go.
+    h, _ = held(profile, {"qkv", "attn_scores", "softmax", "attn_dropout", "attn_v"})
+    assert h == FULL - 3 * BSH - 2 * BASS - MASK_ASS
 
 
 def test_tensor_parallel_share_shrinks_only_split_tensors(profile):
@@ -108,7 +118,7 @@ def test_measured_totals_rescale_tensor_sizes():
     scaled = _analytic_saved() | {"fc1": 2 * BSH}
     sizes = tensor_bytes(TINY, 2, 1.0, scaled, _analytic_out())
     assert sizes["ln2_out"] == 2 * BSH and sizes["fc1_out"] == BSF
-    h, _ = layer_activation_bytes(tensor_roles(TINY), sizes, frozenset())
+    h, _ = layer_activation_bytes(tensor_roles(TINY), sizes, frozenset(), layer_order(TINY))
     assert h == FULL + BSH
 
 

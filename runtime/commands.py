@@ -1,0 +1,63 @@
+"""``baton train``: run a plan, one process per device, with a live progress display.
+
+On one machine it starts the processes itself (CPU processes over gloo stand in for the plan's GPUs
+when the machine has fewer GPUs than the plan has devices). Across machines, start it under torchrun on
+every machine with one process per plan device; ranks follow ``plan.device_ids()`` order:
+
+    torchrun --nnodes=2 --nproc-per-node=4 --node-rank=<0|1> --rdzv-backend=c10d \\
+        --rdzv-endpoint=<host of node 0>:29500 -m cli train --plan plan.json --save-dir /shared/ckpt
+
+(checkpoints are written by rank 0 and read by every rank: use a directory all machines see).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from baton.cli_support import console, guarded
+from baton.plan import load_plan
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    @guarded
+    def train(
+        plan: Path = typer.Option(..., "--plan", help="Plan JSON written by `baton solve`."),
+        steps: int = typer.Option(10, "--steps", help="Train until this many optimizer steps (resumed runs count earlier steps)."),
+        data: Optional[Path] = typer.Option(None, "--data", help="Text file read as bytes (vocab 256); synthetic tokens if omitted."),
+        save_dir: Optional[Path] = typer.Option(None, "--save-dir", help="Directory for checkpoints (step-XXXXXX)."),
+        save_every: int = typer.Option(0, "--save-every", help="Also save every N steps (0: only at the end)."),
+        resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --save-dir (any plan)."),
+        init_from: Optional[Path] = typer.Option(None, "--init-from", help="Hugging Face GPT-2 directory to initialise from."),
+        seed: int = typer.Option(0, "--seed", help="Initialisation, data order and dropout masks."),
+        lr: float = typer.Option(3e-4, "--lr", help="AdamW learning rate (constant)."),
+        weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+        timeout: float = typer.Option(300.0, "--timeout", help="Seconds a rank may wait on a peer before failing."),
+    ) -> None:
+        """Train the plan's model with exactly the plan's pipeline, tensor splits and recomputation."""
+        from runtime.launch import TrainConfig, train as run
+
+        cfg = TrainConfig(plan=load_plan(plan), steps=steps, data=str(data) if data else None,
+                          save_dir=str(save_dir) if save_dir else None, save_every=save_every, resume=resume,
+                          init_from=str(init_from) if init_from else None, seed=seed, lr=lr,
+                          weight_decay=weight_decay, device=device, timeout_s=timeout)
+        show = os.environ.get("RANK", "0") == "0"
+        with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                      TimeElapsedColumn(), console=console, disable=not show) as progress:
+            task = progress.add_task("train", total=steps, info="starting ranks...")
+
+            def on_step(s) -> None:
+                per_stage = " ".join(f"{ms:.0f}" for ms in s.stage_ms)
+                progress.update(task, completed=s.step + 1,
+                                info=f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  stage ms [{per_stage}]")
+
+            history = run(cfg, on_step=on_step)
+        if show and history:
+            last = history[-1]
+            where = f", checkpoint in {save_dir}" if save_dir else ""
+            console.print(f"step {last.step + 1}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s{where}")

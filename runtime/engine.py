@@ -1,0 +1,207 @@
+"""One rank's training step: a 1F1B pipeline schedule over point-to-point sends, gradient
+synchronisation (tied embedding, data-parallel replicas) and the optimizer.
+
+The step returns a ``StepStats`` with what the planner predicts (per micro-batch forward, backward and
+recompute time, per-stage time, iteration time, peak saved-activation bytes), so a report can put
+measurement next to prediction.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from baton.plan import Plan
+from runtime.model import init_parameter
+from runtime.stage import MicroBatch, SavedBytes, StageModel
+from runtime.topology import Topology
+
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+
+
+def one_f_one_b(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The 1F1B order of one stage: min(p - s - 1, m) warm-up forwards, then alternate one forward
+    and one backward, then the remaining backwards (cool-down). ('F', i) / ('B', i) for micro-batch i."""
+    m = num_microbatches
+    warmup = min(num_stages - stage - 1, m)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(warmup, m):
+        actions += [("F", i), ("B", i - warmup)]
+    actions += [("B", i) for i in range(m - warmup, m)]
+    return actions
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    """Measurements of one step on one rank (``loss`` and ``stage_ms`` are the same on every rank)."""
+
+    step: int
+    """Index of the step (0-based)."""
+    loss: float
+    """Mean cross-entropy over the global batch."""
+    iteration_ms: float
+    """Wall time of the whole step on this rank, optimizer included."""
+    forward_ms: list[float] = field(default_factory=list)
+    """Per micro-batch forward compute on this rank (waits for activations excluded)."""
+    backward_ms: list[float] = field(default_factory=list)
+    """Per micro-batch backward compute on this rank, recomputation included."""
+    recompute_ms: list[float] = field(default_factory=list)
+    """Per micro-batch time re-running recomputed operators (part of backward_ms)."""
+    stage_ms: list[float] = field(default_factory=list)
+    """Compute time (forward + backward) of each stage of pipeline 0, from its TP rank 0."""
+    peak_saved_bytes: int = 0
+    """Peak bytes of activations kept for backward on this rank during the step."""
+    recomputed_ops: dict[str, int] = field(default_factory=dict)
+    """Operator name -> executions during backward (recomputations) on this rank."""
+    tokens: int = 0
+    """Tokens in the global batch."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.iteration_ms, 1e-9) * 1e3
+
+
+class Engine:
+    """Everything one rank holds for training under a plan; the process group must already exist."""
+
+    def __init__(self, plan: Plan, rank: int, *, device: torch.device | str = "cpu", seed: int = 0,
+                 lr: float = 3e-4, weight_decay: float = 0.0, full=None, measure: bool = True):
+        self.plan, self.seed = plan, seed
+        self.device = torch.device(device)
+        self.topo = Topology(plan)
+        self.pos = self.topo.position(rank)
+        self.groups = self.topo.groups(self.pos)
+        spec, stage = plan.model, self.topo.stage(self.pos)
+        self.first, self.last = self.pos.stage == 0, self.pos.stage == plan.num_stages - 1
+        self.model = StageModel(spec, layers=stage.layers, heads=self.pos.heads, ffn_cols=self.pos.ffn_cols,
+                                first=self.first, last=self.last, recompute=self.pos.recompute,
+                                tp_group=self.groups.tp)
+        self.model.load_full(full or (lambda name: init_parameter(spec, name, seed)))
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                           weight_decay=weight_decay)
+        self.measure = measure
+        self.samples_per_step = plan.global_batch
+
+    # --- point-to-point ----------------------------------------------------------------------------
+    def _recv(self, src: int) -> torch.Tensor:
+        spec = self.plan.model
+        buf = torch.empty(self.plan.micro_batch_size, spec.seq_len, spec.hidden_dim, device=self.device)
+        dist.recv(buf, src)
+        return buf
+
+    def _send(self, t: torch.Tensor, targets: list[int], pending: list) -> None:
+        t = t.detach().contiguous()
+        for dst in targets:
+            pending.append((dist.isend(t, dst), t))
+
+    # --- one step ----------------------------------------------------------------------------------
+    def forward_backward(self, step: int, data) -> StepStats:
+        """Run the 1F1B schedule of one step and leave the synchronised gradients in ``.grad``."""
+        plan, spec, pos, topo = self.plan, self.plan.model, self.pos, self.topo
+        m, mbs = plan.num_microbatches, plan.micro_batch_size
+        denom = self.samples_per_step * spec.seq_len
+        sync = self.device.type == "cuda"
+        meter = self.model.meter
+        meter.reset()
+        saved = SavedBytes(self.model.parameters()) if self.measure else None
+        meter.saved = saved
+        stats = StepStats(step=step, loss=0.0, iteration_ms=0.0, forward_ms=[0.0] * m, backward_ms=[0.0] * m,
+                          recompute_ms=[0.0] * m, tokens=self.samples_per_step * spec.seq_len)
+        start = time.perf_counter()
+        pending, inflight, loss_sum = [], {}, 0.0
+        fwd_src, bwd_src = topo.forward_source(pos), topo.backward_source(pos)
+        fwd_dst, bwd_dst = topo.forward_targets(pos), topo.backward_targets(pos)
+        for kind, i in one_f_one_b(plan.num_stages, pos.stage, m):
+            samples = torch.arange(mbs) + (pos.pipeline * m + i) * mbs
+            if kind == "F":
+                tokens, targets = data.batch(step, samples) if (self.first or self.last) else (None, None)
+                x = tokens.to(self.device) if self.first else self._recv(fwd_src).requires_grad_()
+                t0 = time.perf_counter()
+                with saved.record(i) if saved is not None else nullcontext():
+                    y = self.model(x, MicroBatch(self.seed, step, samples.to(self.device)))
+                    if self.last:
+                        y = F.cross_entropy(y.reshape(-1, y.size(-1)), targets.to(self.device).reshape(-1),
+                                            reduction="sum") / denom
+                        loss_sum += y.item()
+                if sync:
+                    torch.cuda.synchronize()
+                stats.forward_ms[i] = (time.perf_counter() - t0) * 1e3
+                if not self.last:
+                    self._send(y, fwd_dst, pending)
+                inflight[i] = (x, y)
+            else:
+                x, y = inflight.pop(i)
+                grad = None if self.last else self._recv(bwd_src)
+                t0, r0 = time.perf_counter(), meter.recompute_s
+                meter.in_backward = True
+                try:
+                    torch.autograd.backward(y, grad)
+                finally:
+                    meter.in_backward = False
+                if sync:
+                    torch.cuda.synchronize()
+                stats.backward_ms[i] = (time.perf_counter() - t0) * 1e3
+                stats.recompute_ms[i] = (meter.recompute_s - r0) * 1e3
+                if saved is not None:
+                    saved.release(i)
+                if not self.first:
+                    self._send(x.grad, bwd_dst, pending)
+        for work, _ in pending:
+            work.wait()
+        self._sync_grads()
+        my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
+        # One small all-reduce carries the global loss and every stage's compute time to all ranks.
+        metrics = torch.zeros(1 + plan.num_stages, dtype=torch.float64)
+        if self.last and pos.tp_rank == 0:
+            metrics[0] = loss_sum
+        if pos.pipeline == 0 and pos.tp_rank == 0:
+            metrics[1 + pos.stage] = my_ms
+        metrics = self._all_reduce_cpu(metrics)
+        stats.loss = float(metrics[0])
+        stats.stage_ms = [float(v) for v in metrics[1:]]
+        stats.peak_saved_bytes = saved.peak if saved is not None else 0
+        stats.recomputed_ops = dict(meter.recomputed)
+        stats.iteration_ms = (time.perf_counter() - start) * 1e3
+        meter.saved = None
+        return stats
+
+    def _all_reduce_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        dist.all_reduce(t)
+        return t.cpu()
+
+    def _sync_grads(self) -> None:
+        """Sum the tied embedding's two gradients (first and last stage), then sum the replicas'
+        gradients (each micro-batch loss is already divided by the global batch's token count)."""
+        params = list(self.model.parameters())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.groups.tied is not None and hasattr(self.model, "wte"):
+            # Every rank of a stage holds the same embedding gradient: let TP rank 0 speak for its stage.
+            g = self.model.wte.weight.grad
+            if self.pos.tp_rank != 0:
+                g.zero_()
+            dist.all_reduce(g, group=self.groups.tied)
+        if self.groups.dp is not None:
+            grads = [p.grad for p in params]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.groups.dp)
+            for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(new)
+
+    def train_step(self, step: int, data) -> StepStats:
+        """Forward, backward, gradient sync and one AdamW update."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.forward_backward(step, data)
+        self.optimizer.step()
+        stats.iteration_ms = (time.perf_counter() - t0) * 1e3
+        return stats

@@ -1,0 +1,77 @@
+"""Load a Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors or pytorch_model.bin).
+
+GPT-2's ``Conv1D`` stores weights as (in, out); ours are ``nn.Linear`` (out, in), so they are
+transposed. Its LM head is tied to ``wte``; the causal-mask buffers are ignored. ``.bin`` files are
+read with ``torch.load(weights_only=True)`` (no arbitrary pickle).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from baton.errors import BatonError
+from baton.model_spec import ModelSpec
+from runtime.model import parameter_shapes
+
+_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _check_config(config: dict, spec: ModelSpec, source: str) -> None:
+    def need(field: str, want, got) -> None:
+        if got != want:
+            raise BatonError(f"is {got}, the plan's model '{spec.name}' needs {want}", source=source, field=field)
+
+    if config.get("model_type", "gpt2") != "gpt2":
+        raise BatonError(f"model_type '{config.get('model_type')}' is not gpt2", source=source, field="model_type")
+    need("n_layer", spec.num_layers, config.get("n_layer"))
+    need("n_embd", spec.hidden_dim, config.get("n_embd"))
+    need("n_head", spec.num_heads, config.get("n_head"))
+    need("n_inner", spec.ffn_dim, config.get("n_inner") or 4 * config.get("n_embd", 0))
+    need("vocab_size", spec.vocab_size, config.get("vocab_size"))
+    if config.get("n_positions", 0) < spec.seq_len:
+        raise BatonError(f"is {config.get('n_positions')}, shorter than the plan's seq_len {spec.seq_len}",
+                         source=source, field="n_positions")
+    need("activation_function", "gelu_new", config.get("activation_function", "gelu_new"))
+    need("layer_norm_epsilon", 1e-5, config.get("layer_norm_epsilon", 1e-5))
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        need(flag, False, bool(config.get(flag, False)))
+    need("scale_attn_weights", True, bool(config.get("scale_attn_weights", True)))
+
+
+def load_gpt2(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Full tensors under ``runtime.model`` names from a GPT-2 directory, checked against ``spec``."""
+    root = Path(path)
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise BatonError("no config.json (expected a Hugging Face GPT-2 checkpoint directory)", source=str(root), field="--init-from")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise BatonError(f"malformed JSON: {exc.msg}", source=str(cfg_file)) from None
+    _check_config(config, spec, str(cfg_file))
+    if (root / "model.safetensors").is_file():
+        raw = load_file(str(root / "model.safetensors"))
+    elif (root / "pytorch_model.bin").is_file():
+        try:
+            raw = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as exc:  # unpickling refused or corrupt file
+            raise BatonError(f"cannot read weights safely: {exc}".splitlines()[0], source=str(root / "pytorch_model.bin")) from None
+    else:
+        raise BatonError("neither model.safetensors nor pytorch_model.bin found", source=str(root), field="--init-from")
+    raw = {k.removeprefix("transformer."): v for k, v in raw.items()}
+    out = {}
+    for name, shape in parameter_shapes(spec).items():
+        if name not in raw:
+            raise BatonError(f"weights have no tensor '{name}'", source=str(root))
+        t = raw[name].float()
+        if name.endswith(_TRANSPOSED):
+            t = t.t()
+        if name == "wpe.weight":
+            t = t[: spec.seq_len]
+        if tuple(t.shape) != shape:
+            raise BatonError(f"tensor '{name}' has shape {tuple(t.shape)}, expected {shape}", source=str(root))
+        out[name] = t.contiguous()
+    return out

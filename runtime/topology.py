@@ -1,0 +1,136 @@
+"""Who is who in a run: a plan's devices as ranks, their slices of each layer, their peers and groups.
+
+Ranks follow ``plan.device_ids()``: pipeline by pipeline, stage by stage, tensor-parallel rank by rank.
+Pairing between stages (the cost model assumes exactly this): rank j of stage s+1 receives its input
+activation from rank (j mod n_s) of stage s; in backward rank i of stage s receives its input-gradient
+from rank (i mod n_{s+1}) of stage s+1. Every rank of a stage holds the full activation, so any pairing
+is correct; this one spreads the transfers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from baton.plan import Plan, Stage
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Position:
+    """One rank's place in the plan."""
+
+    rank: int
+    """Global rank."""
+    pipeline: int
+    """Data-parallel replica index."""
+    stage: int
+    """Pipeline stage index."""
+    tp_rank: int
+    """Index within the stage's tensor-parallel group."""
+    heads: range
+    """Attention heads this rank holds in every layer of its stage."""
+    ffn_cols: range
+    """FFN columns this rank holds in every layer of its stage."""
+    recompute: frozenset[str]
+    """Operators this rank recomputes."""
+
+
+class Topology:
+    """Rank arithmetic for a plan; ``groups`` creates the process groups (call on every rank)."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.ranks: list[list[list[int]]] = []
+        r = 0
+        for pipe in plan.pipelines:
+            stages = []
+            for stage in pipe.stages:
+                stages.append(list(range(r, r + len(stage.devices))))
+                r += len(stage.devices)
+            self.ranks.append(stages)
+        self.world_size = r
+        self.num_stages = plan.num_stages
+        self.num_replicas = len(plan.pipelines)
+
+    def stage(self, pos: Position) -> Stage:
+        return self.plan.pipelines[pos.pipeline].stages[pos.stage]
+
+    def position(self, rank: int) -> Position:
+        spec = self.plan.model
+        for pi, stages in enumerate(self.ranks):
+            for si, ranks in enumerate(stages):
+                if rank in ranks:
+                    stage = self.plan.pipelines[pi].stages[si]
+                    j = ranks.index(rank)
+                    units_before = sum(d.units for d in stage.devices[:j])
+                    units = stage.devices[j].units
+                    hpu, fpu = spec.num_heads // stage.units_per_layer, spec.ffn_dim // stage.units_per_layer
+                    return Position(
+                        rank=rank, pipeline=pi, stage=si, tp_rank=j,
+                        heads=range(units_before * hpu, (units_before + units) * hpu),
+                        ffn_cols=range(units_before * fpu, (units_before + units) * fpu),
+                        recompute=frozenset(stage.devices[j].recompute))
+        raise ValueError(f"rank {rank} is not in the plan ({self.world_size} devices)")
+
+    # --- pipeline peers -------------------------------------------------------------------------
+    def forward_source(self, pos: Position) -> int | None:
+        """Rank of the previous stage that sends this rank its input activation."""
+        if pos.stage == 0:
+            return None
+        prev = self.ranks[pos.pipeline][pos.stage - 1]
+        return prev[pos.tp_rank % len(prev)]
+
+    def forward_targets(self, pos: Position) -> list[int]:
+        """Ranks of the next stage this rank sends its output activation to."""
+        if pos.stage == self.num_stages - 1:
+            return []
+        n = len(self.ranks[pos.pipeline][pos.stage])
+        return [r for j, r in enumerate(self.ranks[pos.pipeline][pos.stage + 1]) if j % n == pos.tp_rank]
+
+    def backward_source(self, pos: Position) -> int | None:
+        """Rank of the next stage that sends this rank the gradient of its output."""
+        if pos.stage == self.num_stages - 1:
+            return None
+        nxt = self.ranks[pos.pipeline][pos.stage + 1]
+        return nxt[pos.tp_rank % len(nxt)]
+
+    def backward_targets(self, pos: Position) -> list[int]:
+        """Ranks of the previous stage this rank sends its input-gradient to."""
+        if pos.stage == 0:
+            return []
+        n = len(self.ranks[pos.pipeline][pos.stage])
+        return [r for i, r in enumerate(self.ranks[pos.pipeline][pos.stage - 1]) if i % n == pos.tp_rank]
+
+    # --- process groups -------------------------------------------------------------------------
+    def groups(self, pos: Position) -> "Groups":
+        """Create every group (same order on all ranks, as new_group requires) and keep this rank's."""
+        tp = dp = tied = None
+        for stages in self.ranks:
+            for ranks in stages:
+                if len(ranks) > 1:
+                    g = dist.new_group(ranks)
+                    if pos.rank in ranks:
+                        tp = g
+        if self.num_replicas > 1:
+            for si in range(self.num_stages):
+                for j in range(len(self.ranks[0][si])):
+                    ranks = [self.ranks[pi][si][j] for pi in range(self.num_replicas)]
+                    g = dist.new_group(ranks)
+                    if pos.rank in ranks:
+                        dp = g
+        if self.num_stages > 1:
+            for stages in self.ranks:
+                ranks = stages[0] + stages[-1]
+                g = dist.new_group(ranks)
+                if pos.rank in ranks:
+                    tied = g
+        return Groups(tp=tp, dp=dp, tied=tied)
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """This rank's process groups (None where the group would have one member)."""
+
+    tp: object = None
+    dp: object = None
+    tied: object = None

@@ -1,0 +1,172 @@
+"""Helpers for the runtime tests: spawn real ranks over gloo, and the single-device reference run."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from baton.model_spec import PRESETS
+from baton.plan import Pipeline, Plan, Stage, simple_plan, validate
+
+RANK_TIMEOUT_S = 60
+
+
+def tiny(dropout: float = 0.1, **changes):
+    return PRESETS["tiny"].with_overrides(dropout=dropout, **changes)
+
+
+def plan_of(spec, stages, layers, units, *, m=2, mbs=2, recompute=None, replicas=1) -> Plan:
+    """``stages`` as [[units, ...], ...]; device ids are generated ('r0:0', ...); ``recompute`` maps a
+    flat device index to operator names; ``replicas`` > 1 copies the pipeline onto fresh devices."""
+    pipes = []
+    per_pipe = sum(len(st) for st in stages)
+    for r in range(replicas):
+        ids = iter(f"d{r}:{j}" for j in range(per_pipe))
+        groups = [[(next(ids), u) for u in st] for st in stages]
+        rec = {f"d{r}:{j}": ops for j, ops in (recompute or {}).items()}
+        p = simple_plan(spec, cluster="cpu", stages=groups, layers=layers, units_per_layer=units,
+                        micro_batch_size=mbs, num_microbatches=m, recompute=rec)
+        pipes.append(p.pipelines[0])
+    return validate(replace(p, pipelines=tuple(pipes)))
+
+
+# --- spawning ranks --------------------------------------------------------------------------------
+
+
+def _entry(fn, rank, world, tmp, args):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=RANK_TIMEOUT_S))
+        out = fn(rank, world, *args)
+        torch.save(out, f"{tmp}/result-{rank}.pt")
+    except BaseException:
+        with open(f"{tmp}/error-{rank}.txt", "w") as fh:
+            fh.write(traceback.format_exc())
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 150.0) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes over gloo; return their results.
+
+    A failing rank's traceback is raised here (the first one written, not a peer's 'connection reset');
+    a run past ``timeout`` seconds is killed.
+    """
+    tmp = tempfile.mkdtemp(prefix="baton-ranks-")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, tmp, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.is_alive() for p in procs):
+            errors = sorted((os.path.getmtime(os.path.join(tmp, f)), f) for f in os.listdir(tmp) if f.startswith("error-"))
+            if errors:
+                time.sleep(0.5)
+                first = errors[0][1]
+                raise AssertionError(f"{first[:-4]} failed:\n" + open(os.path.join(tmp, first)).read())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks still running after {timeout} s")
+            time.sleep(0.05)
+        errors = sorted(f for f in os.listdir(tmp) if f.startswith("error-"))
+        if errors:
+            raise AssertionError(f"{errors[0][:-4]} failed:\n" + open(os.path.join(tmp, errors[0])).read())
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        assert not bad, f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}"
+        return [torch.load(f"{tmp}/result-{r}.pt", weights_only=False) for r in range(world)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+
+
+# --- what the parity tests compare -----------------------------------------------------------------
+
+
+def parallel_worker(rank, world, plan, steps, seed, lr):
+    """One step's loss and local gradients, then the losses of ``steps`` optimizer steps."""
+    from runtime.data import TokenSource
+    from runtime.engine import Engine
+
+    from runtime.tensor_parallel import gather_uneven
+
+    engine = Engine(plan, rank, seed=seed, lr=lr)
+    gathered = None
+    if engine.groups.tp is not None and engine.model.h:  # uneven all-gather of an FFN weight
+        block = next(iter(engine.model.h.values()))
+        stage = engine.topo.stage(engine.pos)
+        sizes = [d.units * plan.model.ffn_dim // stage.units_per_layer for d in stage.devices]
+        gathered = (block.layer, gather_uneven(block.mlp.c_fc.weight.detach(), sizes, 0, engine.groups.tp))
+    data = TokenSource(plan.model, seed=seed, global_batch=plan.global_batch)
+    stats = engine.forward_backward(0, data)
+    grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+    losses = [stats.loss]
+    engine.optimizer.step()
+    for step in range(1, steps):
+        losses.append(engine.train_step(step, data).loss)
+    return {"grads": grads, "slices": engine.model.slices(), "losses": losses, "stats": stats,
+            "position": engine.pos, "gathered": gathered}
+
+
+def reference_run(spec, *, global_batch, steps, seed, lr):
+    """The single-device model on the same data: step-0 gradients and the loss of every step."""
+    from runtime.data import TokenSource
+    from runtime.engine import ADAM_BETAS, ADAM_EPS
+    from runtime.model import GPT
+
+    model = GPT(spec, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
+    data = TokenSource(spec, seed=seed, global_batch=global_batch)
+    losses, grads = [], None
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = data.batch(step, torch.arange(global_batch))
+        _, loss = model(x, y, step=step)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return losses, grads
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def assert_parity(plan, *, steps=3, seed=0, lr=1e-3, tol=1e-5):
+    """Run ``plan`` on spawned ranks and the reference; compare losses and every gradient slice."""
+    from runtime.model import init_parameter
+    from runtime.stage import take_slice
+
+    results = run_ranks(parallel_worker, len(plan.device_ids()), plan, steps, seed, lr)
+    ref_losses, ref_grads = reference_run(plan.model, global_batch=plan.global_batch, steps=steps, seed=seed, lr=lr)
+    for res in results:
+        if res["gathered"] is not None:
+            layer, full = res["gathered"]
+            want = init_parameter(plan.model, f"h.{layer}.mlp.c_fc.weight", seed)
+            assert torch.equal(full, want), "uneven all-gather did not reassemble the full weight"
+        pos = res["position"]
+        stage = plan.pipelines[pos.pipeline].stages[pos.stage]
+        planned = {op: plan.num_microbatches * stage.num_layers for op in pos.recompute if stage.num_layers}
+        assert res["stats"].recomputed_ops == planned, f"rank {pos.rank} recomputed {res['stats'].recomputed_ops}, plan says {planned}"
+        for i, (got, want) in enumerate(zip(res["losses"], ref_losses)):
+            assert abs(got - want) <= tol * abs(want), f"step {i} loss {got} != reference {want}"
+        for name, g in res["grads"].items():
+            want = take_slice(ref_grads[name], res["slices"][name])
+            assert g.shape == want.shape, name
+            err = rel_err(g, want)
+            assert err <= tol, f"rank {res['position'].rank}: grad of {name} off by {err:.2e} (relative)"
+    return results

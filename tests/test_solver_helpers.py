@@ -1,0 +1,82 @@
+"""Random small planning instances for the solver tests: a tiny model, synthetic profile tables held in
+memory (derived, then scaled per operator), a cluster of 2-4 GPUs of 2-3 types with memory sized so
+that recomputation and layer placement matter."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from baton.cluster import from_mapping
+from baton.evaluate import ProfileSet, evaluate
+from baton.model_spec import ModelSpec
+from baton.operators import operator_names
+from baton.plan import simple_plan
+from baton.profile import Profile, derive_table
+
+GIB = 1024**3
+TYPES = ["a100-40gb", "t4", "v100-16gb"]
+
+
+@dataclass
+class Instance:
+    spec: ModelSpec
+    cluster: object
+    profiles: ProfileSet
+    global_batch: int
+    universe: list
+    seed: int
+
+
+def synthetic_profile(spec: ModelSpec, gpu: str, rng: random.Random, *, monotone: bool = True) -> Profile:
+    df = derive_table(spec, gpu, micro_batches=(1, 2))
+    for op in df["op"].unique():
+        scale = rng.uniform(0.5, 2.0)
+        rows = df["op"] == op
+        df.loc[rows, "fwd_ms"] *= scale
+        df.loc[rows, "bwd_ms"] *= scale * rng.uniform(0.8, 1.25)
+        df.loc[rows, "saved_bytes"] *= rng.choice([1.0, 1.0, 0.5, 2.0])
+    if not monotone:  # a bumpy table: some smaller shares cost more than larger ones
+        for i in df.index:
+            if df.at[i, "tp_share"] < 1.0:
+                df.at[i, "fwd_ms"] *= rng.uniform(0.7, 1.6)
+    return Profile(df, source=f"<synthetic {gpu}>")
+
+
+def random_instance(seed: int, *, num_devices: int, num_layers: int, heads: int, universe_size: int,
+                    global_batch: int = 2, monotone: bool = True, memory_scale: tuple = (0.25, 1.1),
+                    dropout: float = 0.1) -> Instance:
+    rng = random.Random(seed)
+    spec = ModelSpec(name=f"rand{seed}", num_layers=num_layers, hidden_dim=16 * heads, num_heads=heads, ffn_dim=64 * heads,
+                     seq_len=32, vocab_size=128, dtype=rng.choice(["fp32", "fp16"]), dropout=dropout)
+    types = rng.sample(TYPES, rng.choice([2, 3]) if num_devices >= 3 else 2)
+    devs = [types[i % len(types)] for i in range(num_devices)]
+    rng.shuffle(devs)
+    profiles = ProfileSet(spec, tables={g: synthetic_profile(spec, g, rng, monotone=monotone) for g in sorted(set(devs))})
+    # Memory: a random fraction of what one device would need for the whole model without recompute.
+    probe = from_mapping({"name": "probe", "nodes": [{"name": "n", "gpus": [{"type": devs[0], "count": 1}]}]}, source="<probe>")
+    plan = simple_plan(spec, cluster="probe", stages=[[("n:0", 1)]], layers=[num_layers], units_per_layer=1,
+                       micro_batch_size=1, num_microbatches=global_batch)
+    need = evaluate(plan, probe, ProfileSet(spec, tables={devs[0]: profiles[devs[0]]})).devices[0].peak_memory_bytes
+    nodes, k = [], 0
+    split = rng.choice([1, 2]) if num_devices > 1 else 1
+    sizes = [num_devices] if split == 1 else [num_devices // 2, num_devices - num_devices // 2]
+    for ni, size in enumerate(sizes):
+        gpus = [{"type": devs[k + j], "count": 1, "memory_gib": need * rng.uniform(*memory_scale) / GIB, "memory_reserve_gib": 0.0}
+                for j in range(size)]
+        k += size
+        node = {"name": f"n{ni}", "gpus": gpus}
+        if size > 1:
+            node["intra_node_link"] = {"bandwidth_gb_per_s": rng.choice([0.5, 5.0, 50.0]), "latency_us": rng.choice([1.0, 20.0])}
+        nodes.append(node)
+    data = {"name": f"rand{seed}", "nodes": nodes}
+    if len(nodes) > 1:
+        data["inter_node_link"] = {"bandwidth_gb_per_s": rng.choice([0.2, 2.0]), "latency_us": 30.0}
+    cluster = from_mapping(data, source=f"<rand{seed}>")
+    names = operator_names(spec)
+    pool = [frozenset(), frozenset(o for o in names if o in ("attn_scores", "softmax", "attn_dropout", "attn_v")),
+            frozenset(names)]
+    while len(pool) < universe_size:
+        extra = frozenset(rng.sample(names, rng.randint(1, 4)))
+        if extra not in pool:
+            pool.append(extra)
+    return Instance(spec=spec, cluster=cluster, profiles=profiles, global_batch=global_batch, universe=pool[:universe_size], seed=seed)
