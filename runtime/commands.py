@@ -38,14 +38,32 @@ def register(app: typer.Typer) -> None:
         weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
         timeout: float = typer.Option(300.0, "--timeout", help="Seconds a rank may wait on a peer before failing."),
+        report: Optional[Path] = typer.Option(None, "--report", help="Write measured vs predicted times and memory (JSON)."),
+        cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster YAML the plan was made for (with --report)."),
+        profiles: Optional[Path] = typer.Option(None, "--profiles", help="Profile tables for the prediction (with --report)."),
     ) -> None:
         """Train the plan's model with exactly the plan's pipeline, tensor splits and recomputation."""
         from runtime.launch import TrainConfig, train as run
 
-        cfg = TrainConfig(plan=load_plan(plan), steps=steps, data=str(data) if data else None,
+        the_plan = load_plan(plan)
+        predict = None
+        if report is not None:
+            from baton.cluster import load_cluster
+            from baton.errors import BatonError
+            from baton.evaluate import ProfileSet, evaluate
+
+            if cluster is None:
+                raise BatonError("--report needs --cluster (the cluster YAML the plan was made for) to predict", field="--cluster")
+            c = load_cluster(cluster)
+            ps = ProfileSet(the_plan.model, directory=profiles)
+            evaluate(the_plan, c, ps, plan_source=str(plan))  # fail before training on a missing profile or device
+            predict = (c, ps)
+        cfg = TrainConfig(plan=the_plan, steps=steps, data=str(data) if data else None,
                           save_dir=str(save_dir) if save_dir else None, save_every=save_every, resume=resume,
                           init_from=str(init_from) if init_from else None, seed=seed, lr=lr,
-                          weight_decay=weight_decay, device=device, timeout_s=timeout)
+                          weight_decay=weight_decay, device=device, timeout_s=timeout,
+                          collect_all_ranks=report is not None)
+        per_rank: dict = {}
         show = os.environ.get("RANK", "0") == "0"
         with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                       TimeElapsedColumn(), console=console, disable=not show) as progress:
@@ -56,8 +74,22 @@ def register(app: typer.Typer) -> None:
                 progress.update(task, completed=s.step + 1,
                                 info=f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  stage ms [{per_stage}]")
 
-            history = run(cfg, on_step=on_step)
+            history = run(cfg, on_step=on_step, per_rank=per_rank)
         if show and history:
             last = history[-1]
             where = f", checkpoint in {save_dir}" if save_dir else ""
             console.print(f"step {last.step + 1}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s{where}")
+        if report is not None and show and per_rank:
+            from rich.table import Table
+
+            from runtime.report import build_report, summary_rows, write_report
+
+            rep = build_report(the_plan, predict[0], predict[1], per_rank)
+            write_report(rep, report)
+            table = Table(title=f"measured vs predicted ({rep['steps_measured']} steps)")
+            for col in ("", "measured", "predicted", "prediction error"):
+                table.add_column(col, justify="left" if not col else "right")
+            for row in summary_rows(rep):
+                table.add_row(*row)
+            console.print(table)
+            console.print(f"wrote {report}")

@@ -57,6 +57,8 @@ class StepStats:
     """Compute time (forward + backward) of each stage of pipeline 0, from its TP rank 0."""
     peak_saved_bytes: int = 0
     """Peak bytes of activations kept for backward on this rank during the step."""
+    peak_allocated_bytes: int = 0
+    """Peak CUDA memory allocated by this rank during the step (0 on CPU)."""
     recomputed_ops: dict[str, int] = field(default_factory=dict)
     """Operator name -> executions during backward (recomputations) on this rank."""
     tokens: int = 0
@@ -114,6 +116,8 @@ class Engine:
         meter.saved = saved
         stats = StepStats(step=step, loss=0.0, iteration_ms=0.0, forward_ms=[0.0] * m, backward_ms=[0.0] * m,
                           recompute_ms=[0.0] * m, tokens=self.samples_per_step * spec.seq_len)
+        if sync:
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         pending, inflight, loss_sum = [], {}, 0.0
         fwd_src, bwd_src = topo.forward_source(pos), topo.backward_source(pos)
@@ -167,6 +171,7 @@ class Engine:
         stats.loss = float(metrics[0])
         stats.stage_ms = [float(v) for v in metrics[1:]]
         stats.peak_saved_bytes = saved.peak if saved is not None else 0
+        stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device) if sync else 0
         stats.recomputed_ops = dict(meter.recomputed)
         stats.iteration_ms = (time.perf_counter() - start) * 1e3
         meter.saved = None

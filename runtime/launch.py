@@ -61,6 +61,8 @@ class TrainConfig:
     """Collective timeout; a rank stuck longer fails instead of hanging."""
     log_dir: str | None = None
     """Where failing ranks write their tracebacks (a temporary directory when None)."""
+    collect_all_ranks: bool = False
+    """Send every rank's step measurements back (for ``--report``), not just rank 0's."""
 
 
 def prepare(cfg: TrainConfig) -> TrainConfig:
@@ -142,12 +144,18 @@ def _init_group(backend: str, rank: int, world: int, init_method: str, timeout_s
 def _worker(rank: int, world: int, cfg: TrainConfig, device_kind: str, init_method: str, log_dir: str, q) -> None:
     """Entry point of a spawned rank: never raises, reports ('error', rank, line) or ('done', rank)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if os.environ.get("BATON_PIN_CPUS") == "1" and hasattr(os, "sched_setaffinity"):
+        # Measurement runs: one core per rank (round robin), so ranks do not migrate between cores.
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     try:
         device = torch.device(f"cuda:{rank}") if device_kind == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init_group("nccl" if device.type == "cuda" else "gloo", rank, world, init_method, cfg.timeout_s)
-        run_rank(cfg, rank, device, report=lambda s: q.put(("step", asdict(s))))
+        history = run_rank(cfg, rank, device, report=lambda s: q.put(("step", asdict(s))))
+        if cfg.collect_all_ranks:
+            q.put(("rank_stats", rank, [asdict(s) for s in history]))
         dist.barrier()
         q.put(("done", rank))
     except BatonError as exc:
@@ -173,16 +181,20 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def train(cfg: TrainConfig, on_step=None) -> list[StepStats]:
-    """Run ``cfg`` to the end; ``on_step(stats)`` sees every step's rank-0 stats. Returns them."""
+def train(cfg: TrainConfig, on_step=None, per_rank: dict | None = None) -> list[StepStats]:
+    """Run ``cfg`` to the end; ``on_step(stats)`` sees every step's rank-0 stats. Returns them.
+
+    With ``cfg.collect_all_ranks`` and a ``per_rank`` dict, it is filled with rank -> that rank's
+    StepStats of every step (under torchrun, on rank 0 only).
+    """
     cfg = prepare(cfg)
     world = len(cfg.plan.device_ids())
     if under_torchrun():
-        return _train_torchrun(cfg, world, on_step)
-    return _train_spawned(cfg, world, on_step)
+        return _train_torchrun(cfg, world, on_step, per_rank)
+    return _train_spawned(cfg, world, on_step, per_rank)
 
 
-def _train_torchrun(cfg: TrainConfig, world: int, on_step) -> list[StepStats]:
+def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None) -> list[StepStats]:
     env_world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if env_world != world:
         raise BatonError(f"the plan has {world} devices but {env_world} processes were started "
@@ -195,13 +207,18 @@ def _train_torchrun(cfg: TrainConfig, world: int, on_step) -> list[StepStats]:
     _init_group("nccl" if use_cuda else "gloo", rank, world, "env://", cfg.timeout_s)
     try:
         history = run_rank(cfg, rank, device, report=on_step)
+        if cfg.collect_all_ranks:
+            gathered = [None] * world if rank == 0 else None
+            dist.gather_object([asdict(s) for s in history], gathered, dst=0)
+            if rank == 0 and per_rank is not None:
+                per_rank.update({r: [StepStats(**s) for s in h] for r, h in enumerate(gathered)})
         dist.barrier()
         return history
     finally:
         dist.destroy_process_group()
 
 
-def _train_spawned(cfg: TrainConfig, world: int, on_step) -> list[StepStats]:
+def _train_spawned(cfg: TrainConfig, world: int, on_step, per_rank=None) -> list[StepStats]:
     import torch.multiprocessing as mp
 
     device_kind = _choose_device(cfg, world)
@@ -235,6 +252,9 @@ def _train_spawned(cfg: TrainConfig, world: int, on_step) -> list[StepStats]:
                 history.append(stats)
                 if on_step is not None:
                     on_step(stats)
+            elif msg[0] == "rank_stats":
+                if per_rank is not None:
+                    per_rank[msg[1]] = [StepStats(**s) for s in msg[2]]
             elif msg[0] == "done":
                 done.add(msg[1])
             elif msg[0] == "error":

@@ -1,0 +1,189 @@
+"""Does the cost model predict what the runtime does? Predicted vs measured, plan by plan, on this CPU.
+
+Set-up (explicit, because CPU processes share this machine's cores):
+* one torch thread per process, and each process pinned to one core (rank r on core r mod cores;
+  BATON_PIN_CPUS=1), both while profiling and while training, so an operator runs under the same
+  conditions in the table and in the run;
+* the operator table is measured first (``runtime.op_profiler``, median of repetitions after warm-up)
+  for the ``small`` preset (6 layers, width 256, 8 heads, sequence 128, fp32, dropout 0.1) at every
+  micro-batch size and share the plans use; the link is measured over gloo between two processes and
+  written into a copy of clusters/cpu2.yaml (and cpu4 when 4 processes are asked for);
+* each plan trains for ``--steps`` steps; the first is dropped (warm-up) and medians are taken.
+
+Plans: pipelines with even and uneven layers, recomputation on one stage, tensor parallelism with
+even and uneven (3:1) units, and the plan ``baton solve`` picks for this cluster under the measured
+table. Reported per plan: iteration time and activation memory, predicted and measured, with their
+relative errors; then the mean absolute and worst relative error over the plans.
+
+Run: ``python bench/bench_fidelity.py [--steps 6] [--procs 2]``; writes bench/results/fidelity.json
+and bench/results/fidelity.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from baton.cluster import load_cluster  # noqa: E402
+from baton.evaluate import ProfileSet  # noqa: E402
+from baton.model_spec import PRESETS  # noqa: E402
+from baton.plan import DeviceShare, Pipeline, Plan, Stage, load_plan, save_plan, simple_plan, validate  # noqa: E402
+from baton.profile import table_filename, write_table  # noqa: E402
+from runtime.comm_profiler import measure_links  # noqa: E402
+from runtime.launch import TrainConfig, train  # noqa: E402
+from runtime.op_profiler import profile_table  # noqa: E402
+from runtime.report import build_report  # noqa: E402
+
+SPEC = PRESETS["small"]
+ATTN = ["attn_scores", "softmax", "attn_dropout", "attn_v"]
+
+
+def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
+    d = [f"local:{i}" for i in range(procs)]
+    out = {
+        "pp2 3+3": simple_plan(SPEC, cluster=cluster_name, stages=[[(d[0], 1)], [(d[1], 1)]], layers=[3, 3],
+                               units_per_layer=1, micro_batch_size=2, num_microbatches=4),
+        "pp2 4+2, stage 0 recomputes attention": simple_plan(
+            SPEC, cluster=cluster_name, stages=[[(d[0], 1)], [(d[1], 1)]], layers=[4, 2], units_per_layer=1,
+            micro_batch_size=2, num_microbatches=4, recompute={d[0]: ATTN}),
+        "pp2 2+4, mb 4": simple_plan(SPEC, cluster=cluster_name, stages=[[(d[0], 1)], [(d[1], 1)]], layers=[2, 4],
+                                     units_per_layer=1, micro_batch_size=4, num_microbatches=2),
+        "tp2 2:2": simple_plan(SPEC, cluster=cluster_name, stages=[[(d[0], 2), (d[1], 2)]], layers=[6],
+                               units_per_layer=4, micro_batch_size=2, num_microbatches=2),
+        "tp2 3:1, rank 0 recomputes gelu+fc2": simple_plan(
+            SPEC, cluster=cluster_name, stages=[[(d[0], 3), (d[1], 1)]], layers=[6], units_per_layer=4,
+            micro_batch_size=2, num_microbatches=2, recompute={d[0]: ["gelu", "fc2"]}),
+    }
+    if procs >= 4:
+        out["pp2 x tp2 (4 processes)"] = simple_plan(
+            SPEC, cluster=cluster_name, stages=[[(d[0], 2), (d[1], 2)], [(d[2], 2), (d[3], 2)]], layers=[3, 3],
+            units_per_layer=4, micro_batch_size=2, num_microbatches=4)
+    return out
+
+
+def pin(core: int) -> None:
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[core % len(cores)]})
+
+
+def write_cluster(dst: Path, procs: int, link) -> Path:
+    data = yaml.safe_load((ROOT / "clusters" / "cpu2.yaml").read_text())
+    data["name"] = f"cpu{procs}"
+    data["nodes"][0]["gpus"][0]["count"] = procs
+    data["nodes"][0]["gpus"][0]["memory_gib"] = 24 // procs
+    data["nodes"][0]["intra_node_link"] = {"bandwidth_gb_per_s": round(link.bandwidth_gb_per_s, 4),
+                                          "latency_us": round(link.latency_us, 2)}
+    path = dst / f"cpu{procs}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def solver_plan(cluster_path: Path, profiles: Path, out: Path) -> Plan | None:
+    """The plan `baton solve` picks under the measured table (None if the solver is not available)."""
+    cmd = [sys.executable, "-m", "cli", "solve", "--cluster", str(cluster_path), "--model", SPEC.name,
+           "--global-batch", "8", "--profiles", str(profiles), "--out", str(out), "--time-limit", "60"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        print(f"  solver unavailable or failed: {(res.stderr or res.stdout).strip().splitlines()[-1:] }")
+        return None
+    return load_plan(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--procs", type=int, default=2, choices=(2, 4))
+    ap.add_argument("--reps", type=int, default=9, help="repetitions per operator measurement")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    os.environ["BATON_PIN_CPUS"] = "1"
+    work = Path(tempfile.mkdtemp(prefix="baton-fidelity-"))
+    profiles = work / "profiles"
+    t0 = time.time()
+
+    print("measuring the link over gloo ...")
+    link = measure_links(world_size=2)
+    cluster_path = write_cluster(work, args.procs, link)
+    cluster = load_cluster(cluster_path)
+    print(f"  {link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us")
+
+    cases = plans(cluster.name, args.procs)
+    # Every micro-batch size and share the hand plans use, plus those the solver may pick.
+    mbs = sorted({p.micro_batch_size for p in cases.values()} | {1, 2, 4})
+    shares = sorted({d.units / s.units_per_layer for p in cases.values() for s in p.pipelines[0].stages for d in s.devices}
+                    | {0.25, 0.5, 0.75, 1.0})
+    print(f"profiling {SPEC.name} on this CPU (micro-batches {mbs}, shares {shares}) ...")
+    pin(0)
+    table = profile_table(SPEC, device="cpu", micro_batches=tuple(mbs), shares=tuple(shares), warmup=3, reps=args.reps)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    write_table(table, profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len))
+    extra = solver_plan(cluster_path, profiles, work / "solved.json")
+    if extra is not None:
+        cases[f"baton solve (mb {extra.micro_batch_size} x {extra.num_microbatches})"] = extra
+
+    rows = []
+    for name, plan in cases.items():
+        print(f"running {name} ...")
+        per_rank: dict = {}
+        train(TrainConfig(plan=plan, steps=args.steps, seed=0, collect_all_ranks=True, timeout_s=300), per_rank=per_rank)
+        rep = build_report(plan, cluster, ProfileSet(SPEC, directory=profiles), per_rank)
+        act_m = sum(d["measured"]["peak_saved_bytes"] for d in rep["devices"])
+        act_p = sum(d["predicted"]["activation_bytes"] for d in rep["devices"])
+        worst_act = max(abs(d["activation_rel_error"]) for d in rep["devices"])
+        rows.append({
+            "plan": name, "devices": len(plan.device_ids()),
+            "iteration_ms_measured": rep["iteration_time_ms"]["measured"],
+            "iteration_ms_predicted": rep["iteration_time_ms"]["predicted"],
+            "iteration_rel_error": rep["iteration_time_ms"]["rel_error"],
+            "activation_bytes_measured": act_m, "activation_bytes_predicted": act_p,
+            "activation_worst_device_rel_error": worst_act,
+            "stages": rep["stages"], "report": rep,
+        })
+        print(f"  iteration {rep['iteration_time_ms']['measured']:.1f} ms measured, "
+              f"{rep['iteration_time_ms']['predicted']:.1f} ms predicted ({rep['iteration_time_ms']['rel_error']:+.1%}); "
+              f"activations worst device {worst_act:.2%}")
+
+    it_err = [abs(r["iteration_rel_error"]) for r in rows]
+    act_err = [r["activation_worst_device_rel_error"] for r in rows]
+    summary = {
+        "iteration_time_mean_abs_rel_error": statistics.mean(it_err), "iteration_time_worst_abs_rel_error": max(it_err),
+        "activation_mean_abs_rel_error": statistics.mean(act_err), "activation_worst_abs_rel_error": max(act_err),
+        "targets": {"iteration_mean": 0.05, "iteration_worst": 0.10, "activation": 0.02},
+    }
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(), "threads_per_process": 1,
+           "pinned": True, "model": SPEC.to_dict(), "steps": args.steps, "link": link.to_dict(), "seconds": round(time.time() - t0, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fidelity.json").write_text(json.dumps({"summary": summary, "environment": env, "plans": rows}, indent=2) + "\n")
+    lines = ["| plan | devices | iteration ms measured | predicted | error | activations MiB measured | predicted | worst device error |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['plan']} | {r['devices']} | {r['iteration_ms_measured']:.1f} | {r['iteration_ms_predicted']:.1f} | "
+                     f"{r['iteration_rel_error']:+.1%} | {r['activation_bytes_measured'] / 2**20:.2f} | "
+                     f"{r['activation_bytes_predicted'] / 2**20:.2f} | {r['activation_worst_device_rel_error']:.2%} |")
+    lines += ["", f"Iteration time: mean absolute error {summary['iteration_time_mean_abs_rel_error']:.1%}, worst "
+              f"{summary['iteration_time_worst_abs_rel_error']:.1%} (targets 5% / 10%). Activation memory: mean "
+              f"{summary['activation_mean_abs_rel_error']:.2%}, worst {summary['activation_worst_abs_rel_error']:.2%} (target 2%).",
+              "", f"Model `{SPEC.name}` (fp32), {args.procs} CPU processes, one thread each, pinned; link measured over gloo: "
+              f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us; {args.steps} steps per plan, first dropped."]
+    (args.out / "fidelity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""``baton train --report``: what the runtime measured next to what the evaluator predicts for the plan.
+
+Measured figures are medians over the steps after the first (the first pays for warm-up). Per device:
+forward, backward (recomputation included) and recomputation time per micro-batch, and the peak bytes
+of activations kept for backward; per stage: compute time of one micro-batch (TP rank 0's forward +
+backward, all-reduces included); and the iteration time. Predicted figures are the evaluator's for
+the same plan, cluster and profiles (docs/cost-model.md).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+
+from baton.cluster import ClusterSpec
+from baton.evaluate import ProfileSet, evaluate
+from baton.plan import Plan, write_atomically
+from runtime.engine import StepStats
+
+
+def _rel(measured: float, predicted: float) -> float | None:
+    return (predicted - measured) / measured if measured else None
+
+
+def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_rank: dict[int, list[StepStats]]) -> dict:
+    """The report as one JSON-ready dict."""
+    pred = evaluate(plan, cluster, profiles)
+    ids = plan.device_ids()
+    m = plan.num_microbatches
+    steps = {r: (h[1:] if len(h) > 1 else h) for r, h in per_rank.items()}
+    rank0 = steps[0]
+    measured_iter = statistics.median(s.iteration_ms for s in rank0)
+    devices = []
+    for rank, dev_id in enumerate(ids):
+        hist = steps.get(rank, [])
+        p = next(d for d in pred.devices if d.id == dev_id)
+        fwd = statistics.median(statistics.mean(s.forward_ms) for s in hist) if hist else None
+        bwd = statistics.median(statistics.mean(s.backward_ms) for s in hist) if hist else None
+        rec = statistics.median(statistics.mean(s.recompute_ms) for s in hist) if hist else None
+        saved = max(s.peak_saved_bytes for s in hist) if hist else None
+        alloc = max(s.peak_allocated_bytes for s in hist) if hist else 0
+        devices.append({
+            "id": dev_id, "rank": rank, "pipeline": p.pipeline, "stage": p.stage,
+            "measured": {"fwd_ms": fwd, "bwd_ms": bwd, "recompute_ms": rec, "peak_saved_bytes": saved,
+                         "peak_allocated_bytes": alloc},
+            "predicted": {"fwd_ms": p.fwd_ms, "bwd_ms": p.bwd_ms + p.recompute_ms, "recompute_ms": p.recompute_ms,
+                          "activation_bytes": p.activation_bytes, "peak_memory_bytes": p.peak_memory_bytes},
+            "activation_rel_error": _rel(saved, p.activation_bytes) if saved else None,
+        })
+    stages = []
+    for s in pred.stages:
+        if s.pipeline != 0:
+            continue
+        measured_stage = statistics.median(st.stage_ms[s.index] for st in rank0) / m
+        stages.append({"index": s.index, "devices": s.devices,
+                       "measured_ms": measured_stage, "predicted_ms": s.fwd_ms + s.bwd_ms,
+                       "rel_error": _rel(measured_stage, s.fwd_ms + s.bwd_ms)})
+    return {
+        "plan": {"model": plan.model.name, "cluster": plan.cluster, "global_batch": plan.global_batch,
+                 "micro_batch_size": plan.micro_batch_size, "num_microbatches": m, "devices": ids},
+        "steps_measured": len(rank0),
+        "iteration_time_ms": {"measured": measured_iter, "predicted": pred.iteration_time_ms,
+                              "rel_error": _rel(measured_iter, pred.iteration_time_ms)},
+        "tokens_per_s": {"measured": plan.global_batch * plan.model.seq_len / measured_iter * 1e3,
+                         "predicted": pred.tokens_per_s},
+        "stages": stages,
+        "devices": devices,
+        "prediction": pred.to_dict(),
+    }
+
+
+def write_report(report: dict, path) -> None:
+    write_atomically(path, json.dumps(report, indent=2) + "\n")
+
+
+def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
+    """(what, measured, predicted, error) lines for the console."""
+    def pct(x):
+        return "-" if x is None else f"{x:+.1%}"
+    it = report["iteration_time_ms"]
+    rows = [("iteration ms", f"{it['measured']:.1f}", f"{it['predicted']:.1f}", pct(it["rel_error"]))]
+    for s in report["stages"]:
+        rows.append((f"stage {s['index']} ms / micro-batch", f"{s['measured_ms']:.2f}", f"{s['predicted_ms']:.2f}", pct(s["rel_error"])))
+    for d in report["devices"]:
+        if d["measured"]["peak_saved_bytes"] is not None:
+            rows.append((f"{d['id']} activations MiB", f"{d['measured']['peak_saved_bytes'] / 2**20:.2f}",
+                         f"{d['predicted']['activation_bytes'] / 2**20:.2f}", pct(d["activation_rel_error"])))
+    return rows
