@@ -145,9 +145,11 @@ def _worker(rank: int, world: int, cfg: TrainConfig, device_kind: str, init_meth
     """Entry point of a spawned rank: never raises, reports ('error', rank, line) or ('done', rank)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if os.environ.get("BATON_PIN_CPUS") == "1" and hasattr(os, "sched_setaffinity"):
-        # Measurement runs: one core per rank (round robin), so ranks do not migrate between cores.
+        # Measurement runs: one core and one thread per rank (round robin), so ranks neither migrate
+        # nor oversubscribe their core (two OpenMP threads spinning on one core is ~30x slower).
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        torch.set_num_threads(1)
     try:
         device = torch.device(f"cuda:{rank}") if device_kind == "cuda" else torch.device("cpu")
         if device.type == "cuda":

@@ -81,8 +81,25 @@ def _as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def backward_call_overhead_ms(device: torch.device, *, warmup: int = 3, reps: int = 25) -> float:
+    """Time of ``autograd.backward`` on a one-element graph: the fixed cost of starting a backward pass.
+
+    Timing one operator's backward alone pays it once per operator; inside a layer the whole stage's
+    backward is one call, so the profiler subtracts it from every operator's backward time.
+    """
+    timer = _Timer(device)
+    x = torch.ones(1, device=device, requires_grad=True)
+    times = []
+    for i in range(warmup + reps):
+        y = x * 2.0
+        t = timer(lambda: y.backward())
+        if i >= warmup:
+            times.append(t)
+    return statistics.median(times)
+
+
 def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[], list[torch.Tensor]], params: list[torch.Tensor],
-            device: torch.device, *, warmup: int, reps: int) -> Measurement:
+            device: torch.device, *, warmup: int, reps: int, backward_overhead_ms: float = 0.0) -> Measurement:
     """Time forward and backward of ``fn(inputs)``; inputs are rebuilt for every repetition."""
     timer = _Timer(device)
     saved, outs = _saved_bytes(lambda: _as_tuple(fn(make_inputs())), params)
@@ -100,7 +117,8 @@ def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[],
         if i >= warmup:
             fwd.append(t_f)
             bwd.append(t_b)
-    return Measurement(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), saved_bytes=saved, output_bytes=output_bytes)
+    bwd_ms = max(statistics.median(bwd) - backward_overhead_ms, 0.0) if any(bwd) else 0.0
+    return Measurement(fwd_ms=statistics.median(fwd), bwd_ms=bwd_ms, saved_bytes=saved, output_bytes=output_bytes)
 
 
 def local_sizes(spec: ModelSpec, share: float) -> tuple[int, int]:
@@ -128,7 +146,7 @@ def _init(module: torch.nn.Module, seed: int) -> None:
 
 
 def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share: float, *, warmup: int, reps: int,
-                  seed: int = 0) -> dict[str, Measurement]:
+                  seed: int = 0, backward_overhead_ms: float = 0.0) -> dict[str, Measurement]:
     """Measure every operator of one layer at one (micro-batch, share)."""
     dtype = TORCH_DTYPES[spec.dtype]
     nh, nf = local_sizes(spec, share)
@@ -150,7 +168,8 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
         def make_inputs(values=values):
             return [v.detach().requires_grad_(v.is_floating_point()) for v in values.values()]
 
-        results[op.name] = measure(lambda xs, f=fn_op: f(mb, *xs), make_inputs, params, device, warmup=warmup, reps=reps)
+        results[op.name] = measure(lambda xs, f=fn_op: f(mb, *xs), make_inputs, params, device, warmup=warmup, reps=reps,
+                                   backward_overhead_ms=backward_overhead_ms)
         env.update(zip(op.outputs, outs))
         for partial_name, full_name in ALLREDUCE_OUTPUTS.items():
             if partial_name in env:
@@ -158,7 +177,8 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
     return results
 
 
-def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, *, warmup: int, reps: int, seed: int = 0) -> dict[str, Measurement]:
+def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, *, warmup: int, reps: int, seed: int = 0,
+                  backward_overhead_ms: float = 0.0) -> dict[str, Measurement]:
     """The embedding of the first stage and the head (final LayerNorm, tied LM head, loss) of the last."""
     dtype = TORCH_DTYPES[spec.dtype]
     g = _seeded(seed + 2)
@@ -176,8 +196,10 @@ def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, *, wa
         return F.cross_entropy(logits.float().reshape(-1, spec.vocab_size), tokens.reshape(-1))
 
     return {
-        EMBEDDING: measure(lambda xs: first(tokens, mb), lambda: [], list(first.parameters()), device, warmup=warmup, reps=reps),
-        HEAD: measure(head, lambda: [x.detach().requires_grad_()], list(last.parameters()), device, warmup=warmup, reps=reps),
+        EMBEDDING: measure(lambda xs: first(tokens, mb), lambda: [], list(first.parameters()), device, warmup=warmup, reps=reps,
+                           backward_overhead_ms=backward_overhead_ms),
+        HEAD: measure(head, lambda: [x.detach().requires_grad_()], list(last.parameters()), device, warmup=warmup, reps=reps,
+                      backward_overhead_ms=backward_overhead_ms),
     }
 
 
@@ -193,12 +215,13 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
         local_sizes(spec, s)
     name = gpu_name or ("cpu" if dev.type == "cpu" else torch.cuda.get_device_name(dev).lower().replace(" ", "-"))
     ops = {o.name: o for o in layer_operators(spec)}
+    overhead = backward_call_overhead_ms(dev)
     rows = []
     total = len(micro_batches) * (len(shares) + 1)
     done = 0
     for b in sorted(micro_batches):
         for share in sorted(shares):
-            for op_name, m in profile_layer(spec, dev, b, share, warmup=warmup, reps=reps).items():
+            for op_name, m in profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead).items():
                 op = ops[op_name]
                 if not op.tp_split and share != max(shares):
                     continue  # replicated operators are the same at every share: one row at share 1
@@ -208,7 +231,7 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
             done += 1
             if progress:
                 progress(done, total)
-        for op_name, m in profile_edges(spec, dev, b, warmup=warmup, reps=reps).items():
+        for op_name, m in profile_edges(spec, dev, b, warmup=warmup, reps=reps, backward_overhead_ms=overhead).items():
             params = (spec.vocab_size * spec.hidden_dim + spec.seq_len * spec.hidden_dim) * spec.dtype_bytes if op_name == EMBEDDING \
                 else 2 * spec.hidden_dim * spec.dtype_bytes
             rows.append((name, spec.name, op_name, b, spec.seq_len, 1.0, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params, "measured"))
