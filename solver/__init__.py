@@ -1,0 +1,1 @@
+"""The three-level MILP planner (``baton solve``) and its baselines; see solver/README.md."""

@@ -1,0 +1,242 @@
+"""Cheap lower bounds on the iteration time of a (micro-batch, skeleton) candidate.
+
+They let the outer search skip candidates without building their MILP. Each bound relaxes the model
+(docs/cost-model.md) so it never exceeds the best plan of the candidate:
+  * per-layer stage time >= the stage's time with no recomputation, at the most favourable shares
+    (for a mixed group: sum over blocks of the max over devices >= max over devices of the sum, and the
+    shares must add up to one, eq. 2/9);
+  * a stage holds at most as many layers as fit with its least memory-hungry choice (eq. 8);
+  * 1F1B (eq. 1): every stage runs m forwards and m backwards, so makespan >= m (F_s + B_s); and for
+    every stage b, makespan >= sum over all stages of (F_s + B_s) + all links + (m - 1 - w_b)(F_b + B_b)
+    where w_b = min(p - b - 1, m) is b's warm-up count: the first micro-batch must reach b, the last must
+    leave it, the chain after b's last forward crosses every later stage twice, and b runs at least
+    m - 1 - w_b backwards before its last forward.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from baton.cluster import ClusterSpec
+from baton.costmodel import (ALLREDUCES_PER_LAYER, activation_bytes, allreduce_ms, in_flight_microbatches,
+                             optimizer_step_ms, p2p_ms)
+from baton.evaluate import ProfileSet
+from baton.model_spec import ModelSpec
+from baton.operators import EMBEDDING, HEAD, layer_operators
+
+from solver.instance import Skeleton
+from solver.options import RecomputeSpace, Slot, approx_max_layers, share_table, valid_unit_counts
+
+
+def _layer_ms(profile, spec, mb, share, part="fb") -> float:
+    """fwd + bwd (part 'fb') or bwd only (part 'b') of one layer, no recomputation."""
+    total = 0.0
+    for o in layer_operators(spec):
+        c = profile.cost(o.name, mb, share if o.tp_split else 1.0)
+        total += (c.fwd_ms if part == "fb" else 0.0) + c.bwd_ms
+    return total
+
+
+def stage_layer_lower_bound(spec, cluster, profiles, mb, ids, part="fb") -> float:
+    """Smallest possible per-layer F + B (or B alone) of a TP group, all-reduces included, memory ignored."""
+    n = len(ids)
+    Umax = max(valid_unit_counts(spec))
+    ar = allreduce_ms(activation_bytes(spec, mb), n, cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER * (2 if part == "fb" else 1)
+    if n == 1:
+        return _layer_ms(profiles[cluster.device(ids[0]).gpu.name], spec, mb, 1.0, part) + ar
+    if n > Umax:
+        return float("inf")
+    # g_d(k) = time of device d at share k/Umax; find min t with sum_d max{k : g_d(k) <= t} >= Umax.
+    tables = []
+    for i in ids:
+        prof = profiles[cluster.device(i).gpu.name]
+        tables.append([_layer_ms(prof, spec, mb, k / Umax, part) for k in range(1, Umax - n + 2)])
+    for t in sorted({v for tab in tables for v in tab}):
+        total = 0
+        for tab in tables:
+            ks = [k + 1 for k, v in enumerate(tab) if v <= t]
+            if not ks:
+                total = -1
+                break
+            total += max(ks)
+        if total >= Umax:
+            return t + ar
+    return float("inf")
+
+
+def stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space: RecomputeSpace, N: int, tied: bool) -> int:
+    """Upper bound on the layers stage s can hold: every device at its least memory-hungry recompute set,
+    maximised over the shares it may get (only the equal share when the stage is tied, see instance.py)."""
+    Umax = max(valid_unit_counts(spec))
+    n = len(ids)
+    shares = [1.0 / n] if tied else [k / Umax for k in range(1, Umax - n + 2)]
+    if not shares:
+        return -1
+    cap = N
+    for i in ids:
+        dev = cluster.device(i)
+        slot = Slot(profile=profiles[dev.gpu.name], memory_bytes=dev.memory_bytes, reserve_bytes=dev.reserve_bytes,
+                    in_flight=in_flight_microbatches(s, p, m), first=s == 0, last=s == p - 1)
+        best = max(int(approx_max_layers(share_table(slot.profile, spec, mb, sh, space), slot, spec, mb, N).max()) for sh in shares)
+        cap = min(cap, best + 1 if best >= 0 else -1)  # +1: the vectorised count may be one short
+    return cap
+
+
+class BoundCache:
+    """Memo of per-group figures: many skeletons share the same TP groups."""
+
+    def __init__(self):
+        self.tau: dict = {}
+        self.cap: dict = {}
+        self.per_layer: dict = {}
+
+
+def _group_key(cluster, ids):
+    devs = [cluster.device(i) for i in ids]
+    link = cluster.slowest_link(list(ids))
+    return (tuple(sorted((d.gpu.name, d.memory_bytes, d.reserve_bytes) for d in devs)),
+            (link.bandwidth_gb_per_s, link.latency_us) if link else None)
+
+
+def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, mb: int,
+                          global_batch: int, space: RecomputeSpace, cache: BoundCache | None = None,
+                          monotone: dict | None = None) -> float:
+    cache = cache or BoundCache()
+    r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
+    m = global_batch // (mb * r)
+    lo = [N] if p == 1 else [0] + [1] * (p - 2) + [0]
+    if sum(lo) > N:
+        return float("inf")
+    act = activation_bytes(spec, mb)
+    best = 0.0
+    for pipe in skeleton.pipelines:
+        tau, tau_b, edge, edge_b, cap, per_fb, per_b = [], [], [], [], [], [], []
+        for s, ids in enumerate(pipe):
+            gk = _group_key(cluster, ids)
+            if (mb, gk) not in cache.tau:
+                cache.tau[mb, gk] = (stage_layer_lower_bound(spec, cluster, profiles, mb, ids),
+                                     stage_layer_lower_bound(spec, cluster, profiles, mb, ids, "b"))
+            tau.append(cache.tau[mb, gk][0])
+            tau_b.append(cache.tau[mb, gk][1])
+            e = eb = 0.0
+            for i in ids:
+                prof = profiles[cluster.device(i).gpu.name]
+                v = vb = 0.0
+                if s == 0:
+                    c = prof.cost(EMBEDDING, mb)
+                    v, vb = v + c.fwd_ms + c.bwd_ms, vb + c.bwd_ms
+                if s == p - 1:
+                    c = prof.cost(HEAD, mb)
+                    v, vb = v + c.fwd_ms + c.bwd_ms, vb + c.bwd_ms
+                e, eb = max(e, v), max(eb, vb)
+            edge.append(e)
+            edge_b.append(eb)
+            Umax = max(valid_unit_counts(spec))
+            tied = (len(gk[0]) == 1 or len(set(gk[0])) == 1) and Umax % len(ids) == 0 and bool(monotone and monotone.get(gk[0][0][0]))
+            ck = (mb, gk[0], s == 0, s == p - 1, in_flight_microbatches(s, p, m), tied)
+            if ck not in cache.cap:
+                cache.cap[ck] = stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space, N, tied)
+            cap.append(cache.cap[ck])
+            if tied:
+                if ck not in cache.per_layer:
+                    cache.per_layer[ck] = tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N)
+                fb, bb = cache.per_layer[ck]
+                per_fb.append(np.maximum(fb, tau[-1]))
+                per_b.append(np.maximum(bb, tau_b[-1]))
+            else:
+                per_fb.append(np.full(N + 1, tau[-1]))
+                per_b.append(np.full(N + 1, tau_b[-1]))
+        tau, edge, cap, lo_a = np.array(tau), np.array(edge), np.array(cap), np.array(lo)
+        tau_b, edge_b = np.array(tau_b), np.array(edge_b)
+        if np.any(cap < lo_a) or cap.sum() < N or not np.all(np.isfinite(tau)):
+            return float("inf")
+        Ls = np.arange(N + 1)
+        with np.errstate(invalid="ignore"):
+            c = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_fb), 0.0) + edge[:, None]
+            cb = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_b), 0.0) + edge_b[:, None]
+        links = sum(p2p_ms(cluster, list(pipe[s]), list(pipe[s + 1]), act) + p2p_ms(cluster, list(pipe[s + 1]), list(pipe[s]), act)
+                    for s in range(p - 1))
+        best = max(best, _pipeline_bound(c, tau, edge, cap, lo_a, N, m, p), _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p) + links)
+    emb = 0.0
+    if p > 1:
+        tied = spec.vocab_size * spec.hidden_dim * spec.dtype_bytes
+        emb = max(allreduce_ms(tied, len(pp[0]) + len(pp[-1]), cluster.slowest_link(list(pp[0]) + list(pp[-1]))) for pp in skeleton.pipelines)
+    opt = 0.0
+    for pipe in skeleton.pipelines:
+        for s, ids in enumerate(pipe):
+            for i in ids:
+                dev = cluster.device(i)
+                prof = profiles[dev.gpu.name]
+                w = (prof.cost(EMBEDDING, mb).param_bytes if s == 0 else 0.0) + (prof.cost(HEAD, mb).param_bytes if s == p - 1 else 0.0)
+                opt = max(opt, optimizer_step_ms(w, spec, dev.gpu.memory_bandwidth_gb_per_s))
+    return best + emb + opt
+
+
+def _fill_cost(tau, edge, caps, lo, N):
+    """min sum_s (L_s tau_s + E_s) with lo <= L <= caps, sum L = N (caps: rows = scenarios); inf if impossible."""
+    caps = np.atleast_2d(caps)
+    order = np.argsort(tau, kind="stable")
+    extra = np.clip(caps - lo, 0, None)[:, order]
+    need = N - lo.sum()
+    before = np.cumsum(extra, axis=1) - extra
+    take = np.clip(need - before, 0, extra)
+    cost = (take * tau[order]).sum(axis=1) + (lo * tau).sum() + edge.sum()
+    feasible = (extra.sum(axis=1) >= need) & np.all(caps >= lo, axis=1)
+    return np.where(feasible, cost, np.inf)
+
+
+def _caps_from(values, term, cap):
+    """Largest L per stage with term[s, L] <= T for each threshold T (term non-decreasing in L)."""
+    out = np.empty((len(values), term.shape[0]))
+    for s in range(term.shape[0]):
+        out[:, s] = np.searchsorted(term[s], values, side="right") - 1
+    return np.minimum(out, cap[None, :])
+
+
+def _pipeline_bound(c, tau, edge, cap, lo, N, m, p) -> float:
+    """m * min over splits of max_s c_s(L_s)."""
+    values = np.unique(c[np.isfinite(c)])
+    caps = _caps_from(values, c, cap)
+    ok = np.isfinite(_fill_cost(tau, edge, caps, lo, N))
+    if not ok.any():
+        return float("inf")
+    return m * float(values[np.argmax(ok)])
+
+
+def _chain_bound(c, cb, tau, edge, cap, lo, N, m, p) -> float:
+    """min over splits of [sum_s c_s + max_b ((m - 1 - w_b) c_b + w_b B_b)], w_b = min(p - b - 1, m - 1).
+
+    For stage b: its first backward cannot start before micro-batch 0 has gone forward through b and
+    forward and backward through every later stage; after that b still runs m backwards and
+    m - 1 - w_b forwards; then the last backward goes down through the earlier stages.
+    The sum is bounded below with each stage's cheapest per-layer time (tau), the max term exactly.
+    """
+    w = np.array([min(p - b - 1, m - 1) for b in range(p)], dtype=float)
+    k = m - 1 - w
+    with np.errstate(invalid="ignore"):
+        term = k[:, None] * c + w[:, None] * cb
+    term = np.where(np.isnan(term), np.inf, term)
+    values = np.unique(np.concatenate([[0.0], term[np.isfinite(term)]]))
+    caps = _caps_from(values, term, cap)
+    cost = _fill_cost(tau, edge, caps, lo, N)
+    total = values + cost
+    return float(total.min()) if np.isfinite(total).any() else float("inf")
+
+
+def tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N):
+    """For a tied stage (equal shares, one recompute set): per-layer F + B and B alone as functions of
+    the layer count L: the cheapest recompute set that still fits L layers (eq. 8), all-reduces included."""
+    n = len(ids)
+    dev = cluster.device(ids[0])
+    slot = Slot(profile=profiles[dev.gpu.name], memory_bytes=dev.memory_bytes, reserve_bytes=dev.reserve_bytes,
+                in_flight=in_flight_microbatches(s, p, m), first=s == 0, last=s == p - 1)
+    t = share_table(slot.profile, spec, mb, 1.0 / n, space)
+    ar = allreduce_ms(activation_bytes(spec, mb), n, cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER
+    fits = approx_max_layers(t, slot, spec, mb, N) + 1  # +1: never tighter than the exact count
+    b_all = sum(t.bwd) + t.rec_attn + t.rec_mlp + ar
+    fb_all = sum(t.fwd) + ar + b_all
+    fb, bb = np.full(N + 1, np.inf), np.full(N + 1, np.inf)
+    for L in range(N + 1):
+        ok = fits >= L
+        if ok.any():
+            fb[L], bb[L] = fb_all[ok].min(), b_all[ok].min()
+    return fb, bb

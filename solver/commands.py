@@ -1,0 +1,100 @@
+"""``baton solve``: find the fastest plan that fits, with a proven gap, or one of the baselines."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from baton.cli_support import console, guarded
+from baton.cluster import load_cluster
+from baton.commands import render_report
+from baton.errors import BatonError
+from baton.evaluate import ProfileSet
+from baton.model_spec import load_model
+from baton.plan import save_plan
+
+STRATEGIES = ("baton", "megatron", "hethub", "hap", "exhaustive")
+
+
+def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, micro_batch: int | None,
+                 time_limit: float, gap: float, threads: int):
+    """Dispatch to the planner or a baseline; every result has been re-checked by baton.evaluate."""
+    from solver import baselines
+    from solver.search import search
+
+    if strategy == "baton":
+        return search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit,
+                      gap=gap, threads=threads)
+    if strategy == "megatron":
+        return baselines.megatron(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
+    if strategy == "hethub":
+        return baselines.hethub(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch,
+                                time_limit=time_limit, gap=gap, threads=threads)
+    if strategy == "hap":
+        return baselines.hap(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, threads=threads)
+    if strategy == "exhaustive":
+        return baselines.exhaustive(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
+    raise BatonError(f"unknown strategy '{strategy}' (choose one of {', '.join(STRATEGIES)})", field="--strategy")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("solve")
+    @guarded
+    def solve_cmd(
+        cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster spec YAML.")],
+        model: Annotated[str, typer.Option("--model", "-m", help="Preset name or model YAML.")],
+        global_batch: Annotated[int, typer.Option(help="Samples per iteration.")] = 64,
+        micro_batch: Annotated[Optional[int], typer.Option(help="Samples per micro-batch (default: the solver chooses).")] = None,
+        seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (needs profiles for it; default: the model's).")] = None,
+        time_limit: Annotated[float, typer.Option(help="Seconds for the whole search.")] = 60.0,
+        gap: Annotated[float, typer.Option(help="Relative optimality gap at which to stop (0 = prove optimal).")] = 1e-4,
+        threads: Annotated[int, typer.Option(help="Solver threads.")] = 2,
+        strategy: Annotated[str, typer.Option(help="baton | megatron | hethub | hap | exhaustive.")] = "baton",
+        profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: the shipped profiles/).")] = None,
+        out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    ) -> None:
+        """Plan the fastest training iteration that fits in every GPU's memory (three-level MILP)."""
+        if strategy not in STRATEGIES:
+            raise BatonError(f"unknown strategy '{strategy}' (choose one of {', '.join(STRATEGIES)})", field="--strategy")
+        if global_batch <= 0:
+            raise BatonError("must be positive", field="--global-batch")
+        if time_limit <= 0:
+            raise BatonError("must be positive", field="--time-limit")
+        if not 0 <= gap < 1:
+            raise BatonError("must be in [0, 1)", field="--gap")
+        if threads <= 0:
+            raise BatonError("must be positive", field="--threads")
+        if seq_len is not None and seq_len <= 0:
+            raise BatonError("must be positive", field="--seq-len")
+        if profiles is not None and not profiles.is_dir():
+            raise BatonError("not a directory", source=str(profiles), field="--profiles")
+        spec = load_model(model)
+        if seq_len is not None and seq_len != spec.seq_len:
+            spec = spec.with_overrides(seq_len=seq_len)
+        c = load_cluster(cluster)
+        profile_set = ProfileSet(spec, directory=profiles)
+        for g in c.gpu_types:  # fail early, one line, naming the missing table
+            prof = profile_set[g]
+            if prof.seq_len != spec.seq_len:
+                raise BatonError(f"the profile is for seq_len {prof.seq_len}, not {spec.seq_len}", source=prof.source, field="--seq-len")
+        result = run_strategy(strategy, spec, c, profile_set, global_batch=global_batch, micro_batch=micro_batch,
+                              time_limit=time_limit, gap=gap, threads=threads)
+        if out is not None:
+            save_plan(result.plan, out)
+        rep = result.report
+        if as_json:
+            print(json.dumps({"plan": result.plan.to_dict(), "solver": result.info(), "report": rep.to_dict()}, indent=2))
+            return
+        render_report(rep, title=f"{strategy}: {spec.name} on {c.name}: {result.plan.global_batch} samples x {spec.seq_len} tokens, "
+                                 f"micro-batch {result.plan.micro_batch_size} x {result.plan.num_microbatches}")
+        units = {d.id: (d.units, s.units_per_layer) for p in result.plan.pipelines for s in p.stages for d in s.devices}
+        console.print("units: " + "  ".join(f"{k} {u}/{U}" for k, (u, U) in units.items()), highlight=False)
+        console.print(
+            f"solver: [bold]{result.status}[/] (strategy {strategy}, {result.family}), proven gap {result.gap:.3%}, "
+            f"bound {result.bound_ms:.1f} ms, build {result.build_s:.2f} s, solve {result.solve_s:.2f} s, total {result.total_s:.2f} s, "
+            f"{result.candidates} candidates, {result.solved} MILPs, {result.pruned} pruned by bound", highlight=False)
+        if out is not None:
+            console.print(f"wrote {out}", highlight=False)

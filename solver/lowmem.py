@@ -1,0 +1,79 @@
+"""The least memory-hungry plan we can write down, used only to explain why nothing fits."""
+from __future__ import annotations
+
+import numpy as np
+
+from baton.costmodel import in_flight_microbatches, layer_cost
+from baton.plan import DeviceShare, Pipeline, Plan, Stage
+
+from solver.options import RecomputeSpace, Slot, peak_bytes, share_table, valid_unit_counts
+
+
+def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: int, space: RecomputeSpace) -> Plan:
+    """Every device its own stage (TP groups only when there are more devices than layers), larger memory
+    first (early stages hold more micro-batches), the recompute set holding the fewest bytes, and layers
+    spread so that the largest overflow over capacity is as small as possible."""
+    N = spec.num_layers
+    devices = sorted(cluster.devices, key=lambda d: (-(d.memory_bytes - d.reserve_bytes), d.id))
+    Us = valid_unit_counts(spec)
+    q = 1
+    while -(-len(devices) // q) > N + 2 and q < max(Us):
+        q += 1
+    groups = [devices[i:i + q] for i in range(0, len(devices), q)]
+    p = len(groups)
+    m = global_batch // micro_batch
+    U = min(u for u in Us if u >= max(len(g) for g in groups))
+    stage_devs = []
+    for s, g in enumerate(groups):
+        n = len(g)
+        units = [U // n + (1 if k < U % n else 0) for k in range(n)]
+        rows = []
+        for dev, u in zip(g, units):
+            prof = profiles[dev.gpu.name]
+            t = share_table(prof, spec, micro_batch, u / U, space)
+            i = int(np.lexsort((t.transient, t.held))[0])
+            rset = space.recompute_set(i)
+            lc = layer_cost(prof, spec, micro_batch, u / U, rset)
+            slot = Slot(profile=prof, memory_bytes=dev.memory_bytes, reserve_bytes=dev.reserve_bytes,
+                        in_flight=in_flight_microbatches(s, p, m), first=s == 0, last=s == p - 1)
+            rows.append((dev, u, rset, lc, slot))
+        stage_devs.append(rows)
+
+    lo = [N] if p == 1 else [0] + [1] * (p - 2) + [0]
+
+    def over(s, L):
+        return max(peak_bytes(slot, spec, micro_batch, lc, L) - slot.memory_bytes for _, _, _, lc, slot in stage_devs[s])
+
+    def split(theta):
+        caps = []
+        for s in range(p):
+            L = lo[s]
+            while L < N and over(s, L + 1) <= theta:
+                L += 1
+            caps.append(L)
+        if sum(caps) < N:
+            return None
+        layers, left = list(lo), N - sum(lo)
+        for s in range(p):
+            add = min(left, caps[s] - lo[s])
+            layers[s] += add
+            left -= add
+        return layers
+
+    hi = max(over(s, N) for s in range(p)) + 1.0
+    low = min(over(s, lo[s]) for s in range(p)) - 1.0
+    layers = split(hi)
+    for _ in range(60):
+        mid = (low + hi) / 2
+        got = split(mid)
+        if got is None:
+            low = mid
+        else:
+            hi, layers = mid, got
+    stages, first = [], 0
+    for s, rows in enumerate(stage_devs):
+        stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
+            DeviceShare(id=dev.id, units=u, recompute=tuple(o for o in space.ops if o in rset)) for dev, u, rset, _, _ in rows)))
+        first += layers[s]
+    return Plan(model=spec, cluster=cluster.name, micro_batch_size=micro_batch, num_microbatches=m,
+                pipelines=(Pipeline(stages=tuple(stages)),))

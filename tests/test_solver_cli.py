@@ -1,0 +1,87 @@
+"""`baton solve` end to end on the reference cluster, its baselines, and its user errors."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from baton.cluster import load_cluster
+from baton.evaluate import ProfileSet, evaluate
+from baton.model_spec import PRESETS
+from baton.plan import load_plan
+from tests.conftest import ROOT, run_cli
+
+CLUSTER = ROOT / "clusters" / "a100x2_t4x2.yaml"
+
+
+def test_solve_reference_cluster_writes_a_checked_plan(tmp_path):
+    out = tmp_path / "plan.json"
+    code, stdout, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--out", out)
+    assert code == 0, stderr
+    assert "optimal" in stdout and "proven gap" in stdout and "efficiency vs ideal" in stdout
+    plan = load_plan(out)
+    assert plan.global_batch == 64
+    for key in ("strategy", "objective_ms", "gap", "status", "build_s", "solve_s"):
+        assert key in plan.info
+    rep = evaluate(plan, load_cluster(CLUSTER), ProfileSet(plan.model))
+    assert rep.fits
+    assert math.isclose(rep.iteration_time_ms, plan.info["objective_ms"], rel_tol=1e-6)
+    # The hand-made example plan takes ~11.9 s; the solver must do better than that and reach 90% of ideal.
+    assert rep.iteration_time_ms < 11_000 and rep.efficiency_vs_ideal >= 0.9
+
+
+def test_solve_json_output():
+    code, stdout, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--json", "--micro-batch", "1",
+                                   "--gap", "0.01")
+    assert code == 0, stderr
+    data = json.loads(stdout)
+    assert data["solver"]["status"] == "optimal"
+    assert data["plan"]["micro_batch_size"] == 1
+    assert data["report"]["fits"]
+
+
+@pytest.mark.parametrize("strategy", ["megatron", "hethub", "hap"])
+def test_baselines_fit_and_are_never_faster_than_baton(strategy):
+    from solver.commands import run_strategy
+
+    spec = PRESETS["gpt3-1.3b"]
+    cluster = load_cluster(CLUSTER)
+    profiles = ProfileSet(spec)
+    base = run_strategy(strategy, spec, cluster, profiles, global_batch=64, micro_batch=None, time_limit=60, gap=1e-4, threads=2)
+    assert base.report.fits
+    best = run_strategy("baton", spec, cluster, profiles, global_batch=64, micro_batch=None, time_limit=60, gap=1e-4, threads=2)
+    assert best.report.iteration_time_ms <= base.report.iteration_time_ms * (1 + 1e-4)
+    if strategy == "megatron":
+        stages = [s for p in base.plan.pipelines for s in p.stages]
+        assert len({s.num_layers for s in stages}) == 1 and len({s.units_per_layer for s in stages}) == 1
+    if strategy == "hap":
+        assert base.plan.num_stages == 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--strategy", "fastest"], "unknown strategy"),
+    (["--seq-len", "1024"], "no profile for GPU"),
+    (["--micro-batch", "3"], "does not divide"),
+    (["--gap", "2"], "--gap"),
+    (["--strategy", "exhaustive"], "small instances only"),
+])
+def test_user_errors_are_one_line_exit_2(args, needle, tmp_path):
+    out = tmp_path / "plan.json"
+    code, stdout, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--out", out, *args)
+    assert code == 2
+    assert needle in stderr and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1 or needle in stderr.replace("\n", " ")
+    assert not out.exists()
+
+
+def test_nothing_fits_names_device_and_overflow(tmp_path):
+    cluster = tmp_path / "small.yaml"
+    cluster.write_text(
+        "name: small\nmemory_reserve_gib: 1.0\nnodes:\n  - name: n\n    gpus:\n      - type: t4\n        count: 2\n"
+        "        memory_gib: 2\n    intra_node_link: {bandwidth_gb_per_s: 10.0, latency_us: 5.0}\n")
+    out = tmp_path / "plan.json"
+    code, stdout, stderr = run_cli("solve", "--cluster", cluster, "--model", "gpt3-1.3b", "--out", out, "--time-limit", "30")
+    assert code == 2
+    assert "n:" in stderr and "over by" in stderr and "GiB" in stderr
+    assert not out.exists()

@@ -1,0 +1,115 @@
+"""The MILP planner against the exhaustive oracle on random small instances.
+
+Each instance: a tiny model (2-6 layers), synthetic profile tables (scaled per operator, some of them
+not monotone in the share), 2-4 GPUs of 2-3 types with memory sized so that recompute and placement
+matter, a universe of 2-5 recompute sets. The exhaustive search evaluates every plan with
+baton.evaluate; the planner must return the same iteration time (relative 1e-6), or both must report
+that nothing fits. These catch: an unsafe pruning rule (dominance, symmetry, tied stages, bounds), an
+encoding error in a constraint family, a 1F1B recurrence that is not the longest path.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from baton.evaluate import evaluate
+from solver.baselines import exhaustive
+from solver.instance import build_instance
+from solver.milp import InnerModel
+from solver.options import RecomputeSpace, device_choices, Slot
+from solver.bounds import candidate_lower_bound
+from solver.search import NoPlanFits, check_profiles, search, skeleton_family
+from tests.test_solver_helpers import random_instance
+
+CASES = [
+    # seed, devices, layers, heads, universe, global batch, monotone tables, memory scale
+    (3, 2, 5, 4, 4, 4, True, (0.25, 1.1)),
+    (7, 3, 3, 2, 3, 4, False, (0.25, 1.1)),
+    (11, 3, 4, 2, 2, 2, True, (0.25, 1.1)),
+    (18, 2, 6, 4, 5, 2, False, (0.15, 0.6)),
+    (21, 3, 3, 2, 3, 4, False, (0.25, 1.1)),
+    (25, 3, 3, 4, 2, 2, True, (0.3, 0.9)),
+    (33, 2, 6, 4, 5, 2, True, (0.15, 0.6)),
+    (5, 4, 2, 2, 2, 2, True, (0.25, 1.1)),
+]
+
+
+def _instance(case):
+    seed, n, layers, heads, uni, gb, mono, mem = case
+    return random_instance(seed, num_devices=n, num_layers=layers, heads=heads, universe_size=uni, global_batch=gb,
+                           monotone=mono, memory_scale=mem)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c[0]}-{c[1]}gpu-{c[2]}L" for c in CASES])
+def test_milp_equals_exhaustive_optimum(case):
+    inst = _instance(case)
+    try:
+        oracle = exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, universe=inst.universe)
+    except NoPlanFits:
+        oracle = None
+    try:
+        got = search(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, gap=0.0, time_limit=120,
+                     space=RecomputeSpace(inst.spec, inst.universe))
+    except NoPlanFits as exc:
+        assert oracle is None, f"planner found nothing, exhaustive found {oracle.objective_ms}"
+        assert "over by" in str(exc) or "rejected" in str(exc)
+        return
+    assert oracle is not None, "planner returned a plan where exhaustive search found none"
+    assert math.isclose(got.objective_ms, oracle.objective_ms, rel_tol=1e-6), (got.plan.to_json(), oracle.plan.to_json())
+    # The evaluator agrees with the MILP's own value of the returned decisions.
+    rep = evaluate(got.plan, inst.cluster, inst.profiles)
+    assert rep.fits
+    assert math.isclose(rep.iteration_time_ms, got.objective_ms, rel_tol=1e-6)
+    assert got.status == "optimal" and got.gap <= 1e-9
+
+
+def test_infeasible_instance_names_the_device():
+    inst = random_instance(2, num_devices=2, num_layers=4, heads=2, universe_size=2, memory_scale=(0.01, 0.02))
+    with pytest.raises(NoPlanFits, match=r"needs .* of .*over by"):
+        search(inst.spec, inst.cluster, inst.profiles, global_batch=2, gap=0.0, space=RecomputeSpace(inst.spec, inst.universe))
+    with pytest.raises(NoPlanFits):
+        exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=2, universe=inst.universe)
+
+
+@pytest.mark.parametrize("seed", [3, 18])
+def test_cheap_bound_never_exceeds_a_candidates_optimum(seed):
+    """The outer search skips candidates by bound; a bound above the candidate's optimum would lose plans."""
+    case = next(c for c in CASES if c[0] == seed)
+    inst = _instance(case)
+    space = RecomputeSpace(inst.spec, inst.universe)
+    mono = check_profiles(inst.spec, inst.cluster, inst.profiles)
+    _, skeletons = skeleton_family(inst.spec, inst.cluster)
+    checked = 0
+    for sk in skeletons[:40]:
+        if inst.global_batch % sk.num_replicas:
+            continue
+        for b in (1, 2):
+            if inst.global_batch % (b * sk.num_replicas):
+                continue
+            lb = candidate_lower_bound(inst.spec, inst.cluster, inst.profiles, sk, b, inst.global_batch, space, monotone=mono)
+            built = build_instance(inst.spec, inst.cluster, inst.profiles, sk, b, inst.global_batch, space, monotone=mono)
+            if built.infeasible_reason:
+                continue
+            res = InnerModel(built).solve(time_limit=30, rel_gap=0.0, threads=1)
+            if res.objective_ms is None:
+                continue
+            assert lb <= res.objective_ms * (1 + 1e-9), (sk.describe(), b, lb, res.objective_ms)
+            checked += 1
+    assert checked > 0
+
+
+def test_recompute_pruning_keeps_a_dominating_set():
+    """Every feasible recompute set is matched by a kept one that is no slower per block and fits as many layers."""
+    inst = _instance(CASES[3])
+    space = RecomputeSpace(inst.spec)  # all 2^13 sets
+    dev = inst.cluster.devices[0]
+    for first, last, in_flight in [(True, False, 2), (False, True, 1)]:
+        slot = Slot(profile=inst.profiles[dev.gpu.name], memory_bytes=dev.memory_bytes * 2, reserve_bytes=0,
+                    in_flight=in_flight, first=first, last=last)
+        full = device_choices(slot, inst.spec, 1, 0.5, space, min_layers=0, cap=inst.spec.num_layers, prune=False)
+        kept = device_choices(slot, inst.spec, 1, 0.5, space, min_layers=0, cap=inst.spec.num_layers, prune=True)
+        assert 0 < len(kept) < len(full)
+        for _, lc, L in full:
+            assert any(L2 >= L and lc2.recompute_ms["attn"] <= lc.recompute_ms["attn"] + 1e-12
+                       and lc2.recompute_ms["mlp"] <= lc.recompute_ms["mlp"] + 1e-12 for _, lc2, L2 in kept)
