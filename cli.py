@@ -18,17 +18,14 @@ def main() -> None:
 
 
 def _register() -> None:
+    # Each area owns its subcommands; their heavy imports (torch, pyomo) happen inside the commands.
     from baton import commands as core_commands
+    from runtime import commands as runtime_commands
+    from solver import commands as solver_commands
 
     core_commands.register(app)
-    for module in ("solver.commands", "runtime.commands"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        mod.register(app)
+    solver_commands.register(app)
+    runtime_commands.register(app)
 
 
 _register()

@@ -66,3 +66,20 @@ def test_report_needs_a_cluster(tmp_path):
     res = baton("train", "--plan", tmp_path / "plan.json", "--steps", "1", "--report", tmp_path / "r.json")
     assert res.returncode == 2 and "--report needs --cluster" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_profile_solve_train_report_end_to_end(tmp_path, measured_profiles):
+    """The loop the fidelity benchmark runs, at test size: a table measured here, a plan solved from
+    it, that plan trained over gloo, and the report comparing the two."""
+    plan_path = tmp_path / "plan.json"
+    res = baton("solve", "--cluster", ROOT / "clusters" / "cpu2.yaml", "--model", "tiny", "--global-batch", "4",
+                "--profiles", measured_profiles, "--out", plan_path, "--time-limit", "60")
+    assert res.returncode == 0, res.stderr
+    report = tmp_path / "report.json"
+    res = baton("train", "--plan", plan_path, "--steps", "2", "--report", report, "--cluster", ROOT / "clusters" / "cpu2.yaml",
+                "--profiles", measured_profiles, "--timeout", "120")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(report.read_text())
+    assert rep["plan"]["global_batch"] == 4
+    for d in rep["devices"]:
+        assert abs(d["activation_rel_error"]) < 0.02
