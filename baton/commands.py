@@ -213,7 +213,7 @@ def _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads,
                   f"(torch {torch.__version__}, {torch.get_num_threads()} threads, median of {reps} after {warmup} warm-up)")
     if comm:
         from runtime.comm_profiler import measure_links
-        from baton.plan import write_atomically
+        from baton.atomic import write_atomically
 
         backend = "nccl" if dev.startswith("cuda") else "gloo"
         fit = measure_links(backend=backend, world_size=comm_ranks)

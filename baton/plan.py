@@ -8,11 +8,10 @@ and gives each device its own number of units and its own set of recomputed oper
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from baton.atomic import write_atomically
 from baton.errors import BatonError
 from baton.fields import Fields, load_json
 from baton.model_spec import ModelSpec, from_mapping as model_from_mapping
@@ -206,24 +205,6 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
 
 def load_plan(path: str | Path) -> Plan:
     return from_dict(load_json(path), source=str(path))
-
-
-def write_atomically(path: str | Path, text: str) -> None:
-    """Write via a temporary file and rename, so a failure never leaves half a file behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from baton.atomic import write_atomically
 from baton.catalog import GpuType, gpu_type
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
@@ -113,8 +114,6 @@ def read_table(path: str | Path) -> pd.DataFrame:
 
 
 def write_table(df: pd.DataFrame, path: str | Path) -> None:
-    from baton.plan import write_atomically
-
     df = validate_table(df, source=str(path))
     df = df.sort_values(["op", "micro_batch", "tp_share"], kind="stable")
     write_atomically(path, df.to_csv(index=False, float_format="%.12g"))

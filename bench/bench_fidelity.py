@@ -40,7 +40,7 @@ import yaml  # noqa: E402
 from baton.cluster import load_cluster  # noqa: E402
 from baton.evaluate import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
-from baton.plan import DeviceShare, Pipeline, Plan, Stage, load_plan, save_plan, simple_plan, validate  # noqa: E402
+from baton.plan import Plan, load_plan, simple_plan  # noqa: E402
 from baton.profile import table_filename, write_table  # noqa: E402
 from runtime.comm_profiler import measure_links  # noqa: E402
 from runtime.launch import TrainConfig, train  # noqa: E402

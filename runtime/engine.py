@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from baton.pipeline import schedule_1f1b
 from baton.plan import Plan
 from runtime.model import init_parameter
 from runtime.stage import MicroBatch, SavedBytes, StageModel
@@ -23,18 +24,6 @@ from runtime.topology import Topology
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
-
-
-def one_f_one_b(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The 1F1B order of one stage: min(p - s - 1, m) warm-up forwards, then alternate one forward
-    and one backward, then the remaining backwards (cool-down). ('F', i) / ('B', i) for micro-batch i."""
-    m = num_microbatches
-    warmup = min(num_stages - stage - 1, m)
-    actions = [("F", i) for i in range(warmup)]
-    for i in range(warmup, m):
-        actions += [("F", i), ("B", i - warmup)]
-    actions += [("B", i) for i in range(m - warmup, m)]
-    return actions
 
 
 @dataclass(kw_only=True)
@@ -122,7 +111,7 @@ class Engine:
         pending, inflight, loss_sum = [], {}, 0.0
         fwd_src, bwd_src = topo.forward_source(pos), topo.backward_source(pos)
         fwd_dst, bwd_dst = topo.forward_targets(pos), topo.backward_targets(pos)
-        for kind, i in one_f_one_b(plan.num_stages, pos.stage, m):
+        for kind, i in schedule_1f1b(plan.num_stages, m, pos.stage):
             samples = torch.arange(mbs) + (pos.pipeline * m + i) * mbs
             if kind == "F":
                 tokens, targets = data.batch(step, samples) if (self.first or self.last) else (None, None)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, layer_operators, operator_param_count
-from baton.profile import COLUMNS, validate_table
+from baton.catalog import CATALOG
+from baton.profile import COLUMNS, analytic_edge_cost, validate_table
 from runtime.stage import MicroBatch, ParallelBlock, StageModel
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -252,8 +253,7 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
             if progress:
                 progress(done, total)
         for op_name, m in profile_edges(spec, dev, b, warmup=warmup, reps=reps, backward_overhead_ms=overhead).items():
-            params = (spec.vocab_size * spec.hidden_dim + spec.seq_len * spec.hidden_dim) * spec.dtype_bytes if op_name == EMBEDDING \
-                else 2 * spec.hidden_dim * spec.dtype_bytes
+            params = analytic_edge_cost(spec, CATALOG["cpu"], op_name, b).param_bytes  # structural, not measured
             rows.append((name, spec.name, op_name, b, spec.seq_len, 1.0, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params, "measured"))
         done += 1
         if progress:

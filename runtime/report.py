@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict
 
 from baton.cluster import ClusterSpec
 from baton.evaluate import ProfileSet, evaluate
-from baton.plan import Plan, write_atomically
+from baton.atomic import write_atomically
+from baton.plan import Plan
 from runtime.engine import StepStats
 
 

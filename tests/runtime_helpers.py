@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from baton.model_spec import PRESETS
-from baton.plan import Pipeline, Plan, Stage, simple_plan, validate
+from baton.plan import Plan, simple_plan, validate
 
 RANK_TIMEOUT_S = 60
 
