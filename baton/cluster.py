@@ -17,9 +17,22 @@ class Link:
     """Unidirectional bandwidth, 10^9 bytes/s."""
     latency_us: float
     """Per-message latency, microseconds."""
+    allreduce_bandwidth_gb_per_s: float | None = None
+    """Per-link bandwidth a ring all-reduce achieves, when measured apart from transfers (None: the same)."""
+    allreduce_latency_us: float | None = None
+    """Per-ring-step latency of an all-reduce, when measured apart from transfers (None: the same)."""
 
     def transfer_ms(self, num_bytes: float) -> float:
         return self.latency_us * 1e-3 + num_bytes / (self.bandwidth_gb_per_s * 1e9) * 1e3
+
+    @property
+    def collective_bandwidth_gb_per_s(self) -> float:
+        """What eq. 5 uses: collective libraries seldom reach a link's point-to-point figures."""
+        return self.allreduce_bandwidth_gb_per_s if self.allreduce_bandwidth_gb_per_s is not None else self.bandwidth_gb_per_s
+
+    @property
+    def collective_latency_us(self) -> float:
+        return self.allreduce_latency_us if self.allreduce_latency_us is not None else self.latency_us
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +89,8 @@ class ClusterSpec:
         return Link(
             bandwidth_gb_per_s=min(l.bandwidth_gb_per_s for l in links),
             latency_us=max(l.latency_us for l in links),
+            allreduce_bandwidth_gb_per_s=min(l.collective_bandwidth_gb_per_s for l in links),
+            allreduce_latency_us=max(l.collective_latency_us for l in links),
         )
 
     @property
@@ -90,12 +105,14 @@ class ClusterSpec:
 _TOP = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description"}
 _NODE = {"name", "gpus", "intra_node_link", "count"}
 _GPUS = {"type", "count", "memory_gib", "memory_reserve_gib"}
-_LINK = {"bandwidth_gb_per_s", "latency_us", "kind"}
+_LINK = {"bandwidth_gb_per_s", "latency_us", "allreduce_bandwidth_gb_per_s", "allreduce_latency_us", "kind"}
 
 
 def _link(f: Fields) -> Link:
     f.check_known(_LINK)
-    return Link(bandwidth_gb_per_s=f.number("bandwidth_gb_per_s"), latency_us=f.number("latency_us", default=0.0, allow_zero=True))
+    return Link(bandwidth_gb_per_s=f.number("bandwidth_gb_per_s"), latency_us=f.number("latency_us", default=0.0, allow_zero=True),
+                allreduce_bandwidth_gb_per_s=f.number("allreduce_bandwidth_gb_per_s") if f.has("allreduce_bandwidth_gb_per_s") else None,
+                allreduce_latency_us=(f.number("allreduce_latency_us", allow_zero=True) if f.has("allreduce_latency_us") else None))
 
 
 def from_mapping(data, *, source: str) -> ClusterSpec:

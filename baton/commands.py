@@ -93,6 +93,8 @@ def register(app: typer.Typer) -> None:
         threads: Annotated[Optional[int], typer.Option(help="torch threads while measuring on CPU.")] = None,
         comm: Annotated[bool, typer.Option("--comm", help="Also measure all-reduce and send/receive and fit a link.")] = False,
         comm_ranks: Annotated[int, typer.Option(help="Processes for --comm.")] = 2,
+        concurrent: Annotated[int, typer.Option(help="Profile on this many cores (CPU, with BATON_PIN_CPUS=1) or GPUs at once, "
+                                                     "as training loads them; times are the median over them.")] = 1,
         calibrate_from: Annotated[Optional[Path], typer.Option(help="With --analytic: scale by a measured table of a similar device.")] = None,
         out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: profiles/<derived|measured>/<gpu>__<model>__s<seq>.csv).")] = None,
     ) -> None:
@@ -107,7 +109,7 @@ def register(app: typer.Typer) -> None:
         if analytic:
             _derive(model, gpu, seq_len, mbs, calibrate_from, out)
         else:
-            _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads, comm, comm_ranks, out)
+            _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads, comm, comm_ranks, out, concurrent)
 
     @app.command("show")
     @guarded
@@ -179,7 +181,7 @@ def _derive(model, gpu, seq_len, mbs, calibrate_from, out) -> None:
         console.print(f"wrote {written} tables under {profiles_dir() / 'derived'}")
 
 
-def _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads, comm, comm_ranks, out) -> None:
+def _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads, comm, comm_ranks, out, concurrent=1) -> None:
     import torch
     from rich.progress import Progress
 
@@ -205,7 +207,7 @@ def _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads,
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"profiling {spec.name} on {device}", total=None)
         df = profile_table(spec, device=dev, micro_batches=mbs, shares=shares, warmup=warmup, reps=reps, gpu_name=name,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+                           progress=lambda done, total: bar.update(task, completed=done, total=total), concurrent=concurrent)
     gpu_name = str(df["gpu"].iloc[0])
     path = out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)
     write_table(df, path)
@@ -216,7 +218,7 @@ def _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads,
         from baton.atomic import write_atomically
 
         backend = "nccl" if dev.startswith("cuda") else "gloo"
-        fit = measure_links(backend=backend, world_size=comm_ranks)
+        fit = measure_links(backend=backend, world_size=comm_ranks, spec=spec, micro_batches=mbs)
         link_path = Path(str(path).removesuffix(".csv") + ".link.yaml")
         write_atomically(link_path, fit.yaml_block())
         write_atomically(link_path.with_suffix(".json"), json.dumps(fit.to_dict(), indent=2))

@@ -74,11 +74,13 @@ def _layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: floa
 
 
 def allreduce_ms(num_bytes: float, num_devices: int, link: Link | None) -> float:
-    """Eq. 5: ring all-reduce, 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency (0 for one device)."""
+    """Eq. 5: ring all-reduce, 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency (0 for one device),
+    with the link's collective figures (its all-reduce fit where one was measured)."""
     if num_devices <= 1 or link is None:
         return 0.0
     n = num_devices
-    return 2 * (n - 1) / n * num_bytes / (link.bandwidth_gb_per_s * 1e9) * 1e3 + 2 * (n - 1) * link.latency_us * 1e-3
+    return (2 * (n - 1) / n * num_bytes / (link.collective_bandwidth_gb_per_s * 1e9) * 1e3
+            + 2 * (n - 1) * link.collective_latency_us * 1e-3)
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) -> float:
@@ -103,8 +105,13 @@ def optimizer_bytes(param_bytes: float, spec: ModelSpec) -> float:
     return params * (ADAM_STATE_BYTES_PER_PARAM + master)
 
 
-def optimizer_step_ms(param_bytes: float, spec: ModelSpec, bandwidth_gb_per_s: float) -> float:
-    """Eq. 10: the Adam step is bandwidth-bound: traffic per parameter over DRAM bandwidth."""
+def optimizer_step_ms(param_bytes: float, spec: ModelSpec, bandwidth_gb_per_s: float,
+                      measured: tuple[float, float] | None = None) -> float:
+    """Eq. 10: the Adam step scales with the weights it updates: from a timed step of ``measured =
+    (param_bytes, ms)`` when the device's table has one, else bandwidth-bound (traffic per parameter
+    over DRAM bandwidth)."""
+    if measured is not None:
+        return param_bytes * measured[1] / measured[0]
     return param_bytes / spec.dtype_bytes * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / (bandwidth_gb_per_s * 1e9) * 1e3
 
 

@@ -217,7 +217,8 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                     by_position.setdefault((si, k), []).append(rep)
         dp_sync = max(allreduce_ms(peers[0].grads_bytes, len(peers), cluster.slowest_link([r.id for r in peers]))
                       for peers in by_position.values())
-    opt = max(optimizer_step_ms(r.weights_bytes, spec, cluster.device(r.id).gpu.memory_bandwidth_gb_per_s) for r in device_reports)
+    opt = max(optimizer_step_ms(r.weights_bytes, spec, cluster.device(r.id).gpu.memory_bandwidth_gb_per_s,
+                                profiles[r.gpu].optimizer_sample()) for r in device_reports)
     total = max(pipeline_times) + emb_sync + dp_sync + opt
 
     tokens = plan.global_batch * spec.seq_len

@@ -32,6 +32,9 @@ COLUMNS = [
 NUMERIC = ["micro_batch", "seq_len", "tp_share", "fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes"]
 SOURCES = ("measured", "derived")
 
+OPTIMIZER = "optimizer"
+"""Row of a measured table holding one timed AdamW step: fwd_ms for param_bytes of weights (eq. 10)."""
+
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_SHARES = tuple(sorted({1 / 64, 1 / 32, 1 / 40, 1 / 20, 1 / 10, 3 / 40} | {k / 16 for k in range(1, 17)} | {k / 8 for k in range(1, 9)}))
 
@@ -184,6 +187,16 @@ class Profile:
             cols = [at(mb) for mb in mbs]
             vals = [_interp([float(m) for m in mbs], [c[i] for c in cols], float(micro_batch)) for i in range(len(self.VALUE_COLUMNS))]
         return OpCost(**{k: float(v) for k, v in zip(self.VALUE_COLUMNS, vals)})
+
+    def optimizer_sample(self) -> tuple[float, float] | None:
+        """(param_bytes, ms) of the timed optimizer step, if the table has one (the row is the same at
+        every micro-batch: the step does not depend on it)."""
+        if OPTIMIZER not in self._grid:
+            return None
+        per_mb = self._grid[OPTIMIZER]
+        _, values = per_mb[min(per_mb)]
+        ms, param_bytes = float(values[-1, 0]), float(values[-1, 4])
+        return (param_bytes, ms) if param_bytes > 0 else None
 
     def check_model(self, spec: ModelSpec) -> None:
         """Refuse a table made for a model of a different shape."""

@@ -44,7 +44,7 @@ from baton.plan import Plan, load_plan, simple_plan  # noqa: E402
 from baton.profile import table_filename, write_table  # noqa: E402
 from runtime.comm_profiler import measure_links  # noqa: E402
 from runtime.launch import TrainConfig, train  # noqa: E402
-from runtime.op_profiler import profile_table  # noqa: E402
+from runtime.op_profiler import median_of_tables, profile_table  # noqa: E402
 from runtime.report import build_report  # noqa: E402
 
 SPEC = PRESETS["small"]
@@ -74,19 +74,12 @@ def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
     return out
 
 
-def pin(core: int) -> None:
-    if hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[core % len(cores)]})
-
-
 def write_cluster(dst: Path, procs: int, link) -> Path:
     data = yaml.safe_load((ROOT / "clusters" / "cpu2.yaml").read_text())
     data["name"] = f"cpu{procs}"
     data["nodes"][0]["gpus"][0]["count"] = procs
     data["nodes"][0]["gpus"][0]["memory_gib"] = 24 // procs
-    data["nodes"][0]["intra_node_link"] = {"bandwidth_gb_per_s": round(link.bandwidth_gb_per_s, 4),
-                                          "latency_us": round(link.latency_us, 2)}
+    data["nodes"][0]["intra_node_link"] = link.link_fields()
     path = dst / f"cpu{procs}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -105,10 +98,12 @@ def solver_plan(cluster_path: Path, profiles: Path, out: Path) -> Plan | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="training steps per plan and round (the first is dropped)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of profiling then running every plan")
     ap.add_argument("--procs", type=int, default=2, choices=(2, 4))
-    ap.add_argument("--reps", type=int, default=9, help="repetitions per operator measurement")
+    ap.add_argument("--reps", type=int, default=15, help="repetitions per operator measurement")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--only", default=None, help="run only the plans whose name contains this text")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ["BATON_PIN_CPUS"] = "1"
@@ -117,31 +112,42 @@ def main() -> None:
     t0 = time.time()
 
     print("measuring the link over gloo ...")
-    link = measure_links(world_size=2)
+    link = measure_links(world_size=2, spec=SPEC, micro_batches=(1, 2, 4))
     cluster_path = write_cluster(work, args.procs, link)
     cluster = load_cluster(cluster_path)
     print(f"  {link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us")
 
     cases = plans(cluster.name, args.procs)
+    if args.only:
+        cases = {k: v for k, v in cases.items() if args.only in k}
     # Every micro-batch size and share the hand plans use, plus those the solver may pick.
     mbs = sorted({p.micro_batch_size for p in cases.values()} | {1, 2, 4})
     shares = sorted({d.units / s.units_per_layer for p in cases.values() for s in p.pipelines[0].stages for d in s.devices}
                     | {0.25, 0.5, 0.75, 1.0})
-    print(f"profiling {SPEC.name} on this CPU (micro-batches {mbs}, shares {shares}) ...")
-    pin(0)
-    table = profile_table(SPEC, device="cpu", micro_batches=tuple(mbs), shares=tuple(shares), warmup=3, reps=args.reps)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-    write_table(table, profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len))
-    extra = solver_plan(cluster_path, profiles, work / "solved.json")
-    if extra is not None:
-        cases[f"baton solve (mb {extra.micro_batch_size} x {extra.num_microbatches})"] = extra
+    table_path = profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len)
+    tables, histories, round_ms = [], {}, {}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}: profiling {SPEC.name} on this CPU (micro-batches {mbs}, shares {shares}) ...")
+        tables.append(profile_table(SPEC, device="cpu", micro_batches=tuple(mbs), shares=tuple(shares), warmup=3, reps=args.reps,
+                                    concurrent=args.procs))
+        if r == 0:
+            write_table(tables[0], table_path)
+            extra = solver_plan(cluster_path, profiles, work / "solved.json")
+            if extra is not None and (not args.only or args.only in "baton solve"):
+                cases[f"baton solve (mb {extra.micro_batch_size} x {extra.num_microbatches})"] = extra
+        for name, plan in cases.items():
+            print(f"  running {name} ...")
+            per_rank: dict = {}
+            train(TrainConfig(plan=plan, steps=args.steps, seed=0, collect_all_ranks=True, timeout_s=300), per_rank=per_rank)
+            for rank, hist in per_rank.items():
+                # Each round's first step pays for warm-up; the report drops the first of the whole history.
+                histories.setdefault(name, {}).setdefault(rank, hist[:1]).extend(hist[1:])
+            round_ms.setdefault(name, []).append(statistics.median(st.iteration_ms for st in per_rank[0][1:]))
+    write_table(median_of_tables(tables), table_path)
 
     rows = []
     for name, plan in cases.items():
-        print(f"running {name} ...")
-        per_rank: dict = {}
-        train(TrainConfig(plan=plan, steps=args.steps, seed=0, collect_all_ranks=True, timeout_s=300), per_rank=per_rank)
+        per_rank = histories[name]
         rep = build_report(plan, cluster, ProfileSet(SPEC, directory=profiles), per_rank)
         act_m = sum(d["measured"]["peak_saved_bytes"] for d in rep["devices"])
         act_p = sum(d["predicted"]["activation_bytes"] for d in rep["devices"])
@@ -153,11 +159,18 @@ def main() -> None:
             "iteration_rel_error": rep["iteration_time_ms"]["rel_error"],
             "activation_bytes_measured": act_m, "activation_bytes_predicted": act_p,
             "activation_worst_device_rel_error": worst_act,
+            "iteration_ms_per_round": round_ms[name],
+            "round_spread": (max(round_ms[name]) - min(round_ms[name])) / statistics.median(round_ms[name]),
             "stages": rep["stages"], "report": rep,
         })
         print(f"  iteration {rep['iteration_time_ms']['measured']:.1f} ms measured, "
               f"{rep['iteration_time_ms']['predicted']:.1f} ms predicted ({rep['iteration_time_ms']['rel_error']:+.1%}); "
               f"activations worst device {worst_act:.2%}")
+        print("    phases (measured/predicted ms): " + ", ".join(
+            f"{k.removesuffix('_ms')} {v['measured']:.1f}/{v['predicted']:.1f}" for k, v in rep["phases"].items()))
+        print("    stages per micro-batch (measured/predicted ms, TP all-reduce): " + ", ".join(
+            f"{st['measured_ms']:.1f}/{st['predicted_ms']:.1f} ({st['allreduce_measured_ms']:.1f}/{st['allreduce_predicted_ms']:.1f})"
+            for st in rep["stages"]))
 
     it_err = [abs(r["iteration_rel_error"]) for r in rows]
     act_err = [r["activation_worst_device_rel_error"] for r in rows]
@@ -167,20 +180,25 @@ def main() -> None:
         "targets": {"iteration_mean": 0.05, "iteration_worst": 0.10, "activation": 0.02},
     }
     env = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(), "threads_per_process": 1,
-           "pinned": True, "model": SPEC.to_dict(), "steps": args.steps, "link": link.to_dict(), "seconds": round(time.time() - t0, 1)}
+           "pinned": True, "model": SPEC.to_dict(), "steps": args.steps, "rounds": args.rounds, "reps": args.reps, "link": link.to_dict(), "seconds": round(time.time() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fidelity.json").write_text(json.dumps({"summary": summary, "environment": env, "plans": rows}, indent=2) + "\n")
-    lines = ["| plan | devices | iteration ms measured | predicted | error | activations MiB measured | predicted | worst device error |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| plan | devices | iteration ms measured | spread over rounds | predicted | error | activations MiB measured | predicted | worst device error |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['plan']} | {r['devices']} | {r['iteration_ms_measured']:.1f} | {r['iteration_ms_predicted']:.1f} | "
+        lines.append(f"| {r['plan']} | {r['devices']} | {r['iteration_ms_measured']:.1f} | {r['round_spread']:.0%} | "
+                     f"{r['iteration_ms_predicted']:.1f} | "
                      f"{r['iteration_rel_error']:+.1%} | {r['activation_bytes_measured'] / 2**20:.2f} | "
                      f"{r['activation_bytes_predicted'] / 2**20:.2f} | {r['activation_worst_device_rel_error']:.2%} |")
     lines += ["", f"Iteration time: mean absolute error {summary['iteration_time_mean_abs_rel_error']:.1%}, worst "
               f"{summary['iteration_time_worst_abs_rel_error']:.1%} (targets 5% / 10%). Activation memory: mean "
               f"{summary['activation_mean_abs_rel_error']:.2%}, worst {summary['activation_worst_abs_rel_error']:.2%} (target 2%).",
               "", f"Model `{SPEC.name}` (fp32), {args.procs} CPU processes, one thread each, pinned; link measured over gloo: "
-              f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us; {args.steps} steps per plan, first dropped."]
+              f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us per transfer; all-reduce {link.allreduce_bandwidth_gb_per_s:.2f} GB/s, "
+              f"{link.allreduce_latency_us:.0f} us per ring step (timed inside the tensor-parallel layer); {args.rounds} rounds of "
+              f"(profile on {args.procs} cores at once, median of {args.reps}; run every plan {args.steps} steps, first dropped). "
+              "Measured: median over all kept steps; spread: (slowest - fastest round median) / median; predicted: from the "
+              "median of the rounds' tables."]
     (args.out / "fidelity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

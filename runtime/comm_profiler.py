@@ -3,7 +3,19 @@
 Cost model (docs/cost-model.md, eq. 5 and 6): a ring all-reduce of X bytes over n ranks takes
 2(n-1) * latency + 2(n-1)/n * X / bandwidth, a transfer latency + X / bandwidth. A least-squares line
 through the measured (bytes, ms) points gives both parameters; the result is written as the
-``bandwidth_gb_per_s`` / ``latency_us`` block a cluster YAML takes.
+``bandwidth_gb_per_s`` / ``latency_us`` block a cluster YAML takes, with the all-reduce fit as
+``allreduce_bandwidth_gb_per_s`` / ``allreduce_latency_us`` (collectives seldom reach the link's
+transfer figures: over gloo on one host a 256 KiB all-reduce costs several transfers).
+
+Transfers and all-reduces are timed several back to back after a barrier (the time of one is the
+batch's time over its count), under the same core pinning as ``baton train`` (``BATON_PIN_CPUS=1``).
+Given a model, the all-reduces at activation sizes are instead measured by what they add to the
+runtime's own tensor-parallel layer (four layers split evenly over the ranks, run with and without
+the all-reduces; the difference over their count), and the line is fitted through those and the
+microbenchmark's points at least four times larger (gradient synchronisation, which runs when the
+ranks are idle). On gloo between CPU processes the two differ a lot: a 256 KiB all-reduce took about
+0.5-1 ms between otherwise idle ranks and about 2-2.5 ms inside the layer, where each rank arrives
+from its own compute and gloo's I/O threads wait for a busy core; training pays the latter.
 """
 from __future__ import annotations
 
@@ -21,8 +33,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from baton.errors import BatonError
+from baton.model_spec import ModelSpec
+from runtime.affinity import pin_rank
 
 DEFAULT_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
+BATCH = 4
+"""Operations per timed batch."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,11 +58,19 @@ class LinkFit:
     allreduce_latency_us: float
     """Per-step latency implied by the all-reduce intercept under the ring model."""
     points: dict
-    """{'p2p': [[bytes, ms], ...], 'allreduce': [...]}"""
+    """{'p2p': [[bytes, ms], ...], 'allreduce': [...], 'allreduce_in_layer': [...] (given a model)}"""
 
     def yaml_block(self) -> str:
         return (f"# measured by 'baton profile --comm' over {self.backend} ({self.world_size} ranks)\n"
-                f"intra_node_link: {{bandwidth_gb_per_s: {self.bandwidth_gb_per_s:.3f}, latency_us: {self.latency_us:.1f}}}\n")
+                f"intra_node_link: {{bandwidth_gb_per_s: {self.bandwidth_gb_per_s:.3f}, latency_us: {self.latency_us:.1f}, "
+                f"allreduce_bandwidth_gb_per_s: {self.allreduce_bandwidth_gb_per_s:.3f}, "
+                f"allreduce_latency_us: {self.allreduce_latency_us:.1f}}}\n")
+
+    def link_fields(self) -> dict:
+        """The fields of a cluster YAML link block."""
+        return {"bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 4), "latency_us": round(self.latency_us, 2),
+                "allreduce_bandwidth_gb_per_s": round(self.allreduce_bandwidth_gb_per_s, 4),
+                "allreduce_latency_us": round(self.allreduce_latency_us, 2)}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,11 +88,69 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(float(intercept), 0.0), max(float(slope), 1e-15)
 
 
-def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: int, out_dir: str) -> None:
+def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, reps: int) -> list[tuple[int, float]]:
+    """(bytes, ms per all-reduce) at each micro-batch size: what the all-reduces add to the runtime's
+    tensor-parallel layer (gloo).
+
+    Each rank runs its shard of four layers twice in turn, joined by the all-reduces and on its own
+    (the same arithmetic, no communication); the difference of the medians over the number of
+    all-reduces is the cost per all-reduce as training pays it: the call, the wait for the slower
+    rank, and the time the communication threads take from the compute after the call returns.
+    """
+    from runtime.op_profiler import _init
+    from runtime.stage import MicroBatch, StageModel
+    from runtime.tensor_parallel import AllReduceClock
+
+    nh, nf = spec.num_heads // world, spec.ffn_dim // world
+    shard = dict(layers=range(4), heads=range(rank * nh, (rank + 1) * nh), ffn_cols=range(rank * nf, (rank + 1) * nf),
+                 first=False, last=False)
+    joined, alone = StageModel(spec, tp_group=dist.group.WORLD, **shard), StageModel(spec, tp_group=None, **shard)
+    for model in (joined, alone):
+        _init(model, 0)
+        model.train()
+    points = []
+    for b in micro_batches:
+        mb = MicroBatch(seed=0, step=0, samples=torch.arange(b))
+        x = torch.randn(b, spec.seq_len, spec.hidden_dim, generator=torch.Generator().manual_seed(b))
+        times = {"joined": [], "alone": []}
+        calls = 0
+        for i in range(reps + 2):
+            for name, model in (("joined", joined), ("alone", alone)):
+                dist.barrier()
+                AllReduceClock.reset()
+                t0 = time.perf_counter()
+                xx = x.detach().requires_grad_()
+                y = model(xx, mb)
+                y.backward(torch.ones_like(y))
+                took = (time.perf_counter() - t0) * 1e3
+                if i >= 2:
+                    times[name].append(took)
+                if name == "joined":
+                    calls = AllReduceClock.calls
+        # Both ranks must agree on one figure: the median of the ranks' differences.
+        added = torch.tensor([max(statistics.median(times["joined"]) - statistics.median(times["alone"]), 0.0) / max(calls, 1)],
+                             dtype=torch.float64)
+        dist.all_reduce(added)
+        points.append((b * spec.seq_len * spec.hidden_dim * 4, float(added) / world))
+    return points
+
+
+def _fit_points(points: dict) -> list:
+    """The all-reduce points the line goes through: in-layer ones where measured, plus larger transfers."""
+    inside = points.get("allreduce_in_layer")
+    if not inside:
+        return points["allreduce"]
+    top = max(size for size, _ in inside)
+    return list(inside) + [p for p in points["allreduce"] if p[0] >= 4 * top]
+
+
+def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: int, out_dir: str, spec=None,
+            micro_batches=()) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
+        pin_rank(rank)
         device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
         if backend == "nccl":
             torch.cuda.set_device(device)
@@ -85,27 +167,32 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
                 dist.barrier()
                 sync()
                 t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(t, 1)
-                    dist.recv(t, 1)
-                elif rank == 1:
-                    dist.recv(t, 0)
-                    dist.send(t, 0)
+                for _ in range(BATCH):
+                    if rank == 0:
+                        dist.send(t, 1)
+                        dist.recv(t, 1)
+                    elif rank == 1:
+                        dist.recv(t, 0)
+                        dist.send(t, 0)
                 sync()
-                round_trip = (time.perf_counter() - t0) * 1e3
+                transfers = (time.perf_counter() - t0) * 1e3 / (2 * BATCH)
                 dist.barrier()
                 sync()
                 t0 = time.perf_counter()
-                dist.all_reduce(t)
+                for _ in range(BATCH):
+                    dist.all_reduce(t)
                 sync()
-                took = (time.perf_counter() - t0) * 1e3
+                took = (time.perf_counter() - t0) * 1e3 / BATCH
                 if i >= 2:
-                    times_p.append(round_trip / 2)
+                    times_p.append(transfers)
                     times_a.append(took)
             p2p.append((size, statistics.median(times_p)))
             ar.append((size, statistics.median(times_a)))
+        points = {"p2p": p2p, "allreduce": ar}
+        if spec is not None:
+            points["allreduce_in_layer"] = _in_layer_allreduce(spec, rank, world, micro_batches, reps)
         if rank == 0:
-            torch.save({"p2p": p2p, "allreduce": ar}, os.path.join(out_dir, "points.pt"))
+            torch.save(points, os.path.join(out_dir, "points.pt"))
         dist.destroy_process_group()
     except Exception:
         with open(os.path.join(out_dir, f"error-{rank}.txt"), "w") as fh:
@@ -113,15 +200,22 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
         raise
 
 
-def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_SIZES, reps: int = 10, timeout_s: float = 300) -> LinkFit:
-    """Spawn ``world_size`` local processes, time transfers and all-reduces, fit the link model."""
+def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_SIZES, reps: int = 10, timeout_s: float = 300,
+                  spec: ModelSpec | None = None, micro_batches=(1, 2, 4)) -> LinkFit:
+    """Spawn ``world_size`` local processes, time transfers and all-reduces, fit the link model.
+
+    With ``spec`` (a fp32 model whose heads and FFN columns split evenly over the ranks, gloo only),
+    all-reduces at its activation sizes are timed inside its tensor-parallel layer.
+    """
+    if spec is not None and (backend != "gloo" or spec.dtype != "fp32" or spec.num_heads % world_size or spec.ffn_dim % world_size):
+        spec = None  # NCCL calls return before the GPU runs them: the microbenchmark (synchronised) is the measure there
     if world_size < 2:
         raise BatonError("needs at least 2 ranks", field="--comm-ranks")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise BatonError(f"nccl needs {world_size} GPUs, this machine has {torch.cuda.device_count()}", field="--device")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(_worker, args=(world_size, backend, init_file, tuple(sizes), reps, tmp),
+        ctx = mp.start_processes(_worker, args=(world_size, backend, init_file, tuple(sizes), reps, tmp, spec, tuple(micro_batches)),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -137,7 +231,7 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
                     p.terminate()
         points = torch.load(os.path.join(tmp, "points.pt"), weights_only=True)
     lat_p, slope_p = fit_line(points["p2p"])
-    lat_a, slope_a = fit_line(points["allreduce"])
+    lat_a, slope_a = fit_line(_fit_points(points))
     n = world_size
     return LinkFit(
         backend=backend, world_size=n,

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from baton.pipeline import schedule_1f1b
 from baton.plan import Plan
 from runtime.model import init_parameter
 from runtime.stage import MicroBatch, SavedBytes, StageModel
+from runtime.tensor_parallel import AllReduceClock
 from runtime.topology import Topology
 
 ADAM_BETAS = (0.9, 0.95)
@@ -44,6 +44,12 @@ class StepStats:
     """Per micro-batch time re-running recomputed operators (part of backward_ms)."""
     stage_ms: list[float] = field(default_factory=list)
     """Compute time (forward + backward) of each stage of pipeline 0, from its TP rank 0."""
+    tp_allreduce_ms: float = 0.0
+    """Time in tensor-parallel all-reduces over the step's passes (gloo only; waits for peers included)."""
+    grad_sync_ms: float = 0.0
+    """Tied-embedding and data-parallel gradient all-reduces on this rank (waits for peers included)."""
+    optimizer_ms: float = 0.0
+    """The AdamW update on this rank."""
     peak_saved_bytes: int = 0
     """Peak bytes of activations kept for backward on this rank during the step."""
     peak_allocated_bytes: int = 0
@@ -75,10 +81,25 @@ class Engine:
                                 tp_group=self.groups.tp)
         self.model.load_full(full or (lambda name: init_parameter(spec, name, seed)))
         self.model.to(self.device)
+        self.grad_buffer = self._contiguous_grads()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
                                            weight_decay=weight_decay)
         self.measure = measure
         self.samples_per_step = plan.global_batch
+
+    def _contiguous_grads(self) -> torch.Tensor:
+        """One flat buffer whose views are every parameter's ``.grad``: backward accumulates into it in
+        place and data-parallel synchronisation all-reduces it as it is. Flattening the gradients
+        into a fresh tensor and copying them back cost 60% on top of a 25 MB all-reduce over gloo."""
+        params = list(self.model.parameters())
+        dtypes = {p.dtype for p in params}
+        assert len(dtypes) == 1, f"parameters of one dtype expected, got {dtypes}"
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtypes.pop(), device=self.device)
+        offset = 0
+        for p in params:
+            p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return buffer
 
     # --- point-to-point ----------------------------------------------------------------------------
     def _recv(self, src: int) -> torch.Tensor:
@@ -107,6 +128,7 @@ class Engine:
                           recompute_ms=[0.0] * m, tokens=self.samples_per_step * spec.seq_len)
         if sync:
             torch.cuda.reset_peak_memory_stats(self.device)
+        AllReduceClock.reset()
         start = time.perf_counter()
         pending, inflight, loss_sum = [], {}, 0.0
         fwd_src, bwd_src = topo.forward_source(pos), topo.backward_source(pos)
@@ -148,7 +170,12 @@ class Engine:
                     self._send(x.grad, bwd_dst, pending)
         for work, _ in pending:
             work.wait()
+        stats.tp_allreduce_ms = AllReduceClock.seconds * 1e3
+        t0 = time.perf_counter()
         self._sync_grads()
+        if sync:
+            torch.cuda.synchronize()
+        stats.grad_sync_ms = (time.perf_counter() - t0) * 1e3
         my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
         # One small all-reduce carries the global loss and every stage's compute time to all ranks.
         metrics = torch.zeros(1 + plan.num_stages, dtype=torch.float64)
@@ -174,10 +201,6 @@ class Engine:
     def _sync_grads(self) -> None:
         """Sum the tied embedding's two gradients (first and last stage), then sum the replicas'
         gradients (each micro-batch loss is already divided by the global batch's token count)."""
-        params = list(self.model.parameters())
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         if self.groups.tied is not None and hasattr(self.model, "wte"):
             # Every rank of a stage holds the same embedding gradient: let TP rank 0 speak for its stage.
             g = self.model.wte.weight.grad
@@ -185,17 +208,17 @@ class Engine:
                 g.zero_()
             dist.all_reduce(g, group=self.groups.tied)
         if self.groups.dp is not None:
-            grads = [p.grad for p in params]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.groups.dp)
-            for g, new in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(new)
+            dist.all_reduce(self.grad_buffer, group=self.groups.dp)
 
     def train_step(self, step: int, data) -> StepStats:
         """Forward, backward, gradient sync and one AdamW update."""
         t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.grad_buffer.zero_()  # the gradients are views of it: keep them (no set_to_none)
         stats = self.forward_backward(step, data)
+        t1 = time.perf_counter()
         self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats.optimizer_ms = (time.perf_counter() - t1) * 1e3
         stats.iteration_ms = (time.perf_counter() - t0) * 1e3
         return stats

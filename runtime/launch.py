@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from baton.errors import BatonError
 from baton.plan import Plan
+from runtime.affinity import pin_rank, pinning_requested
 from runtime.checkpoint import CheckpointReader, latest_checkpoint, read_meta, save_checkpoint
 from runtime.data import TokenSource, check_data_file
 from runtime.engine import Engine, StepStats
@@ -143,18 +144,13 @@ def _init_group(backend: str, rank: int, world: int, init_method: str, timeout_s
 
 def _worker(rank: int, world: int, cfg: TrainConfig, device_kind: str, init_method: str, log_dir: str, q) -> None:
     """Entry point of a spawned rank: never raises, reports ('error', rank, line) or ('done', rank)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if os.environ.get("BATON_PIN_CPUS") == "1" and hasattr(os, "sched_setaffinity"):
-        # Measurement runs: one core and one thread per rank (round robin), so ranks neither migrate
-        # nor oversubscribe their core (two OpenMP threads spinning on one core is ~30x slower).
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-        torch.set_num_threads(1)
+    torch.set_num_threads(1 if pinning_requested() else max(1, (os.cpu_count() or 1) // world))
     try:
         device = torch.device(f"cuda:{rank}") if device_kind == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init_group("nccl" if device.type == "cuda" else "gloo", rank, world, init_method, cfg.timeout_s)
+        pin_rank(rank)
         history = run_rank(cfg, rank, device, report=lambda s: q.put(("step", asdict(s))))
         if cfg.collect_all_ranks:
             q.put(("rank_stats", rank, [asdict(s) for s in history]))
@@ -207,6 +203,7 @@ def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None) -> lis
     if use_cuda:
         torch.cuda.set_device(device)
     _init_group("nccl" if use_cuda else "gloo", rank, world, "env://", cfg.timeout_s)
+    pin_rank(local)
     try:
         history = run_rank(cfg, rank, device, report=on_step)
         if cfg.collect_all_ranks:

@@ -6,6 +6,7 @@ size and tensor-parallel share. Forward and backward are timed after warm-up ove
 repetitions and the median is kept; on CUDA with events, on CPU with a monotonic clock. Saved bytes
 are what autograd keeps for the operator's backward (storages counted once, parameters excluded).
 Every measurement seeds its own inputs, so the table does not depend on the order of the runs.
+The table also holds one timed AdamW step (row ``optimizer``), which eq. 10 scales by the weights held.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, layer_operators, operator_param_count
 from baton.catalog import CATALOG
-from baton.profile import COLUMNS, analytic_edge_cost, validate_table
+from baton.profile import COLUMNS, OPTIMIZER, analytic_edge_cost, validate_table
+from runtime.affinity import pin_rank
 from runtime.stage import MicroBatch, ParallelBlock, StageModel
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -224,9 +226,49 @@ def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, *, wa
     }
 
 
+OPTIMIZER_MAX_BYTES = 1 << 30
+"""Cap on the weights the timed optimizer step updates."""
+
+
+def profile_optimizer(spec: ModelSpec, device: torch.device, *, warmup: int, reps: int, seed: int = 0) -> tuple[int, float]:
+    """(parameter bytes, median ms) of the AdamW step ``baton train`` takes, over the weights of every
+    layer of the model (up to ``OPTIMIZER_MAX_BYTES``).
+
+    The step streams every weight, gradient and moment once, so its time scales with the bytes held
+    (eq. 10). Timed over one layer, the small model's state stayed in cache and the step ran twice as
+    fast per byte as in training, where a stage updates all its layers.
+    """
+    from runtime.engine import ADAM_BETAS, ADAM_EPS
+
+    dtype = TORCH_DTYPES[spec.dtype]
+    block = ParallelBlock(spec, 0, heads=range(spec.num_heads), ffn_cols=range(spec.ffn_dim))
+    _init(block, seed)
+    shapes = [p.shape for p in block.parameters()]
+    layer_bytes = sum(p.numel() for p in block.parameters()) * spec.dtype_bytes
+    copies = max(1, min(spec.num_layers, OPTIMIZER_MAX_BYTES // max(layer_bytes, 1)))
+    g = _seeded(seed + 3)
+    params = []
+    for _ in range(copies):
+        for shape in shapes:
+            p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(device=device, dtype=dtype))
+            p.grad = (torch.randn(shape, generator=g) * 1e-3).to(device=device, dtype=dtype)
+            params.append(p)
+    opt = torch.optim.AdamW(params, lr=3e-4, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
+    timer = _Timer(device)
+    times = [timer(opt.step) for _ in range(warmup + reps)][warmup:]
+    return sum(p.numel() * p.element_size() for p in params), statistics.median(times)
+
+
 def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2), shares=(1.0,), warmup: int = 2, reps: int = 5,
-                  gpu_name: str | None = None, progress=None) -> pd.DataFrame:
-    """The measured table (schema of ``baton.profile``) for the local device."""
+                  gpu_name: str | None = None, progress=None, concurrent: int = 1, timeout_s: float = 3600) -> pd.DataFrame:
+    """The measured table (schema of ``baton.profile``) for the local device.
+
+    With ``concurrent`` > 1, that many profilers run at once, one per core (``BATON_PIN_CPUS=1``) or one
+    per GPU (``cuda``: devices 0..n-1), in step with each other, and each time in the table is the
+    median over them. Training keeps every device of a machine busy at once and devices that share
+    caches, memory bandwidth or a host run slower then: one layer on this 2-core machine took a
+    median 14% longer while the other core ran the same layer than while it was idle.
+    """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BatonError("CUDA is not available on this machine", field="--device")
@@ -234,14 +276,28 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
         raise BatonError(f"model '{spec.name}' is fp16, which CPUs do not train in; give a model with dtype fp32 or bf16", field="--model")
     for s in shares:
         local_sizes(spec, s)
+    if concurrent < 1:
+        raise BatonError("needs at least 1 profiler", field="--concurrent")
+    if concurrent > 1 and dev.type == "cuda" and torch.cuda.device_count() < concurrent:
+        raise BatonError(f"{concurrent} concurrent profilers need {concurrent} GPUs, this machine has {torch.cuda.device_count()}",
+                         field="--concurrent")
     name = gpu_name or ("cpu" if dev.type == "cpu" else torch.cuda.get_device_name(dev).lower().replace(" ", "-"))
+    if concurrent == 1:
+        return _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, lambda: None)
+    return _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, concurrent, timeout_s)
+
+
+def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync) -> pd.DataFrame:
     ops = {o.name: o for o in layer_operators(spec)}
+    sync()
     overhead = backward_call_overhead_ms(dev)
+    opt_bytes, opt_ms = profile_optimizer(spec, dev, warmup=warmup, reps=reps)
     rows = []
     total = len(micro_batches) * (len(shares) + 1)
     done = 0
     for b in sorted(micro_batches):
         for share in sorted(shares):
+            sync()
             for op_name, m in profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead).items():
                 op = ops[op_name]
                 if not op.tp_split and share != max(shares):
@@ -252,10 +308,71 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
             done += 1
             if progress:
                 progress(done, total)
+        sync()
         for op_name, m in profile_edges(spec, dev, b, warmup=warmup, reps=reps, backward_overhead_ms=overhead).items():
             params = analytic_edge_cost(spec, CATALOG["cpu"], op_name, b).param_bytes  # structural, not measured
             rows.append((name, spec.name, op_name, b, spec.seq_len, 1.0, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params, "measured"))
+        rows.append((name, spec.name, OPTIMIZER, b, spec.seq_len, 1.0, opt_ms, 0.0, 0, 0, opt_bytes, "measured"))
         done += 1
         if progress:
             progress(done, total)
     return validate_table(pd.DataFrame(rows, columns=COLUMNS), source=f"<measured {name}/{spec.name}>")
+
+
+def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, warmup, reps, barrier, results, progress_q) -> None:
+    try:
+        torch.set_num_threads(1)
+        pin_rank(rank)
+        dev = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+        report = (lambda done, total: progress_q.put((done, total))) if rank == 0 else None
+        df = _table(spec, dev, name, micro_batches, shares, warmup, reps, report, lambda: barrier.wait(timeout=600))
+        results.put((rank, df.to_dict("list")))
+    except Exception as exc:  # reported to the parent as one line
+        barrier.abort()
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, n, timeout_s) -> pd.DataFrame:
+    import queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results, progress_q = ctx.Barrier(n), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_concurrent_worker, args=(r, spec, dev.type, name, tuple(micro_batches), tuple(shares), warmup, reps,
+                                                          barrier, results, progress_q), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    tables: dict[int, pd.DataFrame] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(tables) < n:
+            if time.monotonic() > deadline:
+                raise BatonError(f"concurrent profiling did not finish in {timeout_s:.0f} s", field="--concurrent")
+            while progress and not progress_q.empty():
+                progress(*progress_q.get())
+            try:
+                rank, got = results.get(timeout=0.5)
+            except queue.Empty:
+                if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs):
+                    raise BatonError("a concurrent profiler died", field="--concurrent") from None
+                continue
+            if isinstance(got, str):
+                raise BatonError(f"profiler {rank} failed: {got}", field="--concurrent")
+            tables[rank] = pd.DataFrame(got)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+    return median_of_tables(list(tables.values()))
+
+
+def median_of_tables(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """One table from several measurements of the same structure: times are medians, bytes the first's."""
+    key = ["op", "micro_batch", "tp_share"]
+    first = tables[0].set_index(key)
+    for col in ("fwd_ms", "bwd_ms"):
+        stacked = pd.concat([t.set_index(key)[col] for t in tables], axis=1)
+        first[col] = stacked.median(axis=1)
+    return validate_table(first.reset_index(), source="<measured>")

@@ -3,7 +3,8 @@
 Measured figures are medians over the steps after the first (the first pays for warm-up). Per device:
 forward, backward (recomputation included) and recomputation time per micro-batch, and the peak bytes
 of activations kept for backward; per stage: compute time of one micro-batch (TP rank 0's forward +
-backward, all-reduces included); and the iteration time. Predicted figures are the evaluator's for
+backward, all-reduces included); the iteration time, and its phases (1F1B pipeline, gradient
+all-reduces, optimizer step). Predicted figures are the evaluator's for
 the same plan, cluster and profiles (docs/cost-model.md).
 """
 from __future__ import annotations
@@ -52,9 +53,25 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
         if s.pipeline != 0:
             continue
         measured_stage = statistics.median(st.stage_ms[s.index] for st in rank0) / m
+        rank = ids.index(s.devices[0])
+        hist = steps.get(rank, [])
+        measured_ar = statistics.median(st.tp_allreduce_ms for st in hist) / m if hist else None
         stages.append({"index": s.index, "devices": s.devices,
                        "measured_ms": measured_stage, "predicted_ms": s.fwd_ms + s.bwd_ms,
-                       "rel_error": _rel(measured_stage, s.fwd_ms + s.bwd_ms)})
+                       "rel_error": _rel(measured_stage, s.fwd_ms + s.bwd_ms),
+                       "allreduce_measured_ms": measured_ar, "allreduce_predicted_ms": s.allreduce_ms})
+    # The step's phases: gradient all-reduces as the rank that arrives last sees them (the others
+    # also wait out the slower pipelines), the slowest optimizer step, and the pipeline as the rest.
+    def across_ranks(field, pick):
+        return statistics.median(pick(getattr(h[k], field) for h in steps.values() if k < len(h)) for k in range(len(rank0)))
+    sync_m, opt_m = across_ranks("grad_sync_ms", min), across_ranks("optimizer_ms", max)
+    phases = {
+        "pipeline_ms": {"measured": measured_iter - sync_m - opt_m, "predicted": pred.pipeline_ms},
+        "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + pred.dp_sync_ms},
+        "optimizer_ms": {"measured": opt_m, "predicted": pred.optimizer_ms},
+    }
+    for v in phases.values():
+        v["rel_error"] = _rel(v["measured"], v["predicted"])
     return {
         "plan": {"model": plan.model.name, "cluster": plan.cluster, "global_batch": plan.global_batch,
                  "micro_batch_size": plan.micro_batch_size, "num_microbatches": m, "devices": ids},
@@ -63,6 +80,7 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
                               "rel_error": _rel(measured_iter, pred.iteration_time_ms)},
         "tokens_per_s": {"measured": plan.global_batch * plan.model.seq_len / measured_iter * 1e3,
                          "predicted": pred.tokens_per_s},
+        "phases": phases,
         "stages": stages,
         "devices": devices,
         "prediction": pred.to_dict(),
@@ -79,6 +97,8 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
         return "-" if x is None else f"{x:+.1%}"
     it = report["iteration_time_ms"]
     rows = [("iteration ms", f"{it['measured']:.1f}", f"{it['predicted']:.1f}", pct(it["rel_error"]))]
+    for name, v in report.get("phases", {}).items():
+        rows.append((f"  {name.removesuffix('_ms').replace('_', ' ')} ms", f"{v['measured']:.1f}", f"{v['predicted']:.1f}", pct(v["rel_error"])))
     for s in report["stages"]:
         rows.append((f"stage {s['index']} ms / micro-batch", f"{s['measured_ms']:.2f}", f"{s['predicted_ms']:.2f}", pct(s["rel_error"])))
     for d in report["devices"]:

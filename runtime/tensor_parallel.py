@@ -7,8 +7,24 @@ all_gather, so there shards are padded to the largest one.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+
+class AllReduceClock:
+    """Wall time this process spent in tensor-parallel all-reduces, waits for slower peers included.
+
+    Meaningful for synchronous backends (gloo); on NCCL the call returns before the GPU has run it.
+    """
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.seconds, cls.calls = 0.0, 0
 
 
 def _world(group) -> int:
@@ -20,7 +36,10 @@ def _reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _world(group) == 1:
         return x
     x = x.contiguous()
+    t0 = time.perf_counter()
     dist.all_reduce(x, group=group)
+    AllReduceClock.seconds += time.perf_counter() - t0
+    AllReduceClock.calls += 1
     return x
 
 

@@ -94,7 +94,7 @@ def _group_key(cluster, ids):
     devs = [cluster.device(i) for i in ids]
     link = cluster.slowest_link(list(ids))
     return (tuple(sorted((d.gpu.name, d.memory_bytes, d.reserve_bytes) for d in devs)),
-            (link.bandwidth_gb_per_s, link.latency_us) if link else None)
+            link)
 
 
 def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, mb: int,
@@ -167,7 +167,7 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
                 dev = cluster.device(i)
                 prof = profiles[dev.gpu.name]
                 w = (prof.cost(EMBEDDING, mb).param_bytes if s == 0 else 0.0) + (prof.cost(HEAD, mb).param_bytes if s == p - 1 else 0.0)
-                opt = max(opt, optimizer_step_ms(w, spec, dev.gpu.memory_bandwidth_gb_per_s))
+                opt = max(opt, optimizer_step_ms(w, spec, dev.gpu.memory_bandwidth_gb_per_s, prof.optimizer_sample()))
     return best + emb + opt
 
 

@@ -155,7 +155,7 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
             link = cluster.slowest_link(list(ids))
             nxt = pipe[s + 1] if s + 1 < p else None
             sig.append((tuple(_device_signature(cluster, i) for i in ids),
-                        (link.bandwidth_gb_per_s, link.latency_us) if link else None,
+                        link,
                         p2p_ms(cluster, list(ids), list(nxt), act) if nxt else 0.0,
                         p2p_ms(cluster, list(nxt), list(ids), act) if nxt else 0.0))
         return tuple(sig)
@@ -199,7 +199,8 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
                 groups.append(Group(
                     ids=g_ids, rank=None if tied[s] else k, choices=choices,
                     edge_param_gb=slot.edge_param_bytes(spec, micro_batch) / GB,
-                    opt_ms_per_gb=[optimizer_step_ms(GB, spec, cluster.device(i).gpu.memory_bandwidth_gb_per_s) for i in g_ids]))
+                    opt_ms_per_gb=[optimizer_step_ms(GB, spec, cluster.device(i).gpu.memory_bandwidth_gb_per_s,
+                                                     profiles[cluster.device(i).gpu.name].optimizer_sample()) for i in g_ids]))
             if any(not g.choices for g in groups):
                 bad = next(g for g in groups if not g.choices)
                 return _infeasible(spec, skeleton, micro_batch, m, f"device {bad.ids[0]} cannot hold stage {s} under any share and recompute set")

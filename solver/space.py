@@ -141,7 +141,7 @@ def node_kinds(cluster: ClusterSpec) -> list[NodeKind]:
     for node, devs in per_node.items():
         link = cluster.intra_links[node]
         layout = tuple(sorted(Counter(devs).items()))
-        kinds.setdefault((layout, link.bandwidth_gb_per_s, link.latency_us), []).append(node)
+        kinds.setdefault((layout, link), []).append(node)
     return [NodeKind(nodes=tuple(v), layout=tuple((g, mem, res, n) for (g, mem, res), n in k[0])) for k, v in kinds.items()]
 
 

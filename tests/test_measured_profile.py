@@ -5,11 +5,13 @@ import pandas as pd
 import pytest
 import torch
 
+from baton.cluster import load_cluster
+from baton.costmodel import optimizer_step_ms
 from baton.model_spec import PRESETS
-from baton.operators import layer_operators, tensor_sizes
+from baton.operators import layer_operators, operator_param_count, tensor_sizes
 from baton.profile import Profile, calibrate, derive_table, validate_table
-from runtime.comm_profiler import fit_line, measure_links
-from runtime.op_profiler import profile_table
+from runtime.comm_profiler import _fit_points, fit_line, measure_links
+from runtime.op_profiler import median_of_tables, profile_table
 from tests.conftest import run_cli
 
 TINY = PRESETS["tiny"]
@@ -74,10 +76,62 @@ def test_link_fit_recovers_a_known_line():
     assert lat == pytest.approx(0.05) and 1 / (slope * 1e6) == pytest.approx(2.0)
 
 
-def test_link_measurement_over_gloo_between_two_processes():
-    fit = measure_links(world_size=2, sizes=(4096, 262144, 4194304), reps=2, timeout_s=120)
+def test_link_measurement_over_gloo_between_two_processes(tmp_path):
+    fit = measure_links(world_size=2, sizes=(4096, 262144, 4194304), reps=2, timeout_s=120, spec=TINY, micro_batches=(1, 2))
     assert fit.bandwidth_gb_per_s > 0 and fit.latency_us >= 0
-    assert len(fit.points["p2p"]) == 3 and "intra_node_link" in fit.yaml_block()
+    assert fit.allreduce_bandwidth_gb_per_s > 0 and fit.allreduce_latency_us >= 0
+    assert len(fit.points["p2p"]) == 3
+    # All-reduces at the model's activation sizes were timed inside its tensor-parallel layer.
+    act = TINY.seq_len * TINY.hidden_dim * 4
+    assert [p[0] for p in fit.points["allreduce_in_layer"]] == [act, 2 * act]
+    assert all(p[1] > 0 for p in fit.points["allreduce_in_layer"])
+    # The block is a link a cluster YAML takes, all-reduce figures included.
+    (tmp_path / "c.yaml").write_text("nodes:\n  - name: n\n    gpus: [{type: cpu, count: 2}]\n" +
+                                     "\n".join("    " + line for line in fit.yaml_block().splitlines()) + "\n")
+    link = load_cluster(tmp_path / "c.yaml").link("n:0", "n:1")
+    assert link.allreduce_bandwidth_gb_per_s == pytest.approx(fit.allreduce_bandwidth_gb_per_s, rel=1e-2)
+    assert link.bandwidth_gb_per_s == pytest.approx(fit.bandwidth_gb_per_s, rel=1e-2)
+
+
+def test_fit_uses_in_layer_all_reduces_and_only_larger_microbenchmark_points():
+    points = {"p2p": [], "allreduce": [(4096.0, 0.1), (65536.0, 0.2), (2097152.0, 2.0), (4194304.0, 4.0), (16777216.0, 16.0)],
+              "allreduce_in_layer": [(65536.0, 2.0), (1048576.0, 2.5)]}
+    assert _fit_points(points) == [(65536.0, 2.0), (1048576.0, 2.5), (4194304.0, 4.0), (16777216.0, 16.0)]
+    assert _fit_points({"allreduce": points["allreduce"]}) == points["allreduce"]
+
+
+def test_measured_table_times_the_optimizer_step_for_eq10(measured):
+    """One AdamW step over every layer's weights; eq. 10 scales it to what a device holds."""
+    sample = Profile(measured).optimizer_sample()
+    layer_bytes = sum(operator_param_count(TINY, o) for o in layer_operators(TINY)) * TINY.dtype_bytes
+    assert sample is not None and sample[0] == TINY.num_layers * layer_bytes and sample[1] > 0
+    assert optimizer_step_ms(3 * sample[0], TINY, 1.0, sample) == pytest.approx(3 * sample[1])
+    # A table without the row (derived) keeps the bandwidth rule: 36 bytes per fp32 parameter at 1 GB/s.
+    assert Profile(derive_table(TINY, "t4", micro_batches=(1,))).optimizer_sample() is None
+    assert optimizer_step_ms(4e6, TINY, 1.0) == pytest.approx(36.0)
+
+
+def test_concurrent_profilers_measure_the_same_structure(measured):
+    both = profile_table(TINY, micro_batches=(1, 2), shares=(0.5, 1.0), warmup=0, reps=1, concurrent=2)
+    key = ["op", "micro_batch", "tp_share"]
+    a = measured.sort_values(key).reset_index(drop=True)
+    b = both.sort_values(key).reset_index(drop=True)
+    assert a[key].equals(b[key]) and (a["saved_bytes"] == b["saved_bytes"]).all()
+    assert (b["fwd_ms"] > 0).all()
+
+
+def test_median_of_tables_takes_each_time_from_the_middle_measurement(measured):
+    tables = []
+    for k in (1.0, 3.0, 2.0):
+        t = measured.copy()
+        t["fwd_ms"] = measured["fwd_ms"] * k
+        t["bwd_ms"] = measured["bwd_ms"] * (4 - k)
+        tables.append(t)
+    med = median_of_tables(tables).set_index(["op", "micro_batch", "tp_share"])
+    ref = measured.set_index(["op", "micro_batch", "tp_share"])
+    assert (med["fwd_ms"] - 2 * ref["fwd_ms"]).abs().max() < 1e-9
+    assert (med["bwd_ms"] - 2 * ref["bwd_ms"]).abs().max() < 1e-9
+    assert (med["saved_bytes"] == ref["saved_bytes"]).all()
 
 
 def test_profile_command_measures_on_cpu(tmp_path):

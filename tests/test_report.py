@@ -57,7 +57,17 @@ def test_report_predicts_activation_memory_exactly(tmp_path, measured_profiles, 
         assert d["measured"]["peak_saved_bytes"] == pytest.approx(d["predicted"]["activation_bytes"], rel=1e-3), d["id"]
         if d["id"] in recompute:
             assert d["measured"]["recompute_ms"] > 0 and d["predicted"]["recompute_ms"] > 0
-    assert "measured vs predicted" in res.stdout
+    # The iteration splits into its phases, measured and predicted, and they add up.
+    phases = rep["phases"]
+    assert set(phases) == {"pipeline_ms", "grad_sync_ms", "optimizer_ms"}
+    assert sum(v["measured"] for v in phases.values()) == pytest.approx(rep["iteration_time_ms"]["measured"])
+    assert sum(v["predicted"] for v in phases.values()) == pytest.approx(rep["iteration_time_ms"]["predicted"])
+    assert phases["optimizer_ms"]["measured"] > 0 and phases["optimizer_ms"]["predicted"] > 0
+    tp = len(stages[0]) > 1
+    for st in rep["stages"]:
+        # Tensor-parallel all-reduces: 4 per layer and micro-batch, timed on TP rank 0 (none without TP).
+        assert (st["allreduce_measured_ms"] > 0) == tp and (st["allreduce_predicted_ms"] > 0) == tp
+    assert "measured vs predicted" in res.stdout and "optimizer ms" in res.stdout
 
 
 def test_report_needs_a_cluster(tmp_path):

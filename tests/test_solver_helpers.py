@@ -6,12 +6,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pandas as pd
+
 from baton.cluster import from_mapping
 from baton.evaluate import ProfileSet, evaluate
 from baton.model_spec import ModelSpec
 from baton.operators import operator_names
 from baton.plan import simple_plan
-from baton.profile import Profile, derive_table
+from baton.profile import OPTIMIZER, Profile, derive_table
 
 GIB = 1024**3
 TYPES = ["a100-40gb", "t4", "v100-16gb"]
@@ -27,7 +29,8 @@ class Instance:
     seed: int
 
 
-def synthetic_profile(spec: ModelSpec, gpu: str, rng: random.Random, *, monotone: bool = True) -> Profile:
+def synthetic_profile(spec: ModelSpec, gpu: str, rng: random.Random, *, monotone: bool = True,
+                      extra: random.Random | None = None) -> Profile:
     df = derive_table(spec, gpu, micro_batches=(1, 2))
     for op in df["op"].unique():
         scale = rng.uniform(0.5, 2.0)
@@ -39,6 +42,10 @@ def synthetic_profile(spec: ModelSpec, gpu: str, rng: random.Random, *, monotone
         for i in df.index:
             if df.at[i, "tp_share"] < 1.0:
                 df.at[i, "fwd_ms"] *= rng.uniform(0.7, 1.6)
+    if extra is not None and extra.random() < 0.5:  # a measured optimizer step (eq. 10) instead of the bandwidth rule
+        rows = [{**df.iloc[0].to_dict(), "op": OPTIMIZER, "micro_batch": mb, "tp_share": 1.0, "fwd_ms": extra.uniform(0.5, 5.0),
+                 "bwd_ms": 0.0, "saved_bytes": 0.0, "output_bytes": 0.0, "param_bytes": 1e6} for mb in (1, 2)]
+        df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True)
     return Profile(df, source=f"<synthetic {gpu}>")
 
 
@@ -46,12 +53,13 @@ def random_instance(seed: int, *, num_devices: int, num_layers: int, heads: int,
                     global_batch: int = 2, monotone: bool = True, memory_scale: tuple = (0.25, 1.1),
                     dropout: float = 0.1) -> Instance:
     rng = random.Random(seed)
+    extra = random.Random(seed + 7919)  # draws added later come from here, so older instances stay the same
     spec = ModelSpec(name=f"rand{seed}", num_layers=num_layers, hidden_dim=16 * heads, num_heads=heads, ffn_dim=64 * heads,
                      seq_len=32, vocab_size=128, dtype=rng.choice(["fp32", "fp16"]), dropout=dropout)
     types = rng.sample(TYPES, rng.choice([2, 3]) if num_devices >= 3 else 2)
     devs = [types[i % len(types)] for i in range(num_devices)]
     rng.shuffle(devs)
-    profiles = ProfileSet(spec, tables={g: synthetic_profile(spec, g, rng, monotone=monotone) for g in sorted(set(devs))})
+    profiles = ProfileSet(spec, tables={g: synthetic_profile(spec, g, rng, monotone=monotone, extra=extra) for g in sorted(set(devs))})
     # Memory: a random fraction of what one device would need for the whole model without recompute.
     probe = from_mapping({"name": "probe", "nodes": [{"name": "n", "gpus": [{"type": devs[0], "count": 1}]}]}, source="<probe>")
     plan = simple_plan(spec, cluster="probe", stages=[[("n:0", 1)]], layers=[num_layers], units_per_layer=1,
@@ -67,6 +75,9 @@ def random_instance(seed: int, *, num_devices: int, num_layers: int, heads: int,
         node = {"name": f"n{ni}", "gpus": gpus}
         if size > 1:
             node["intra_node_link"] = {"bandwidth_gb_per_s": rng.choice([0.5, 5.0, 50.0]), "latency_us": rng.choice([1.0, 20.0])}
+            if extra.random() < 0.5:  # measured all-reduce figures (eq. 5) apart from the transfer ones
+                node["intra_node_link"].update(allreduce_bandwidth_gb_per_s=extra.choice([0.2, 2.0]),
+                                               allreduce_latency_us=extra.choice([10.0, 200.0]))
         nodes.append(node)
     data = {"name": f"rand{seed}", "nodes": nodes}
     if len(nodes) > 1:

@@ -5,6 +5,7 @@ import pytest
 
 from baton.catalog import CATALOG, GIB, gpu_type
 from baton.cluster import from_mapping as cluster_from_mapping, load_cluster
+from baton.costmodel import allreduce_ms
 from baton.errors import BatonError
 from baton.model_spec import PRESETS, from_mapping as model_from_mapping
 
@@ -98,8 +99,28 @@ def test_cluster_node_count_expands_into_named_nodes():
     ({"nodes": [{"gpus": [{"type": "t4", "memory_gib": -1}]}]}, "nodes[0].gpus[0].memory_gib"),
     ({"nodes": []}, "nodes"),
     ({"nodes": [{"gpus": [{"type": "t4"}]}], "inter_node_link": {"bandwidth_gb_per_s": 0}}, "inter_node_link.bandwidth_gb_per_s"),
+    ({"nodes": [{"gpus": [{"type": "t4", "count": 2}], "intra_node_link": {"bandwidth_gb_per_s": 5, "allreduce_bandwidth_gb_per_s": -2}}]},
+     "nodes[0].intra_node_link.allreduce_bandwidth_gb_per_s"),
 ])
 def test_bad_cluster_fields_name_file_and_field(data, field):
     with pytest.raises(BatonError) as exc:
         cluster_from_mapping(data, source="c.yaml")
     assert str(exc.value).startswith(f"c.yaml: field '{field}'")
+
+
+def test_links_carry_measured_all_reduce_figures_into_eq5():
+    c = cluster_from_mapping({
+        "nodes": [{"name": "a", "gpus": [{"type": "t4", "count": 2}],
+                   "intra_node_link": {"bandwidth_gb_per_s": 10, "latency_us": 5,
+                                       "allreduce_bandwidth_gb_per_s": 2, "allreduce_latency_us": 100}},
+                  {"name": "b", "gpus": [{"type": "t4", "count": 2}], "intra_node_link": {"bandwidth_gb_per_s": 10, "latency_us": 5}}],
+        "inter_node_link": {"bandwidth_gb_per_s": 4, "latency_us": 30},
+    }, source="c.yaml")
+    measured, plain = c.link("a:0", "a:1"), c.link("b:0", "b:1")
+    assert measured.transfer_ms(1e6) == pytest.approx(0.005 + 0.1)  # transfers keep the point-to-point figures
+    assert allreduce_ms(1e6, 2, measured) == pytest.approx(1e6 / 2e9 * 1e3 + 2 * 0.1)
+    assert allreduce_ms(1e6, 2, plain) == pytest.approx(1e6 / 10e9 * 1e3 + 2 * 0.005)
+    # A group spanning both nodes runs at its slowest collective figures.
+    slow = c.slowest_link(["a:0", "a:1", "b:0"])
+    assert (slow.collective_bandwidth_gb_per_s, slow.collective_latency_us) == (2, 100)
+    assert allreduce_ms(1e6, 3, slow) == pytest.approx(4 / 3 * 1e6 / 2e9 * 1e3 + 4 * 0.1)
