@@ -21,6 +21,11 @@ class Link:
     """Per-link bandwidth a ring all-reduce achieves, when measured apart from transfers (None: the same)."""
     allreduce_latency_us: float | None = None
     """Per-ring-step latency of an all-reduce, when measured apart from transfers (None: the same)."""
+    tp_allreduce_bandwidth_gb_per_s: float | None = None
+    """Per-link bandwidth of the all-reduces inside a tensor-parallel layer, between ranks busy computing
+    (None: as ``allreduce_bandwidth_gb_per_s``)."""
+    tp_allreduce_latency_us: float | None = None
+    """Per-ring-step latency of those all-reduces (None: as ``allreduce_latency_us``)."""
 
     def transfer_ms(self, num_bytes: float) -> float:
         return self.latency_us * 1e-3 + num_bytes / (self.bandwidth_gb_per_s * 1e9) * 1e3
@@ -33,6 +38,16 @@ class Link:
     @property
     def collective_latency_us(self) -> float:
         return self.allreduce_latency_us if self.allreduce_latency_us is not None else self.latency_us
+
+    @property
+    def tp_collective_bandwidth_gb_per_s(self) -> float:
+        """What eq. 5 uses inside a tensor-parallel layer, where the all-reduces compete with compute."""
+        v = self.tp_allreduce_bandwidth_gb_per_s
+        return v if v is not None else self.collective_bandwidth_gb_per_s
+
+    @property
+    def tp_collective_latency_us(self) -> float:
+        return self.tp_allreduce_latency_us if self.tp_allreduce_latency_us is not None else self.collective_latency_us
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +106,8 @@ class ClusterSpec:
             latency_us=max(l.latency_us for l in links),
             allreduce_bandwidth_gb_per_s=min(l.collective_bandwidth_gb_per_s for l in links),
             allreduce_latency_us=max(l.collective_latency_us for l in links),
+            tp_allreduce_bandwidth_gb_per_s=min(l.tp_collective_bandwidth_gb_per_s for l in links),
+            tp_allreduce_latency_us=max(l.tp_collective_latency_us for l in links),
         )
 
     @property
@@ -105,14 +122,21 @@ class ClusterSpec:
 _TOP = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description"}
 _NODE = {"name", "gpus", "intra_node_link", "count"}
 _GPUS = {"type", "count", "memory_gib", "memory_reserve_gib"}
-_LINK = {"bandwidth_gb_per_s", "latency_us", "allreduce_bandwidth_gb_per_s", "allreduce_latency_us", "kind"}
+_LINK = {"bandwidth_gb_per_s", "latency_us", "allreduce_bandwidth_gb_per_s", "allreduce_latency_us",
+         "tp_allreduce_bandwidth_gb_per_s", "tp_allreduce_latency_us", "kind"}
 
 
 def _link(f: Fields) -> Link:
     f.check_known(_LINK)
+
+    def optional(key, **kw):
+        return f.number(key, **kw) if f.has(key) else None
+
     return Link(bandwidth_gb_per_s=f.number("bandwidth_gb_per_s"), latency_us=f.number("latency_us", default=0.0, allow_zero=True),
-                allreduce_bandwidth_gb_per_s=f.number("allreduce_bandwidth_gb_per_s") if f.has("allreduce_bandwidth_gb_per_s") else None,
-                allreduce_latency_us=(f.number("allreduce_latency_us", allow_zero=True) if f.has("allreduce_latency_us") else None))
+                allreduce_bandwidth_gb_per_s=optional("allreduce_bandwidth_gb_per_s"),
+                allreduce_latency_us=optional("allreduce_latency_us", allow_zero=True),
+                tp_allreduce_bandwidth_gb_per_s=optional("tp_allreduce_bandwidth_gb_per_s"),
+                tp_allreduce_latency_us=optional("tp_allreduce_latency_us", allow_zero=True))
 
 
 def from_mapping(data, *, source: str) -> ClusterSpec:

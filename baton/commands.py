@@ -212,15 +212,21 @@ def _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads,
     path = out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)
     write_table(df, path)
     console.print(f"wrote {len(df)} measured rows to {path} "
-                  f"(torch {torch.__version__}, {torch.get_num_threads()} threads, median of {reps} after {warmup} warm-up)")
+                  f"(torch {torch.__version__}, "
+                  + (f"{concurrent} profilers at once, one thread each" if concurrent > 1 else f"{torch.get_num_threads()} threads")
+                  + f", median of {reps} after {warmup} warm-up)")
     if comm:
         from runtime.comm_profiler import measure_links
         from baton.atomic import write_atomically
 
         backend = "nccl" if dev.startswith("cuda") else "gloo"
-        fit = measure_links(backend=backend, world_size=comm_ranks, spec=spec, micro_batches=mbs)
+        # Two sizes at least, so the in-layer all-reduces get a line of their own.
+        layer_mbs = tuple(sorted(mbs)) if len(set(mbs)) > 1 else (mbs[0], 2 * mbs[0])
+        fit = measure_links(backend=backend, world_size=comm_ranks, spec=spec, micro_batches=layer_mbs)
         link_path = Path(str(path).removesuffix(".csv") + ".link.yaml")
         write_atomically(link_path, fit.yaml_block())
         write_atomically(link_path.with_suffix(".json"), json.dumps(fit.to_dict(), indent=2))
         console.print(f"link over {backend}: {fit.bandwidth_gb_per_s:.2f} GB/s, {fit.latency_us:.0f} us per message "
-                      f"(all-reduce implies {fit.allreduce_bandwidth_gb_per_s:.2f} GB/s); wrote {link_path}")
+                      f"(all-reduce implies {fit.allreduce_bandwidth_gb_per_s:.2f} GB/s"
+                      + (f", inside the TP layer {fit.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s and {fit.tp_allreduce_latency_us:.0f} us per step"
+                         if fit.tp_allreduce_bandwidth_gb_per_s is not None else "") + f"); wrote {link_path}")

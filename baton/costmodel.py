@@ -73,14 +73,25 @@ def _layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: floa
     return LayerCost(fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec, held_bytes=held, transient_bytes=transient, param_bytes=params)
 
 
+def _ring_ms(num_bytes: float, n: int, bandwidth_gb_per_s: float, latency_us: float) -> float:
+    return 2 * (n - 1) / n * num_bytes / (bandwidth_gb_per_s * 1e9) * 1e3 + 2 * (n - 1) * latency_us * 1e-3
+
+
 def allreduce_ms(num_bytes: float, num_devices: int, link: Link | None) -> float:
     """Eq. 5: ring all-reduce, 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency (0 for one device),
-    with the link's collective figures (its all-reduce fit where one was measured)."""
+    with the link's collective figures (its all-reduce fit where one was measured): gradient
+    synchronisation, which runs between ranks done computing."""
     if num_devices <= 1 or link is None:
         return 0.0
-    n = num_devices
-    return (2 * (n - 1) / n * num_bytes / (link.collective_bandwidth_gb_per_s * 1e9) * 1e3
-            + 2 * (n - 1) * link.collective_latency_us * 1e-3)
+    return _ring_ms(num_bytes, num_devices, link.collective_bandwidth_gb_per_s, link.collective_latency_us)
+
+
+def tp_allreduce_ms(num_bytes: float, num_devices: int, link: Link | None) -> float:
+    """Eq. 5 for the all-reduces inside a tensor-parallel layer, with the link's in-layer figures
+    where they were measured (ranks arrive from their own compute and communication competes with it)."""
+    if num_devices <= 1 or link is None:
+        return 0.0
+    return _ring_ms(num_bytes, num_devices, link.tp_collective_bandwidth_gb_per_s, link.tp_collective_latency_us)
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) -> float:

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (ALLREDUCES_PER_LAYER, BLOCKS, activation_bytes, allreduce_ms, edge_param_bytes,
+from baton.costmodel import (ALLREDUCES_PER_LAYER, BLOCKS, activation_bytes, allreduce_ms, tp_allreduce_ms, edge_param_bytes,
                              in_flight_microbatches, layer_cost, model_flops_per_sample, optimizer_bytes,
                              optimizer_step_ms, p2p_ms)
 from baton.errors import BatonError
@@ -158,7 +158,7 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
             first, last = si == 0, si == p - 1
             ids = stage.device_ids
             n = len(ids)
-            ar = allreduce_ms(act, n, cluster.slowest_link(ids)) * ALLREDUCES_PER_LAYER
+            ar = tp_allreduce_ms(act, n, cluster.slowest_link(ids)) * ALLREDUCES_PER_LAYER
             per_dev = []
             for d in stage.devices:
                 dev = cluster.device(d.id)

@@ -93,6 +93,12 @@ class Fields:
         value = self.raw(key, default)
         if value is default and default is not ...:
             return value
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads exponents without a dot, such as 1e9, as text.
+            try:
+                value = float(value)
+            except ValueError:
+                raise self.error(key, f"expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.error(key, f"expected a number, got {value!r}")
         value = float(value)

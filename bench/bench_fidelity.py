@@ -3,19 +3,24 @@
 Set-up (explicit, because CPU processes share this machine's cores):
 * one torch thread per process, and each process pinned to one core (rank r on core r mod cores;
   BATON_PIN_CPUS=1), both while profiling and while training, so an operator runs under the same
-  conditions in the table and in the run;
-* the operator table is measured first (``runtime.op_profiler``, median of repetitions after warm-up)
-  for the ``small`` preset (6 layers, width 256, 8 heads, sequence 128, fp32, dropout 0.1) at every
-  micro-batch size and share the plans use; the link is measured over gloo between two processes and
+  conditions in the table and in the run; gloo's I/O threads are left free to run on any core;
+* the operator table is measured on every core at once (``profile_table(concurrent=procs)``: training
+  keeps every core busy, and a layer runs ~14% slower beside a busy core than beside an idle one),
+  median of repetitions after warm-up, for the ``small`` preset (6 layers, width 256, 8 heads,
+  sequence 128, fp32, dropout 0.1) at every micro-batch size and share the plans use; the link is
+  measured over gloo between two processes, its all-reduces inside the tensor-parallel layer, and
   written into a copy of clusters/cpu2.yaml (and cpu4 when 4 processes are asked for);
-* each plan trains for ``--steps`` steps; the first is dropped (warm-up) and medians are taken.
+* this machine's speed wanders by 10-20% over tens of seconds (other tenants), so the benchmark runs
+  in rounds: each round measures the link and the table again, then trains every plan for ``--steps``
+  steps (the first dropped). Predictions come from the median of the rounds' tables and links,
+  measurements from the median of all kept steps, so both sample the same stretch of time.
 
 Plans: pipelines with even and uneven layers, recomputation on one stage, tensor parallelism with
 even and uneven (3:1) units, and the plan ``baton solve`` picks for this cluster under the measured
 table. Reported per plan: iteration time and activation memory, predicted and measured, with their
 relative errors; then the mean absolute and worst relative error over the plans.
 
-Run: ``python bench/bench_fidelity.py [--steps 6] [--procs 2]``; writes bench/results/fidelity.json
+Run: ``python bench/bench_fidelity.py [--rounds 4] [--steps 8] [--procs 2]``; writes bench/results/fidelity.json
 and bench/results/fidelity.md.
 """
 from __future__ import annotations
@@ -42,7 +47,7 @@ from baton.evaluate import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
 from baton.plan import Plan, load_plan, simple_plan  # noqa: E402
 from baton.profile import table_filename, write_table  # noqa: E402
-from runtime.comm_profiler import measure_links  # noqa: E402
+from runtime.comm_profiler import measure_links, median_link  # noqa: E402
 from runtime.launch import TrainConfig, train  # noqa: E402
 from runtime.op_profiler import median_of_tables, profile_table  # noqa: E402
 from runtime.report import build_report  # noqa: E402
@@ -98,8 +103,8 @@ def solver_plan(cluster_path: Path, profiles: Path, out: Path) -> Plan | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6, help="training steps per plan and round (the first is dropped)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of profiling then running every plan")
+    ap.add_argument("--steps", type=int, default=8, help="training steps per plan and round (the first is dropped)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of profiling then running every plan")
     ap.add_argument("--procs", type=int, default=2, choices=(2, 4))
     ap.add_argument("--reps", type=int, default=15, help="repetitions per operator measurement")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -110,14 +115,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="baton-fidelity-"))
     profiles = work / "profiles"
     t0 = time.time()
-
-    print("measuring the link over gloo ...")
-    link = measure_links(world_size=2, spec=SPEC, micro_batches=(1, 2, 4))
-    cluster_path = write_cluster(work, args.procs, link)
-    cluster = load_cluster(cluster_path)
-    print(f"  {link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us")
-
-    cases = plans(cluster.name, args.procs)
+    cases = plans(f"cpu{args.procs}", args.procs)
     if args.only:
         cases = {k: v for k, v in cases.items() if args.only in k}
     # Every micro-batch size and share the hand plans use, plus those the solver may pick.
@@ -125,8 +123,12 @@ def main() -> None:
     shares = sorted({d.units / s.units_per_layer for p in cases.values() for s in p.pipelines[0].stages for d in s.devices}
                     | {0.25, 0.5, 0.75, 1.0})
     table_path = profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len)
-    tables, histories, round_ms = [], {}, {}
+    tables, links, histories, round_ms = [], [], {}, {}
     for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}: measuring the link over gloo ...")
+        links.append(measure_links(world_size=2, spec=SPEC, micro_batches=(1, 2, 4)))
+        if r == 0:
+            cluster_path = write_cluster(work, args.procs, links[0])
         print(f"round {r + 1}/{args.rounds}: profiling {SPEC.name} on this CPU (micro-batches {mbs}, shares {shares}) ...")
         tables.append(profile_table(SPEC, device="cpu", micro_batches=tuple(mbs), shares=tuple(shares), warmup=3, reps=args.reps,
                                     concurrent=args.procs))
@@ -144,6 +146,8 @@ def main() -> None:
                 histories.setdefault(name, {}).setdefault(rank, hist[:1]).extend(hist[1:])
             round_ms.setdefault(name, []).append(statistics.median(st.iteration_ms for st in per_rank[0][1:]))
     write_table(median_of_tables(tables), table_path)
+    link = median_link(links)
+    cluster = load_cluster(write_cluster(work, args.procs, link))
 
     rows = []
     for name, plan in cases.items():
@@ -195,7 +199,8 @@ def main() -> None:
               f"{summary['activation_mean_abs_rel_error']:.2%}, worst {summary['activation_worst_abs_rel_error']:.2%} (target 2%).",
               "", f"Model `{SPEC.name}` (fp32), {args.procs} CPU processes, one thread each, pinned; link measured over gloo: "
               f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us per transfer; all-reduce {link.allreduce_bandwidth_gb_per_s:.2f} GB/s, "
-              f"{link.allreduce_latency_us:.0f} us per ring step (timed inside the tensor-parallel layer); {args.rounds} rounds of "
+              f"{link.allreduce_latency_us:.0f} us per ring step between idle ranks, {link.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s, "
+              f"{link.tp_allreduce_latency_us:.0f} us inside the tensor-parallel layer; {args.rounds} rounds of "
               f"(profile on {args.procs} cores at once, median of {args.reps}; run every plan {args.steps} steps, first dropped). "
               "Measured: median over all kept steps; spread: (slowest - fastest round median) / median; predicted: from the "
               "median of the rounds' tables."]

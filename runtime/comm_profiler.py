@@ -8,14 +8,15 @@ through the measured (bytes, ms) points gives both parameters; the result is wri
 transfer figures: over gloo on one host a 256 KiB all-reduce costs several transfers).
 
 Transfers and all-reduces are timed several back to back after a barrier (the time of one is the
-batch's time over its count), under the same core pinning as ``baton train`` (``BATON_PIN_CPUS=1``).
-Given a model, the all-reduces at activation sizes are instead measured by what they add to the
-runtime's own tensor-parallel layer (four layers split evenly over the ranks, run with and without
-the all-reduces; the difference over their count), and the line is fitted through those and the
-microbenchmark's points at least four times larger (gradient synchronisation, which runs when the
-ranks are idle). On gloo between CPU processes the two differ a lot: a 256 KiB all-reduce took about
-0.5-1 ms between otherwise idle ranks and about 2-2.5 ms inside the layer, where each rank arrives
-from its own compute and gloo's I/O threads wait for a busy core; training pays the latter.
+batch's time over its count), under the same core pinning as ``baton train`` (``BATON_PIN_CPUS=1``):
+that is gradient synchronisation, which runs between ranks done computing. Given a model, the
+all-reduces of tensor parallelism are also measured by what they add to the runtime's own layer (four
+layers split evenly over the ranks, run with and without the all-reduces; the difference over their
+count) at each micro-batch size, and fitted on their own as ``tp_allreduce_bandwidth_gb_per_s`` /
+``tp_allreduce_latency_us``. On gloo between CPU processes the two differ a lot: a 256 KiB all-reduce
+took about 0.5-1 ms between idle ranks and about 2 ms inside the layer, where each rank arrives from
+its own compute and gloo's I/O threads compete with it for the cores; and the in-layer cost grows
+about three times faster with size.
 """
 from __future__ import annotations
 
@@ -57,20 +58,28 @@ class LinkFit:
     """Link bandwidth implied by the all-reduce slope under the ring model."""
     allreduce_latency_us: float
     """Per-step latency implied by the all-reduce intercept under the ring model."""
+    tp_allreduce_bandwidth_gb_per_s: float | None
+    """Bandwidth implied by the all-reduces timed inside the tensor-parallel layer (None: not measured)."""
+    tp_allreduce_latency_us: float | None
+    """Per-step latency implied by those."""
     points: dict
     """{'p2p': [[bytes, ms], ...], 'allreduce': [...], 'allreduce_in_layer': [...] (given a model)}"""
 
-    def yaml_block(self) -> str:
-        return (f"# measured by 'baton profile --comm' over {self.backend} ({self.world_size} ranks)\n"
-                f"intra_node_link: {{bandwidth_gb_per_s: {self.bandwidth_gb_per_s:.3f}, latency_us: {self.latency_us:.1f}, "
-                f"allreduce_bandwidth_gb_per_s: {self.allreduce_bandwidth_gb_per_s:.3f}, "
-                f"allreduce_latency_us: {self.allreduce_latency_us:.1f}}}\n")
-
     def link_fields(self) -> dict:
         """The fields of a cluster YAML link block."""
-        return {"bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 4), "latency_us": round(self.latency_us, 2),
-                "allreduce_bandwidth_gb_per_s": round(self.allreduce_bandwidth_gb_per_s, 4),
-                "allreduce_latency_us": round(self.allreduce_latency_us, 2)}
+        fields = {"bandwidth_gb_per_s": round(self.bandwidth_gb_per_s, 4), "latency_us": round(self.latency_us, 2),
+                  "allreduce_bandwidth_gb_per_s": round(self.allreduce_bandwidth_gb_per_s, 4),
+                  "allreduce_latency_us": round(self.allreduce_latency_us, 2)}
+        if self.tp_allreduce_bandwidth_gb_per_s is not None:
+            fields.update(tp_allreduce_bandwidth_gb_per_s=round(self.tp_allreduce_bandwidth_gb_per_s, 4),
+                          tp_allreduce_latency_us=round(self.tp_allreduce_latency_us, 2))
+        return fields
+
+    def yaml_block(self) -> str:
+        import yaml
+
+        return (f"# measured by 'baton profile --comm' over {self.backend} ({self.world_size} ranks)\n"
+                + yaml.safe_dump({"intra_node_link": self.link_fields()}, default_flow_style=None, sort_keys=False, width=1000))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,15 +142,6 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
         dist.all_reduce(added)
         points.append((b * spec.seq_len * spec.hidden_dim * 4, float(added) / world))
     return points
-
-
-def _fit_points(points: dict) -> list:
-    """The all-reduce points the line goes through: in-layer ones where measured, plus larger transfers."""
-    inside = points.get("allreduce_in_layer")
-    if not inside:
-        return points["allreduce"]
-    top = max(size for size, _ in inside)
-    return list(inside) + [p for p in points["allreduce"] if p[0] >= 4 * top]
 
 
 def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: int, out_dir: str, spec=None,
@@ -230,11 +230,32 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
                 if p.is_alive():
                     p.terminate()
         points = torch.load(os.path.join(tmp, "points.pt"), weights_only=True)
-    lat_p, slope_p = fit_line(points["p2p"])
-    lat_a, slope_a = fit_line(_fit_points(points))
+    return link_fit(backend, world_size, points)
+
+
+def link_fit(backend: str, world_size: int, points: dict) -> LinkFit:
+    """Fit the link model to measured points: transfers as latency + bytes / bandwidth, all-reduces
+    (between idle ranks, and inside the tensor-parallel layer where measured) as eq. 5's ring."""
     n = world_size
+
+    def ring(pts):
+        lat, slope = fit_line(pts)
+        return (2 * (n - 1) / n) / (slope * 1e6), lat * 1e3 / (2 * (n - 1))
+
+    lat_p, slope_p = fit_line(points["p2p"])
+    ar_bw, ar_lat = ring(points["allreduce"])
+    inside = points.get("allreduce_in_layer") or []
+    tp_bw, tp_lat = ring(inside) if len(inside) >= 2 else (None, None)
     return LinkFit(
-        backend=backend, world_size=n,
-        bandwidth_gb_per_s=1.0 / (slope_p * 1e6), latency_us=lat_p * 1e3,
-        allreduce_bandwidth_gb_per_s=(2 * (n - 1) / n) / (slope_a * 1e6), allreduce_latency_us=lat_a * 1e3 / (2 * (n - 1)),
-        points={k: [list(map(float, p)) for p in v] for k, v in points.items()})
+        backend=backend, world_size=n, bandwidth_gb_per_s=1.0 / (slope_p * 1e6), latency_us=lat_p * 1e3,
+        allreduce_bandwidth_gb_per_s=ar_bw, allreduce_latency_us=ar_lat,
+        tp_allreduce_bandwidth_gb_per_s=tp_bw, tp_allreduce_latency_us=tp_lat,
+        points={k: [[float(x) for x in p] for p in v] for k, v in points.items()})
+
+
+def median_link(fits: list[LinkFit]) -> LinkFit:
+    """One fit through the median, size by size, of several measurements of the same link."""
+    first = fits[0]
+    points = {kind: [[size, statistics.median(f.points[kind][i][1] for f in fits)] for i, (size, _) in enumerate(pts)]
+              for kind, pts in first.points.items()}
+    return link_fit(first.backend, first.world_size, points)

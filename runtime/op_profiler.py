@@ -235,8 +235,8 @@ def profile_optimizer(spec: ModelSpec, device: torch.device, *, warmup: int, rep
     layer of the model (up to ``OPTIMIZER_MAX_BYTES``).
 
     The step streams every weight, gradient and moment once, so its time scales with the bytes held
-    (eq. 10). Timed over one layer, the small model's state stayed in cache and the step ran twice as
-    fast per byte as in training, where a stage updates all its layers.
+    (eq. 10); timing it over many layers' tensors, not one layer's, keeps the state out of cache and
+    counts the per-tensor cost of the unfused CPU implementation as a stage pays them.
     """
     from runtime.engine import ADAM_BETAS, ADAM_EPS
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (ALLREDUCES_PER_LAYER, activation_bytes, allreduce_ms, in_flight_microbatches,
+from baton.costmodel import (ALLREDUCES_PER_LAYER, activation_bytes, allreduce_ms, tp_allreduce_ms, in_flight_microbatches,
                              optimizer_step_ms, p2p_ms)
 from baton.evaluate import ProfileSet
 from baton.model_spec import ModelSpec
@@ -40,7 +40,7 @@ def stage_layer_lower_bound(spec, cluster, profiles, mb, ids, part="fb") -> floa
     """Smallest possible per-layer F + B (or B alone) of a TP group, all-reduces included, memory ignored."""
     n = len(ids)
     Umax = max(valid_unit_counts(spec))
-    ar = allreduce_ms(activation_bytes(spec, mb), n, cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER * (2 if part == "fb" else 1)
+    ar = tp_allreduce_ms(activation_bytes(spec, mb), n, cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER * (2 if part == "fb" else 1)
     if n == 1:
         return _layer_ms(profiles[cluster.device(ids[0]).gpu.name], spec, mb, 1.0, part) + ar
     if n > Umax:
@@ -230,7 +230,7 @@ def tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N):
     slot = Slot(profile=profiles[dev.gpu.name], memory_bytes=dev.memory_bytes, reserve_bytes=dev.reserve_bytes,
                 in_flight=in_flight_microbatches(s, p, m), first=s == 0, last=s == p - 1)
     t = share_table(slot.profile, spec, mb, 1.0 / n, space)
-    ar = allreduce_ms(activation_bytes(spec, mb), n, cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER
+    ar = tp_allreduce_ms(activation_bytes(spec, mb), n, cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER
     fits = approx_max_layers(t, slot, spec, mb, N) + 1  # +1: never tighter than the exact count
     b_all = sum(t.bwd) + t.rec_attn + t.rec_mlp + ar
     fb_all = sum(t.fwd) + ar + b_all

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (ALLREDUCES_PER_LAYER, activation_bytes, allreduce_ms, in_flight_microbatches,
+from baton.costmodel import (ALLREDUCES_PER_LAYER, activation_bytes, allreduce_ms, tp_allreduce_ms, in_flight_microbatches,
                              optimizer_step_ms, p2p_ms)
 from baton.evaluate import ProfileSet
 from baton.model_spec import ModelSpec
@@ -170,7 +170,7 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
             ids = list(ids)
             first, last = s == 0, s == p - 1
             n = len(ids)
-            ar = allreduce_ms(act, n, cluster.slowest_link(ids)) * ALLREDUCES_PER_LAYER
+            ar = tp_allreduce_ms(act, n, cluster.slowest_link(ids)) * ALLREDUCES_PER_LAYER
             edge_f = max((profiles[cluster.device(i).gpu.name].cost(EMBEDDING, micro_batch).fwd_ms if first else 0.0)
                          + (profiles[cluster.device(i).gpu.name].cost(HEAD, micro_batch).fwd_ms if last else 0.0) for i in ids)
             edge_b = max((profiles[cluster.device(i).gpu.name].cost(EMBEDDING, micro_batch).bwd_ms if first else 0.0)

@@ -5,12 +5,12 @@ import pandas as pd
 import pytest
 import torch
 
-from baton.cluster import load_cluster
-from baton.costmodel import optimizer_step_ms
+from baton.cluster import Link, load_cluster
+from baton.costmodel import allreduce_ms, optimizer_step_ms, tp_allreduce_ms
 from baton.model_spec import PRESETS
 from baton.operators import layer_operators, operator_param_count, tensor_sizes
 from baton.profile import Profile, calibrate, derive_table, validate_table
-from runtime.comm_profiler import _fit_points, fit_line, measure_links
+from runtime.comm_profiler import fit_line, link_fit, measure_links
 from runtime.op_profiler import median_of_tables, profile_table
 from tests.conftest import run_cli
 
@@ -90,14 +90,22 @@ def test_link_measurement_over_gloo_between_two_processes(tmp_path):
                                      "\n".join("    " + line for line in fit.yaml_block().splitlines()) + "\n")
     link = load_cluster(tmp_path / "c.yaml").link("n:0", "n:1")
     assert link.allreduce_bandwidth_gb_per_s == pytest.approx(fit.allreduce_bandwidth_gb_per_s, rel=1e-2)
+    assert link.tp_allreduce_bandwidth_gb_per_s == pytest.approx(fit.tp_allreduce_bandwidth_gb_per_s, rel=1e-2)
     assert link.bandwidth_gb_per_s == pytest.approx(fit.bandwidth_gb_per_s, rel=1e-2)
 
 
-def test_fit_uses_in_layer_all_reduces_and_only_larger_microbenchmark_points():
-    points = {"p2p": [], "allreduce": [(4096.0, 0.1), (65536.0, 0.2), (2097152.0, 2.0), (4194304.0, 4.0), (16777216.0, 16.0)],
-              "allreduce_in_layer": [(65536.0, 2.0), (1048576.0, 2.5)]}
-    assert _fit_points(points) == [(65536.0, 2.0), (1048576.0, 2.5), (4194304.0, 4.0), (16777216.0, 16.0)]
-    assert _fit_points({"allreduce": points["allreduce"]}) == points["allreduce"]
+def test_link_fit_keeps_in_layer_all_reduces_apart():
+    """Gradient all-reduces (idle ranks) and tensor-parallel ones (inside the layer) get their own ring fit."""
+    idle = [(x, 0.2 + x / 1e6) for x in (4096.0, 65536.0, 1048576.0, 16777216.0)]  # 2 x 100 us steps, 1 GB/s
+    inside = [(x, 2.0 + x / 2.5e5) for x in (131072.0, 262144.0, 524288.0)]      # 2 x 1 ms steps, 0.25 GB/s
+    fit = link_fit("gloo", 2, {"p2p": idle, "allreduce": idle, "allreduce_in_layer": inside})
+    assert fit.allreduce_latency_us == pytest.approx(100.0) and fit.allreduce_bandwidth_gb_per_s == pytest.approx(1.0)
+    assert fit.tp_allreduce_latency_us == pytest.approx(1000.0) and fit.tp_allreduce_bandwidth_gb_per_s == pytest.approx(0.25)
+    link = Link(**{k: v for k, v in fit.link_fields().items()})
+    assert tp_allreduce_ms(262144.0, 2, link) == pytest.approx(2.0 + 262144.0 / 2.5e5, rel=1e-3)
+    assert allreduce_ms(16777216.0, 2, link) == pytest.approx(0.2 + 16777216.0 / 1e6, rel=1e-3)
+    plain = link_fit("gloo", 2, {"p2p": idle, "allreduce": idle})
+    assert plain.tp_allreduce_bandwidth_gb_per_s is None and "tp_allreduce" not in plain.yaml_block()
 
 
 def test_measured_table_times_the_optimizer_step_for_eq10(measured):

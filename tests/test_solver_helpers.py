@@ -78,6 +78,9 @@ def random_instance(seed: int, *, num_devices: int, num_layers: int, heads: int,
             if extra.random() < 0.5:  # measured all-reduce figures (eq. 5) apart from the transfer ones
                 node["intra_node_link"].update(allreduce_bandwidth_gb_per_s=extra.choice([0.2, 2.0]),
                                                allreduce_latency_us=extra.choice([10.0, 200.0]))
+                if extra.random() < 0.5:  # and in-layer (tensor-parallel) ones apart from those
+                    node["intra_node_link"].update(tp_allreduce_bandwidth_gb_per_s=extra.choice([0.1, 1.0]),
+                                                   tp_allreduce_latency_us=extra.choice([50.0, 500.0]))
         nodes.append(node)
     data = {"name": f"rand{seed}", "nodes": nodes}
     if len(nodes) > 1:

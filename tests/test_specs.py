@@ -5,7 +5,7 @@ import pytest
 
 from baton.catalog import CATALOG, GIB, gpu_type
 from baton.cluster import from_mapping as cluster_from_mapping, load_cluster
-from baton.costmodel import allreduce_ms
+from baton.costmodel import allreduce_ms, tp_allreduce_ms
 from baton.errors import BatonError
 from baton.model_spec import PRESETS, from_mapping as model_from_mapping
 
@@ -117,6 +117,8 @@ def test_links_carry_measured_all_reduce_figures_into_eq5():
         "inter_node_link": {"bandwidth_gb_per_s": 4, "latency_us": 30},
     }, source="c.yaml")
     measured, plain = c.link("a:0", "a:1"), c.link("b:0", "b:1")
+    # Without in-layer figures, tensor parallelism's all-reduces use the all-reduce ones.
+    assert tp_allreduce_ms(1e6, 2, measured) == pytest.approx(allreduce_ms(1e6, 2, measured))
     assert measured.transfer_ms(1e6) == pytest.approx(0.005 + 0.1)  # transfers keep the point-to-point figures
     assert allreduce_ms(1e6, 2, measured) == pytest.approx(1e6 / 2e9 * 1e3 + 2 * 0.1)
     assert allreduce_ms(1e6, 2, plain) == pytest.approx(1e6 / 10e9 * 1e3 + 2 * 0.005)
@@ -124,3 +126,22 @@ def test_links_carry_measured_all_reduce_figures_into_eq5():
     slow = c.slowest_link(["a:0", "a:1", "b:0"])
     assert (slow.collective_bandwidth_gb_per_s, slow.collective_latency_us) == (2, 100)
     assert allreduce_ms(1e6, 3, slow) == pytest.approx(4 / 3 * 1e6 / 2e9 * 1e3 + 4 * 0.1)
+
+
+def test_in_layer_all_reduce_figures_apply_to_tensor_parallelism_only():
+    c = cluster_from_mapping({"nodes": [{"name": "a", "gpus": [{"type": "t4", "count": 2}], "intra_node_link": {
+        "bandwidth_gb_per_s": 10, "latency_us": 5, "allreduce_bandwidth_gb_per_s": 2, "allreduce_latency_us": 100,
+        "tp_allreduce_bandwidth_gb_per_s": 0.5, "tp_allreduce_latency_us": 1000}}]}, source="c.yaml")
+    link = c.slowest_link(["a:0", "a:1"])
+    assert tp_allreduce_ms(1e6, 2, link) == pytest.approx(1e6 / 0.5e9 * 1e3 + 2 * 1.0)
+    assert allreduce_ms(1e6, 2, link) == pytest.approx(1e6 / 2e9 * 1e3 + 2 * 0.1)
+
+
+def test_exponent_without_a_dot_reads_as_a_number(tmp_path):
+    """PyYAML reads 1e9 (no dot) as text; a link figure written that way is still a number."""
+    (tmp_path / "c.yaml").write_text("nodes:\n  - name: n\n    gpus: [{type: t4, count: 2}]\n"
+                                     "    intra_node_link: {bandwidth_gb_per_s: 1e9, latency_us: 5}\n")
+    assert load_cluster(tmp_path / "c.yaml").link("n:0", "n:1").bandwidth_gb_per_s == 1e9
+    with pytest.raises(BatonError, match="expected a number, got 'fast'"):
+        cluster_from_mapping({"nodes": [{"gpus": [{"type": "t4", "count": 2}], "intra_node_link": {"bandwidth_gb_per_s": "fast"}}]},
+                             source="c.yaml")
