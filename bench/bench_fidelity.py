@@ -10,7 +10,7 @@ Set-up (explicit, because CPU processes share this machine's cores):
   sequence 128, fp32, dropout 0.1) at every micro-batch size and share the plans use; the link is
   measured over gloo between two processes, its all-reduces inside the tensor-parallel layer, and
   written into a copy of clusters/cpu2.yaml (and cpu4 when 4 processes are asked for);
-* this machine's speed wanders by 10-20% over tens of seconds (other tenants), so the benchmark runs
+* this machine's speed wanders by 10-35% over tens of seconds (other tenants), so the benchmark runs
   in rounds: each round measures the link and the table again, then trains every plan for ``--steps``
   steps (the first dropped). Predictions come from the median of the rounds' tables and links,
   measurements from the median of all kept steps, so both sample the same stretch of time.
