@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ def load_json(path: str | Path) -> Any:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise BatonError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", source=str(path)) from None
+
+
+_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
 class Fields:
@@ -93,12 +97,8 @@ class Fields:
         value = self.raw(key, default)
         if value is default and default is not ...:
             return value
-        if isinstance(value, str):
-            # YAML 1.1 (PyYAML) reads exponents without a dot, such as 1e9, as text.
-            try:
-                value = float(value)
-            except ValueError:
-                raise self.error(key, f"expected a number, got {value!r}") from None
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 (PyYAML) reads exponents without a dot, such as 1e9, as text
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.error(key, f"expected a number, got {value!r}")
         value = float(value)

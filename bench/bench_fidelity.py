@@ -173,7 +173,7 @@ def main() -> None:
         print("    phases (measured/predicted ms): " + ", ".join(
             f"{k.removesuffix('_ms')} {v['measured']:.1f}/{v['predicted']:.1f}" for k, v in rep["phases"].items()))
         print("    stages per micro-batch (measured/predicted ms, TP all-reduce): " + ", ".join(
-            f"{st['measured_ms']:.1f}/{st['predicted_ms']:.1f} ({st['allreduce_measured_ms']:.1f}/{st['allreduce_predicted_ms']:.1f})"
+            f"{st['measured_ms']:.1f}/{st['predicted_ms']:.1f} ({st['allreduce_measured_ms'] or 0:.1f}/{st['allreduce_predicted_ms']:.1f})"
             for st in rep["stages"]))
 
     it_err = [abs(r["iteration_rel_error"]) for r in rows]

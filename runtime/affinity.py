@@ -3,8 +3,9 @@
 Ranks neither migrate nor oversubscribe their core (two OpenMP threads spinning on one core ran ~30x
 slower on a loaded 2-core box). Call it after the process group exists: on Linux the affinity of a
 thread is inherited by the threads it creates later, and gloo's I/O threads, created while the group
-forms, then stay free to run on any core instead of queueing behind their rank's compute (pinned
-before, a 256 KiB all-reduce between two ranks took about twice as long).
+forms (those of every subgroup included: call it after the last ``new_group``), then stay free to run
+on any core instead of queueing behind their rank's compute (pinned before, a 256 KiB all-reduce
+between two ranks took about twice as long).
 """
 from __future__ import annotations
 

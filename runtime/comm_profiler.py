@@ -136,7 +136,7 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
                     times[name].append(took)
                 if name == "joined":
                     calls = AllReduceClock.calls
-        # Both ranks must agree on one figure: the median of the ranks' differences.
+        # Every rank must hold the same figure: the mean of the ranks' differences.
         added = torch.tensor([max(statistics.median(times["joined"]) - statistics.median(times["alone"]), 0.0) / max(calls, 1)],
                              dtype=torch.float64)
         dist.all_reduce(added)
@@ -256,6 +256,9 @@ def link_fit(backend: str, world_size: int, points: dict) -> LinkFit:
 def median_link(fits: list[LinkFit]) -> LinkFit:
     """One fit through the median, size by size, of several measurements of the same link."""
     first = fits[0]
+    shape = {k: [p[0] for p in v] for k, v in first.points.items()}
+    if any({k: [p[0] for p in v] for k, v in f.points.items()} != shape or f.world_size != first.world_size for f in fits):
+        raise BatonError("link measurements to combine must have the same ranks, kinds and sizes", field="--comm")
     points = {kind: [[size, statistics.median(f.points[kind][i][1] for f in fits)] for i, (size, _) in enumerate(pts)]
               for kind, pts in first.points.items()}
     return link_fit(first.backend, first.world_size, points)

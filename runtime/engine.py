@@ -44,8 +44,9 @@ class StepStats:
     """Per micro-batch time re-running recomputed operators (part of backward_ms)."""
     stage_ms: list[float] = field(default_factory=list)
     """Compute time (forward + backward) of each stage of pipeline 0, from its TP rank 0."""
-    tp_allreduce_ms: float = 0.0
-    """Time in tensor-parallel all-reduces over the step's passes (gloo only; waits for peers included)."""
+    tp_allreduce_ms: float | None = 0.0
+    """Time in tensor-parallel all-reduces over the step's passes, waits for peers included (None on
+    CUDA, where the call returns before the GPU runs it)."""
     grad_sync_ms: float = 0.0
     """Tied-embedding and data-parallel gradient all-reduces on this rank (waits for peers included)."""
     optimizer_ms: float = 0.0
@@ -95,11 +96,23 @@ class Engine:
         dtypes = {p.dtype for p in params}
         assert len(dtypes) == 1, f"parameters of one dtype expected, got {dtypes}"
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtypes.pop(), device=self.device)
-        offset = 0
+        self._grad_views, offset = [], 0
         for p in params:
-            p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            self._grad_views.append((p, buffer[offset:offset + p.numel()].view_as(p)))
             offset += p.numel()
+        self._bind_grads()
         return buffer
+
+    def _bind_grads(self) -> None:
+        """Make every ``.grad`` its view of the buffer again (a ``zero_grad()`` elsewhere sets them to
+        None; a later backward would then leave the buffer the all-reduce reads stale)."""
+        for p, view in self._grad_views:
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
 
     # --- point-to-point ----------------------------------------------------------------------------
     def _recv(self, src: int) -> torch.Tensor:
@@ -120,6 +133,7 @@ class Engine:
         m, mbs = plan.num_microbatches, plan.micro_batch_size
         denom = self.samples_per_step * spec.seq_len
         sync = self.device.type == "cuda"
+        self._bind_grads()
         meter = self.model.meter
         meter.reset()
         saved = SavedBytes(self.model.parameters()) if self.measure else None
@@ -170,7 +184,7 @@ class Engine:
                     self._send(x.grad, bwd_dst, pending)
         for work, _ in pending:
             work.wait()
-        stats.tp_allreduce_ms = AllReduceClock.seconds * 1e3
+        stats.tp_allreduce_ms = None if sync else AllReduceClock.seconds * 1e3
         t0 = time.perf_counter()
         self._sync_grads()
         if sync:

@@ -120,6 +120,7 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None) -> 
         weights = load_gpt2(cfg.init_from, spec)
         full = weights.__getitem__
     engine = Engine(plan, rank, device=device, seed=cfg.seed, lr=cfg.lr, weight_decay=cfg.weight_decay, full=full)
+    pin_rank(int(os.environ.get("LOCAL_RANK", rank)))  # after the engine made its groups (see runtime.affinity)
     if reader is not None:
         reader.load_into(engine)
     data = TokenSource(spec, path=cfg.data, seed=cfg.seed, global_batch=plan.global_batch,
@@ -150,7 +151,6 @@ def _worker(rank: int, world: int, cfg: TrainConfig, device_kind: str, init_meth
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init_group("nccl" if device.type == "cuda" else "gloo", rank, world, init_method, cfg.timeout_s)
-        pin_rank(rank)
         history = run_rank(cfg, rank, device, report=lambda s: q.put(("step", asdict(s))))
         if cfg.collect_all_ranks:
             q.put(("rank_stats", rank, [asdict(s) for s in history]))
@@ -203,7 +203,6 @@ def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None) -> lis
     if use_cuda:
         torch.cuda.set_device(device)
     _init_group("nccl" if use_cuda else "gloo", rank, world, "env://", cfg.timeout_s)
-    pin_rank(local)
     try:
         history = run_rank(cfg, rank, device, report=on_step)
         if cfg.collect_all_ranks:

@@ -11,6 +11,7 @@ The table also holds one timed AdamW step (row ``optimizer``), which eq. 10 scal
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -236,11 +237,13 @@ def profile_optimizer(spec: ModelSpec, device: torch.device, *, warmup: int, rep
 
     The step streams every weight, gradient and moment once, so its time scales with the bytes held
     (eq. 10); timing it over many layers' tensors, not one layer's, keeps the state out of cache and
-    counts the per-tensor cost of the unfused CPU implementation as a stage pays them.
+    counts the per-tensor cost of the unfused CPU implementation as a stage pays them. The runtime
+    keeps weights and Adam state in fp32 whatever the model's dtype, so the step is timed in fp32;
+    the bytes returned are counted in the model's dtype, as eq. 10's W_d is.
     """
     from runtime.engine import ADAM_BETAS, ADAM_EPS
 
-    dtype = TORCH_DTYPES[spec.dtype]
+    dtype = torch.float32
     block = ParallelBlock(spec, 0, heads=range(spec.num_heads), ffn_cols=range(spec.ffn_dim))
     _init(block, seed)
     shapes = [p.shape for p in block.parameters()]
@@ -256,11 +259,11 @@ def profile_optimizer(spec: ModelSpec, device: torch.device, *, warmup: int, rep
     opt = torch.optim.AdamW(params, lr=3e-4, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
     timer = _Timer(device)
     times = [timer(opt.step) for _ in range(warmup + reps)][warmup:]
-    return sum(p.numel() * p.element_size() for p in params), statistics.median(times)
+    return sum(p.numel() for p in params) * spec.dtype_bytes, statistics.median(times)
 
 
 def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2), shares=(1.0,), warmup: int = 2, reps: int = 5,
-                  gpu_name: str | None = None, progress=None, concurrent: int = 1, timeout_s: float = 3600) -> pd.DataFrame:
+                  gpu_name: str | None = None, progress=None, concurrent: int = 1, timeout_s: float | None = None) -> pd.DataFrame:
     """The measured table (schema of ``baton.profile``) for the local device.
 
     With ``concurrent`` > 1, that many profilers run at once, one per core (``BATON_PIN_CPUS=1``) or one
@@ -282,6 +285,12 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
         raise BatonError(f"{concurrent} concurrent profilers need {concurrent} GPUs, this machine has {torch.cuda.device_count()}",
                          field="--concurrent")
     name = gpu_name or ("cpu" if dev.type == "cpu" else torch.cuda.get_device_name(dev).lower().replace(" ", "-"))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # events and synchronisation below go to the measured device
+        kinds = {torch.cuda.get_device_name(i) for i in range(concurrent)} if concurrent > 1 else set()
+        if len(kinds) > 1:
+            raise BatonError(f"GPUs 0..{concurrent - 1} are of different types ({', '.join(sorted(kinds))}): one table is one "
+                             "type; profile each type on its own", field="--concurrent")
     if concurrent == 1:
         return _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, lambda: None)
     return _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, concurrent, timeout_s)
@@ -324,12 +333,16 @@ def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, war
         torch.set_num_threads(1)
         pin_rank(rank)
         dev = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         report = (lambda done, total: progress_q.put((done, total))) if rank == 0 else None
         df = _table(spec, dev, name, micro_batches, shares, warmup, reps, report, lambda: barrier.wait(timeout=600))
         results.put((rank, df.to_dict("list")))
-    except Exception as exc:  # reported to the parent as one line
-        barrier.abort()
+    except threading.BrokenBarrierError:
+        results.put((rank, None))  # a peer failed and says why
+    except Exception as exc:  # reported to the parent as one line, before the peers are released
         results.put((rank, f"{type(exc).__name__}: {exc}"))
+        barrier.abort()
 
 
 def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, n, timeout_s) -> pd.DataFrame:
@@ -344,7 +357,7 @@ def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, prog
     for p in procs:
         p.start()
     tables: dict[int, pd.DataFrame] = {}
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     try:
         while len(tables) < n:
             if time.monotonic() > deadline:
@@ -357,6 +370,8 @@ def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, prog
                 if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs):
                     raise BatonError("a concurrent profiler died", field="--concurrent") from None
                 continue
+            if got is None:
+                continue  # released by a failing peer, whose message follows
             if isinstance(got, str):
                 raise BatonError(f"profiler {rank} failed: {got}", field="--concurrent")
             tables[rank] = pd.DataFrame(got)
@@ -365,6 +380,7 @@ def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, prog
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
     return median_of_tables(list(tables.values()))
 
 

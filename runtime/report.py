@@ -55,16 +55,22 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
         measured_stage = statistics.median(st.stage_ms[s.index] for st in rank0) / m
         rank = ids.index(s.devices[0])
         hist = steps.get(rank, [])
-        measured_ar = statistics.median(st.tp_allreduce_ms for st in hist) / m if hist else None
+        timed = [st.tp_allreduce_ms for st in hist]
+        measured_ar = statistics.median(timed) / m if timed and None not in timed else None
         stages.append({"index": s.index, "devices": s.devices,
                        "measured_ms": measured_stage, "predicted_ms": s.fwd_ms + s.bwd_ms,
                        "rel_error": _rel(measured_stage, s.fwd_ms + s.bwd_ms),
                        "allreduce_measured_ms": measured_ar, "allreduce_predicted_ms": s.allreduce_ms})
-    # The step's phases: gradient all-reduces as the rank that arrives last sees them (the others
-    # also wait out the slower pipelines), the slowest optimizer step, and the pipeline as the rest.
-    def across_ranks(field, pick):
-        return statistics.median(pick(getattr(h[k], field) for h in steps.values() if k < len(h)) for k in range(len(rank0)))
-    sync_m, opt_m = across_ranks("grad_sync_ms", min), across_ranks("optimizer_ms", max)
+    # The step's phases: in each set of ranks joined by gradient all-reduces, the time of the rank that
+    # arrives last (the others also wait out slower pipelines), the slowest such set; the slowest
+    # optimizer step; the pipeline as the rest.
+    def per_step(k, field, ranks):
+        return [getattr(steps[r][k], field) for r in ranks if r in steps and k < len(steps[r])]
+
+    sets = _gradient_sync_sets(plan)
+    sync_m = statistics.median(max((min(per_step(k, "grad_sync_ms", g) or [0.0]) for g in sets), default=0.0)
+                               for k in range(len(rank0)))
+    opt_m = statistics.median(max(per_step(k, "optimizer_ms", list(steps))) for k in range(len(rank0)))
     phases = {
         "pipeline_ms": {"measured": measured_iter - sync_m - opt_m, "predicted": pred.pipeline_ms},
         "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + pred.dp_sync_ms},
@@ -85,6 +91,35 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
         "devices": devices,
         "prediction": pred.to_dict(),
     }
+
+
+def _gradient_sync_sets(plan: Plan) -> list[list[int]]:
+    """Ranks joined by a gradient all-reduce (tied embedding: first and last stage of a replica; data
+    parallel: the same stage position across replicas), as connected sets of two or more."""
+    rank = {d: i for i, d in enumerate(plan.device_ids())}
+    parent = list(range(len(rank)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def join(ids):
+        for a in ids[1:]:
+            parent[root(rank[a])] = root(rank[ids[0]])
+
+    for pipe in plan.pipelines:
+        if len(pipe.stages) > 1:
+            join(pipe.stages[0].device_ids + pipe.stages[-1].device_ids)
+    if len(plan.pipelines) > 1:
+        for s, stage in enumerate(plan.pipelines[0].stages):
+            for k in range(len(stage.devices)):
+                join([pipe.stages[s].device_ids[k] for pipe in plan.pipelines])
+    sets: dict[int, list[int]] = {}
+    for r in range(len(rank)):
+        sets.setdefault(root(r), []).append(r)
+    return [g for g in sets.values() if len(g) > 1]
 
 
 def write_report(report: dict, path) -> None:

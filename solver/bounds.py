@@ -137,9 +137,10 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
                 cache.cap[ck] = stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space, N, tied)
             cap.append(cache.cap[ck])
             if tied:
-                if ck not in cache.per_layer:
-                    cache.per_layer[ck] = tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N)
-                fb, bb = cache.per_layer[ck]
+                pk = ck + (gk[1],)  # the per-layer time includes the group's all-reduces: its link matters
+                if pk not in cache.per_layer:
+                    cache.per_layer[pk] = tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N)
+                fb, bb = cache.per_layer[pk]
                 per_fb.append(np.maximum(fb, tau[-1]))
                 per_b.append(np.maximum(bb, tau_b[-1]))
             else:

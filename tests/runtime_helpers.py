@@ -114,6 +114,9 @@ def parallel_worker(rank, world, plan, steps, seed, lr):
     grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
     losses = [stats.loss]
     engine.optimizer.step()
+    # A caller's zero_grad() drops the gradients' views of the engine's flat buffer; the engine must
+    # bind them again, or data-parallel replicas would all-reduce a stale buffer and drift apart.
+    engine.model.zero_grad(set_to_none=True)
     for step in range(1, steps):
         losses.append(engine.train_step(step, data).loss)
     return {"grads": grads, "slices": engine.model.slices(), "losses": losses, "stats": stats,

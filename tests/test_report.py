@@ -93,3 +93,14 @@ def test_profile_solve_train_report_end_to_end(tmp_path, measured_profiles):
     assert rep["plan"]["global_batch"] == 4
     for d in rep["devices"]:
         assert abs(d["activation_rel_error"]) < 0.02
+
+
+def test_gradient_sync_sets_join_tied_stages_and_replicas():
+    """The report's gradient-sync phase is taken per set of ranks joined by those all-reduces."""
+    from runtime.report import _gradient_sync_sets
+
+    three = simple_plan(TINY, cluster="cpu4", stages=[[("local:0", 1)], [("local:1", 1)], [("local:2", 1)]], layers=[2, 1, 1],
+                        units_per_layer=1)
+    assert _gradient_sync_sets(three) == [[0, 2]]  # the middle stage takes part in none
+    one = simple_plan(TINY, cluster="cpu4", stages=[[("local:0", 2), ("local:1", 2)]], layers=[4], units_per_layer=4)
+    assert _gradient_sync_sets(one) == []
