@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from runtime.affinity import pin_rank
+from runtime.processes import stop_processes
 
 DEFAULT_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 BATCH = 4
@@ -226,9 +227,7 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
             errors = [open(os.path.join(tmp, f)).read().strip().splitlines()[-1] for f in sorted(os.listdir(tmp)) if f.startswith("error-")]
             raise BatonError("communication measurement failed: " + (errors[0] if errors else "a rank died"), field="--comm") from None
         finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
+            stop_processes(ctx.processes)
         points = torch.load(os.path.join(tmp, "points.pt"), weights_only=True)
     return link_fit(backend, world_size, points)
 

@@ -28,6 +28,7 @@ from runtime.affinity import pin_rank, pinning_requested
 from runtime.checkpoint import CheckpointReader, latest_checkpoint, read_meta, save_checkpoint
 from runtime.data import TokenSource, check_data_file
 from runtime.engine import Engine, StepStats
+from runtime.processes import stop_processes
 
 
 @dataclass(kw_only=True)
@@ -259,11 +260,7 @@ def _train_spawned(cfg: TrainConfig, world: int, on_step, per_rank=None) -> list
                 raise BatonError(_first_error(msg, q))
         return history
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(5)
+        stop_processes(procs)
 
 
 def _first_error(msg, q) -> str:

@@ -26,6 +26,7 @@ from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, lay
 from baton.catalog import CATALOG
 from baton.profile import COLUMNS, OPTIMIZER, analytic_edge_cost, validate_table
 from runtime.affinity import pin_rank
+from runtime.processes import stop_processes
 from runtime.stage import MicroBatch, ParallelBlock, StageModel
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -376,11 +377,7 @@ def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, prog
                 raise BatonError(f"profiler {rank} failed: {got}", field="--concurrent")
             tables[rank] = pd.DataFrame(got)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        stop_processes(procs, grace_s=5)  # finished workers may still be flushing their queue
     return median_of_tables(list(tables.values()))
 
 

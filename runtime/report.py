@@ -17,6 +17,7 @@ from baton.evaluate import ProfileSet, evaluate
 from baton.atomic import write_atomically
 from baton.plan import Plan
 from runtime.engine import StepStats
+from runtime.topology import Topology
 
 
 def _rel(measured: float, predicted: float) -> float | None:
@@ -94,32 +95,17 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
 
 
 def _gradient_sync_sets(plan: Plan) -> list[list[int]]:
-    """Ranks joined by a gradient all-reduce (tied embedding: first and last stage of a replica; data
-    parallel: the same stage position across replicas), as connected sets of two or more."""
-    rank = {d: i for i, d in enumerate(plan.device_ids())}
-    parent = list(range(len(rank)))
-
-    def root(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    def join(ids):
-        for a in ids[1:]:
-            parent[root(rank[a])] = root(rank[ids[0]])
-
-    for pipe in plan.pipelines:
-        if len(pipe.stages) > 1:
-            join(pipe.stages[0].device_ids + pipe.stages[-1].device_ids)
-    if len(plan.pipelines) > 1:
-        for s, stage in enumerate(plan.pipelines[0].stages):
-            for k in range(len(stage.devices)):
-                join([pipe.stages[s].device_ids[k] for pipe in plan.pipelines])
-    sets: dict[int, list[int]] = {}
-    for r in range(len(rank)):
-        sets.setdefault(root(r), []).append(r)
-    return [g for g in sets.values() if len(g) > 1]
+    """Ranks joined by a gradient all-reduce (the runtime's tied-embedding and data-parallel groups),
+    as connected sets of two or more."""
+    topo = Topology(plan)
+    sets: list[set[int]] = []
+    for ranks in topo.tied_rank_lists() + topo.dp_rank_lists():
+        joined = set(ranks)
+        for other in [s for s in sets if s & joined]:
+            joined |= other
+            sets.remove(other)
+        sets.append(joined)
+    return sorted(sorted(s) for s in sets)
 
 
 def write_report(report: dict, path) -> None:

@@ -102,29 +102,30 @@ class Topology:
         return [r for i, r in enumerate(self.ranks[pos.pipeline][pos.stage - 1]) if i % n == pos.tp_rank]
 
     # --- process groups -------------------------------------------------------------------------
+    def tp_rank_lists(self) -> list[list[int]]:
+        """The ranks of every stage of more than one device."""
+        return [ranks for stages in self.ranks for ranks in stages if len(ranks) > 1]
+
+    def dp_rank_lists(self) -> list[list[int]]:
+        """The same (stage, TP rank) position across replicas (none for one replica)."""
+        if self.num_replicas == 1:
+            return []
+        return [[self.ranks[pi][si][j] for pi in range(self.num_replicas)]
+                for si in range(self.num_stages) for j in range(len(self.ranks[0][si]))]
+
+    def tied_rank_lists(self) -> list[list[int]]:
+        """First and last stage of each replica, which sum the tied embedding's gradient (none for one stage)."""
+        return [stages[0] + stages[-1] for stages in self.ranks] if self.num_stages > 1 else []
+
     def groups(self, pos: Position) -> "Groups":
         """Create every group (same order on all ranks, as new_group requires) and keep this rank's."""
-        tp = dp = tied = None
-        for stages in self.ranks:
-            for ranks in stages:
-                if len(ranks) > 1:
-                    g = dist.new_group(ranks)
-                    if pos.rank in ranks:
-                        tp = g
-        if self.num_replicas > 1:
-            for si in range(self.num_stages):
-                for j in range(len(self.ranks[0][si])):
-                    ranks = [self.ranks[pi][si][j] for pi in range(self.num_replicas)]
-                    g = dist.new_group(ranks)
-                    if pos.rank in ranks:
-                        dp = g
-        if self.num_stages > 1:
-            for stages in self.ranks:
-                ranks = stages[0] + stages[-1]
+        mine = {}
+        for kind, lists in (("tp", self.tp_rank_lists()), ("dp", self.dp_rank_lists()), ("tied", self.tied_rank_lists())):
+            for ranks in lists:
                 g = dist.new_group(ranks)
                 if pos.rank in ranks:
-                    tied = g
-        return Groups(tp=tp, dp=dp, tied=tied)
+                    mine[kind] = g
+        return Groups(**mine)
 
 
 @dataclass(frozen=True, slots=True)

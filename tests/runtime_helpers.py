@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from baton.model_spec import PRESETS
 from baton.plan import Plan, simple_plan, validate
+from runtime.processes import stop_processes
 
 RANK_TIMEOUT_S = 60
 
@@ -85,11 +86,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 150.0) -> list:
         assert not bad, f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}"
         return [torch.load(f"{tmp}/result-{r}.pt", weights_only=False) for r in range(world)]
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(5)
+        stop_processes(procs)
 
 
 # --- what the parity tests compare -----------------------------------------------------------------
