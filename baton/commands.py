@@ -12,7 +12,8 @@ from baton.catalog import CATALOG, GIB, gpu_type
 from baton.cli_support import console, guarded
 from baton.cluster import load_cluster
 from baton.errors import BatonError
-from baton.evaluate import PlanReport, ProfileSet, evaluate
+from baton.evaluate import PlanReport, evaluate
+from baton.profile import ProfileSet
 from baton.model_spec import PRESETS, load_model
 from baton.plan import load_plan
 from baton.profile import DEFAULT_MICRO_BATCHES, calibrate, derive_table, profiles_dir, read_table, table_filename, write_table

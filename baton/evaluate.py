@@ -13,21 +13,7 @@ from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD, layer_operators
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
 from baton.plan import Plan, check_against_cluster
-from baton.profile import Profile, load_profile
-
-
-class ProfileSet:
-    """Profiles of every GPU type of a cluster for one model, loaded on first use."""
-
-    def __init__(self, spec: ModelSpec, *, directory: str | Path | None = None, tables: dict[str, Profile] | None = None):
-        self.spec = spec
-        self.directory = directory
-        self._tables: dict[str, Profile] = dict(tables or {})
-
-    def __getitem__(self, gpu: str) -> Profile:
-        if gpu not in self._tables:
-            self._tables[gpu] = load_profile(gpu, self.spec, directory=self.directory)
-        return self._tables[gpu]
+from baton.profile import Profile, ProfileSet
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

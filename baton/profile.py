@@ -244,6 +244,20 @@ LAUNCH_MS = 0.008
 """Per-kernel launch and framework overhead on a GPU, added once per operator and pass."""
 
 
+class ProfileSet:
+    """Profiles of every GPU type of a cluster for one model, loaded on first use."""
+
+    def __init__(self, spec: ModelSpec, *, directory: str | Path | None = None, tables: dict[str, Profile] | None = None):
+        self.spec = spec
+        self.directory = directory
+        self._tables: dict[str, Profile] = dict(tables or {})
+
+    def __getitem__(self, gpu: str) -> Profile:
+        if gpu not in self._tables:
+            self._tables[gpu] = load_profile(gpu, self.spec, directory=self.directory)
+        return self._tables[gpu]
+
+
 def _bytes_moved(spec: ModelSpec, op: str, b: int, s: int) -> float:
     """DRAM traffic of one operator's forward at share 1 (reads + writes, weights included)."""
     h, a, f, e = spec.hidden_dim, spec.num_heads, spec.ffn_dim, spec.dtype_bytes

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from baton.cluster import load_cluster  # noqa: E402
-from baton.evaluate import ProfileSet  # noqa: E402
+from baton.profile import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
 from baton.plan import Plan, load_plan, simple_plan  # noqa: E402
 from baton.profile import table_filename, write_table  # noqa: E402

@@ -19,7 +19,8 @@ sys.path.insert(0, str(ROOT))
 
 from baton.cluster import load_cluster  # noqa: E402
 from baton.errors import BatonError  # noqa: E402
-from baton.evaluate import ProfileSet, ideal_tokens_per_s  # noqa: E402
+from baton.evaluate import ideal_tokens_per_s  # noqa: E402
+from baton.profile import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
 from solver.commands import run_strategy  # noqa: E402
 

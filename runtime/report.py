@@ -13,7 +13,8 @@ import json
 import statistics
 
 from baton.cluster import ClusterSpec
-from baton.evaluate import ProfileSet, evaluate
+from baton.evaluate import evaluate
+from baton.profile import ProfileSet
 from baton.atomic import write_atomically
 from baton.plan import Plan
 from runtime.engine import StepStats

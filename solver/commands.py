@@ -11,7 +11,7 @@ from baton.cli_support import console, guarded
 from baton.cluster import load_cluster
 from baton.commands import render_report
 from baton.errors import BatonError
-from baton.evaluate import ProfileSet
+from baton.profile import ProfileSet
 from baton.model_spec import load_model
 from baton.plan import save_plan
 

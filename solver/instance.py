@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from baton.cluster import ClusterSpec
 from baton.costmodel import (ALLREDUCES_PER_LAYER, activation_bytes, allreduce_ms, tp_allreduce_ms, in_flight_microbatches,
                              optimizer_step_ms, p2p_ms)
-from baton.evaluate import ProfileSet
+from baton.profile import ProfileSet
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from baton.cluster import ClusterSpec
 from baton.errors import BatonError
-from baton.evaluate import PlanReport, ProfileSet, evaluate, explain_over_capacity
+from baton.evaluate import PlanReport, evaluate, explain_over_capacity
+from baton.profile import ProfileSet
 from baton.model_spec import ModelSpec
 from baton.plan import Plan, validate
 

@@ -8,7 +8,8 @@ import pytest
 
 from baton.cluster import load_cluster
 from baton.costmodel import activation_bytes, allreduce_ms, layer_cost
-from baton.evaluate import ProfileSet, evaluate, ideal_tokens_per_s
+from baton.evaluate import evaluate, ideal_tokens_per_s
+from baton.profile import ProfileSet
 from baton.model_spec import PRESETS
 from baton.operators import EMBEDDING, HEAD
 from baton.pipeline import PipelineTiming, iteration_time_1f1b

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from baton.costmodel import layer_cost, optimizer_bytes
-from baton.evaluate import ProfileSet, evaluate
+from baton.evaluate import evaluate
+from baton.profile import ProfileSet
 from baton.cluster import homogeneous_cpu_cluster
 from baton.memory import layer_activation_bytes, layer_order, tensor_bytes, tensor_roles
 from baton.model_spec import PRESETS

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from baton.cluster import load_cluster
-from baton.evaluate import ProfileSet, evaluate
+from baton.evaluate import evaluate
+from baton.profile import ProfileSet
 from baton.model_spec import PRESETS
 from baton.plan import load_plan
 from tests.conftest import ROOT, run_cli

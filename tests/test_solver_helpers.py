@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from baton.cluster import from_mapping
-from baton.evaluate import ProfileSet, evaluate
+from baton.evaluate import evaluate
+from baton.profile import ProfileSet
 from baton.model_spec import ModelSpec
 from baton.operators import operator_names
 from baton.plan import simple_plan
