@@ -50,7 +50,8 @@ def register(app: typer.Typer) -> None:
         if report is not None:
             from baton.cluster import load_cluster
             from baton.errors import BatonError
-            from baton.evaluate import ProfileSet, evaluate
+            from baton.evaluate import evaluate
+            from baton.profile import ProfileSet
 
             if cluster is None:
                 raise BatonError("--report needs --cluster (the cluster YAML the plan was made for) to predict", field="--cluster")
