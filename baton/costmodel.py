@@ -1,18 +1,32 @@
 """The cost model as pure functions: every equation of docs/cost-model.md, in the same order.
 
-Nothing here knows about solvers. ``baton.evaluate`` assembles a whole plan from these pieces and the
-MILP in ``solver/`` encodes the same equations; tests check the two agree.
+This module is the only place a number of the model is computed. The evaluator (``baton.evaluate``),
+the MILP instance, the cheap bounds, the least-memory plan and the baselines (``solver/``) all read
+these functions; none of them prices a layer, a stage, a transfer or a byte of memory by itself.
+
+Two levels:
+  * the layer: ``layer_prices`` gives eq. 2-4 for one device type, micro-batch and share over a whole
+    ``RecomputeSpace`` at once (the planner's view); ``layer_cost`` is the same numbers for one set
+    (the evaluator's view), taken from a one-set space, so the two cannot drift apart;
+  * the position in a skeleton: ``device_slot`` (what a device's place adds: embedding/head, in-flight
+    micro-batches, capacity), ``device_memory`` (eq. 7-8, element-wise so it also runs over arrays of
+    recompute sets), ``stage_constants`` (eq. 5, 9 terms fixed by the group), ``pipeline_transfers``
+    (eq. 6), ``embedding_sync_ms`` and ``allreduce_ms`` (eq. 11), ``optimizer_step_ms`` (eq. 10) and
+    ``layer_limits``.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 
 from baton.cluster import ClusterSpec, Link
+from baton.memory import RecomputeSpace, recompute_space, tensor_bytes
 from baton.model_spec import ModelSpec
-from baton.memory import layer_activation_bytes, layer_order, tensor_bytes, tensor_roles
-from baton.operators import EMBEDDING, HEAD, layer_operators
-from baton.profile import Profile
+from baton.operators import EMBEDDING, HEAD, layer_operators, operator_flops
+from baton.profile import Profile, ProfileSet
 
 BLOCKS = ("attn", "mlp")
 ALLREDUCES_PER_LAYER = 2
@@ -26,9 +40,56 @@ OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 36
 """DRAM bytes one Adam step moves per parameter (read grad, weight, master, two moments; write back)."""
 
 
+# -- the layer (eq. 2-4) -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerPrices:
+    """One device type's per-layer, per-micro-batch costs at one share, for every set of a RecomputeSpace."""
+
+    fwd_ms: tuple[float, float]
+    """Forward ms per block (attn, mlp); the recompute set does not change it (eq. 2)."""
+    bwd_ms: tuple[float, float]
+    """Backward ms per block without recomputation (eq. 2)."""
+    rec_attn_ms: np.ndarray
+    """Forward ms of the recomputed operators of the attn block, per set (eq. 2)."""
+    rec_mlp_ms: np.ndarray
+    """The same for the mlp block."""
+    held_bytes: np.ndarray
+    """Activation bytes kept per in-flight micro-batch, per set (eq. 3)."""
+    transient_bytes: np.ndarray
+    """Bytes re-created while the layer runs its backward, per set (eq. 4)."""
+    param_bytes: float
+    """Parameter bytes of the layer at this share."""
+
+
+@functools.lru_cache(maxsize=8192)
+def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, space: RecomputeSpace) -> LayerPrices:
+    """Eq. 2 (block times), eq. 3 (held activations) and eq. 4 (recompute buffer) over ``space``.
+
+    A TP-split operator is looked up at ``share``, a replicated one at share 1. Memoised and shared
+    between callers: the arrays must not be modified.
+    """
+    ops = layer_operators(spec)
+    costs = {o.name: profile.cost(o.name, micro_batch, share if o.tp_split else 1.0) for o in ops}
+    sizes = tensor_bytes(spec, micro_batch, share, {k: v.saved_bytes for k, v in costs.items()},
+                         {k: v.output_bytes for k, v in costs.items()}, profile.seq_len)
+    sz = np.array([sizes[t] for t in space.tensors])
+    fwd_ops = np.array([costs[o].fwd_ms for o in space.ops])
+    attn = np.array([b == "attn" for b in space.blocks])
+    return LayerPrices(
+        fwd_ms=tuple(sum(costs[o.name].fwd_ms for o in ops if o.block == b) for b in BLOCKS),
+        bwd_ms=tuple(sum(costs[o.name].bwd_ms for o in ops if o.block == b) for b in BLOCKS),
+        # Row sums rather than matrix products: a row's sum is then the same whichever rows share the
+        # array, so one set priced alone (the evaluator) equals its row in the whole space (the planner).
+        rec_attn_ms=(space.op_bits * (fwd_ops * attn)).sum(axis=1), rec_mlp_ms=(space.op_bits * (fwd_ops * ~attn)).sum(axis=1),
+        held_bytes=(space.held * sz).sum(axis=1), transient_bytes=(space.remat * sz).sum(axis=1),
+        param_bytes=sum(c.param_bytes for c in costs.values()))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerCost:
-    """One device's cost for one layer and one micro-batch (eq. 2-4)."""
+    """One device's cost for one layer and one micro-batch under one recompute set (eq. 2-4)."""
 
     fwd_ms: dict
     """Block ('attn', 'mlp') -> forward ms."""
@@ -43,34 +104,42 @@ class LayerCost:
     param_bytes: float
     """Parameter bytes this device holds for the layer."""
 
+    def block_fwd_ms(self) -> tuple[float, float]:
+        """Forward per block, as eq. 9 takes the max over a group."""
+        return tuple(self.fwd_ms[b] for b in BLOCKS)
 
-def layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, recompute: frozenset[str] | set[str] = frozenset()) -> LayerCost:
-    """Eq. 2 (block times), eq. 3 (held activations), eq. 4 (recompute buffer) for one device.
+    def block_bwd_ms(self) -> tuple[float, float]:
+        """Backward plus recomputation per block, as eq. 9 takes the max over a group."""
+        return tuple(self.bwd_ms[b] + self.recompute_ms[b] for b in BLOCKS)
 
-    Memoised: planners evaluate the same (device type, micro-batch, share, recompute set) many times.
-    The result is shared between callers and must not be modified.
-    """
+
+def layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float,
+               recompute: frozenset[str] | set[str] | Sequence[str] = frozenset()) -> LayerCost:
+    """Row ``recompute`` of ``layer_prices``: the evaluator's view of eq. 2-4 for one device."""
     return _layer_cost(profile, spec, micro_batch, share, frozenset(recompute))
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, recompute: frozenset[str]) -> LayerCost:
-    ops = layer_operators(spec)
-    costs = {o.name: profile.cost(o.name, micro_batch, share if o.tp_split else 1.0) for o in ops}
-    fwd = {b: 0.0 for b in BLOCKS}
-    bwd = {b: 0.0 for b in BLOCKS}
-    rec = {b: 0.0 for b in BLOCKS}
-    for o in ops:
-        c = costs[o.name]
-        fwd[o.block] += c.fwd_ms
-        bwd[o.block] += c.bwd_ms
-        if o.name in recompute:
-            rec[o.block] += c.fwd_ms
-    sizes = tensor_bytes(spec, micro_batch, share, {k: v.saved_bytes for k, v in costs.items()},
-                         {k: v.output_bytes for k, v in costs.items()}, profile.seq_len)
-    held, transient = layer_activation_bytes(tensor_roles(spec), sizes, recompute, layer_order(spec))
-    params = sum(c.param_bytes for c in costs.values())
-    return LayerCost(fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec, held_bytes=held, transient_bytes=transient, param_bytes=params)
+    prices = layer_prices(profile, spec, micro_batch, share, recompute_space(spec, (recompute,)))
+    return layer_cost_of(prices, 0)
+
+
+def layer_cost_of(prices: LayerPrices, i: int) -> LayerCost:
+    """The scalar view of set ``i`` of ``prices``."""
+    return LayerCost(fwd_ms=dict(zip(BLOCKS, prices.fwd_ms)), bwd_ms=dict(zip(BLOCKS, prices.bwd_ms)),
+                     recompute_ms={"attn": float(prices.rec_attn_ms[i]), "mlp": float(prices.rec_mlp_ms[i])},
+                     held_bytes=float(prices.held_bytes[i]), transient_bytes=float(prices.transient_bytes[i]),
+                     param_bytes=prices.param_bytes)
+
+
+def layer_train_ms(profile: Profile, spec: ModelSpec, micro_batch: int, share: float) -> float:
+    """Forward + backward of one layer at ``share`` with nothing recomputed (bounds, eq. 12, HAP)."""
+    lc = layer_cost(profile, spec, micro_batch, share)
+    return sum(lc.fwd_ms.values()) + sum(lc.bwd_ms.values())
+
+
+# -- collectives and transfers (eq. 5, 6) ------------------------------------------------------------
 
 
 def _ring_ms(num_bytes: float, n: int, bandwidth_gb_per_s: float, latency_us: float) -> float:
@@ -99,7 +168,7 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int | None = No
     return micro_batch * (seq_len or spec.seq_len) * spec.hidden_dim * spec.dtype_bytes
 
 
-def p2p_ms(cluster: ClusterSpec, senders: list[str], receivers: list[str], num_bytes: float) -> float:
+def p2p_ms(cluster: ClusterSpec, senders: Sequence[str], receivers: Sequence[str], num_bytes: float) -> float:
     """Eq. 6: receiver j takes the full tensor from sender j mod n_senders; a sender's sends are serial."""
     per_sender = [0.0] * len(senders)
     for j, r in enumerate(receivers):
@@ -109,21 +178,16 @@ def p2p_ms(cluster: ClusterSpec, senders: list[str], receivers: list[str], num_b
     return max(per_sender)
 
 
-def optimizer_bytes(param_bytes: float, spec: ModelSpec) -> float:
-    """Eq. 7: Adam moments and (for fp16/bf16) fp32 master weights for ``param_bytes`` of weights."""
-    params = param_bytes / spec.dtype_bytes
-    master = MASTER_WEIGHT_BYTES_PER_PARAM if spec.dtype_bytes < 4 else 0
-    return params * (ADAM_STATE_BYTES_PER_PARAM + master)
+def pipeline_transfers(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, stage_ids: Sequence[str],
+                       next_ids: Sequence[str] | None) -> tuple[float, float]:
+    """Eq. 6 both ways between a stage and the next: (activation forward, gradient back); (0, 0) for the last."""
+    if next_ids is None:
+        return 0.0, 0.0
+    act = activation_bytes(spec, micro_batch)
+    return p2p_ms(cluster, stage_ids, next_ids, act), p2p_ms(cluster, next_ids, stage_ids, act)
 
 
-def optimizer_step_ms(param_bytes: float, spec: ModelSpec, bandwidth_gb_per_s: float,
-                      measured: tuple[float, float] | None = None) -> float:
-    """Eq. 10: the Adam step scales with the weights it updates: from a timed step of ``measured =
-    (param_bytes, ms)`` when the device's table has one, else bandwidth-bound (traffic per parameter
-    over DRAM bandwidth)."""
-    if measured is not None:
-        return param_bytes * measured[1] / measured[0]
-    return param_bytes / spec.dtype_bytes * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / (bandwidth_gb_per_s * 1e9) * 1e3
+# -- a device's place in a skeleton, and its memory (eq. 7, 8) ---------------------------------------
 
 
 def in_flight_microbatches(stage: int, num_stages: int, num_microbatches: int) -> int:
@@ -139,14 +203,198 @@ def edge_param_bytes(profile: Profile, spec: ModelSpec, micro_batch: int, *, fir
     if last:
         total += profile.cost(HEAD, micro_batch).param_bytes
         if not first:
-            total += spec.vocab_size * spec.hidden_dim * spec.dtype_bytes
+            total += tied_embedding_bytes(spec)
     return total
+
+
+def tied_embedding_bytes(spec: ModelSpec) -> float:
+    """The token embedding (V x h), which the LM head shares: copied to a last stage that is not first."""
+    return spec.vocab_size * spec.hidden_dim * spec.dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSlot:
+    """What a device's position in a skeleton adds to its own layer costs (eq. 8-10)."""
+
+    device_id: str
+    """Cluster device id."""
+    profile: Profile
+    """The table of its GPU type."""
+    memory_bytes: int
+    """Capacity C_d."""
+    reserve_bytes: int
+    """Reserve Res_d held back by the cluster spec."""
+    in_flight: int
+    """min(p - s, m) micro-batches whose activations it holds at its peak (1F1B)."""
+    first: bool
+    """Its stage is the first (holds the embedding)."""
+    last: bool
+    """Its stage is the last (holds the final LN, LM head and loss)."""
+    edge_fwd_ms: float
+    """Embedding/head forward per micro-batch."""
+    edge_bwd_ms: float
+    """Embedding/head backward per micro-batch."""
+    edge_saved_bytes: float
+    """Embedding/head activations kept per in-flight micro-batch."""
+    edge_param_bytes: float
+    """Embedding/head parameters (the tied head copy included)."""
+    optimizer_ms_per_byte: float
+    """Eq. 10's slope: Adam step ms per byte of weights held."""
+
+
+def device_slot(cluster: ClusterSpec, profiles: ProfileSet, spec: ModelSpec, micro_batch: int, device_id: str, *,
+                stage: int, num_stages: int, num_microbatches: int) -> DeviceSlot:
+    dev = cluster.device(device_id)
+    return _device_slot(device_id, profiles[dev.gpu.name], spec, micro_batch, dev.memory_bytes, dev.reserve_bytes,
+                        dev.gpu.memory_bandwidth_gb_per_s, stage == 0, stage == num_stages - 1,
+                        in_flight_microbatches(stage, num_stages, num_microbatches))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _device_slot(device_id, profile, spec, micro_batch, memory_bytes, reserve_bytes, bandwidth, first, last, in_flight):
+    emb, head = profile.cost(EMBEDDING, micro_batch), profile.cost(HEAD, micro_batch)
+    return DeviceSlot(
+        device_id=device_id, profile=profile, memory_bytes=memory_bytes, reserve_bytes=reserve_bytes,
+        in_flight=in_flight, first=first, last=last,
+        edge_fwd_ms=(emb.fwd_ms if first else 0.0) + (head.fwd_ms if last else 0.0),
+        edge_bwd_ms=(emb.bwd_ms if first else 0.0) + (head.bwd_ms if last else 0.0),
+        edge_saved_bytes=(emb.saved_bytes if first else 0.0) + (head.saved_bytes if last else 0.0),
+        edge_param_bytes=edge_param_bytes(profile, spec, micro_batch, first=first, last=last),
+        optimizer_ms_per_byte=optimizer_step_ms(1.0, spec, bandwidth, profile.optimizer_sample()))
+
+
+def optimizer_bytes(param_bytes, spec: ModelSpec):
+    """Eq. 7: Adam moments and (for fp16/bf16) fp32 master weights for ``param_bytes`` of weights."""
+    params = param_bytes / spec.dtype_bytes
+    master = MASTER_WEIGHT_BYTES_PER_PARAM if spec.dtype_bytes < 4 else 0
+    return params * (ADAM_STATE_BYTES_PER_PARAM + master)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceMemory:
+    """Eq. 8, term by term (floats, or arrays over recompute sets)."""
+
+    weights_bytes: object
+    grads_bytes: object
+    optimizer_bytes: object
+    activation_bytes: object
+    """Activations of the in-flight micro-batches."""
+    transient_bytes: object
+    """Recompute buffer of one layer (none without layers)."""
+    reserve_bytes: object
+    peak_bytes: object
+    """The sum; the device fits when it is at most its capacity."""
+
+
+def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes, held_bytes, transient_bytes) -> DeviceMemory:
+    """Eq. 7 and 8 for a device holding ``num_layers`` layers with the given per-layer figures.
+
+    Plain arithmetic, so it runs element-wise on numpy arrays (every recompute set at once, or every
+    layer count) with bit-for-bit the numbers it gives for one float: the planner's memory limits and
+    the evaluator's "fits" are the same comparisons.
+    """
+    weights = num_layers * param_bytes + slot.edge_param_bytes
+    opt = optimizer_bytes(weights, spec)
+    activ = slot.in_flight * (num_layers * held_bytes + slot.edge_saved_bytes)
+    transient = transient_bytes * (np.asarray(num_layers) > 0)  # one layer's buffer, once any layer is held
+    peak = 2 * weights + opt + activ + transient + slot.reserve_bytes
+    return DeviceMemory(weights_bytes=weights, grads_bytes=weights, optimizer_bytes=opt, activation_bytes=activ,
+                        transient_bytes=transient, reserve_bytes=slot.reserve_bytes, peak_bytes=peak)
+
+
+def max_layers_that_fit(slot: DeviceSlot, spec: ModelSpec, prices: LayerPrices, cap: int) -> np.ndarray:
+    """Per recompute set of ``prices``: the largest L in [0, cap] with ``device_memory(L)`` within capacity
+    (memory grows with L), or -1 when not even L = 0 fits. Exact: every answer is checked with
+    ``device_memory`` itself, the comparison the evaluator makes."""
+    def peak(L):
+        return device_memory(slot, spec, L, param_bytes=prices.param_bytes, held_bytes=prices.held_bytes,
+                             transient_bytes=prices.transient_bytes).peak_bytes
+
+    cap_arr = np.full(len(prices.held_bytes), cap, dtype=np.int64)
+    p0, p1 = peak(np.zeros_like(cap_arr)), peak(np.ones_like(cap_arr))
+    p2 = peak(np.full_like(cap_arr, 2))
+    slope = p2 - p1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        guess = np.where(slope > 0, np.floor(1 + (slot.memory_bytes - p1) / np.where(slope > 0, slope, 1.0)), cap)
+    L = np.clip(np.nan_to_num(guess, nan=0.0, posinf=cap, neginf=0), 0, cap).astype(np.int64)
+    for _ in range(64):  # the line is exact up to rounding: at most a step or two to settle
+        over = (peak(L) > slot.memory_bytes) & (L > 0)
+        more = (L < cap) & (peak(np.minimum(L + 1, cap)) <= slot.memory_bytes)
+        if not over.any() and not more.any():
+            break
+        L = L - over + (more & ~over)
+    return np.where(p0 <= slot.memory_bytes, L, -1)
+
+
+def optimizer_step_ms(param_bytes: float, spec: ModelSpec, bandwidth_gb_per_s: float,
+                      measured: tuple[float, float] | None = None) -> float:
+    """Eq. 10: the Adam step scales with the weights it updates: from a timed step of ``measured =
+    (param_bytes, ms)`` when the device's table has one, else bandwidth-bound (traffic per parameter
+    over DRAM bandwidth)."""
+    if measured is not None:
+        return param_bytes * measured[1] / measured[0]
+    return param_bytes / spec.dtype_bytes * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / (bandwidth_gb_per_s * 1e9) * 1e3
+
+
+# -- a stage (eq. 9) and the iteration's extra terms (eq. 11) ----------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageConstants:
+    """The parts of eq. 9 fixed by a stage's group and position, not by its decisions."""
+
+    allreduce_ms: float
+    """TP all-reduce time per layer in each direction (both all-reduces, eq. 5); 0 for one device."""
+    edge_fwd_ms: float
+    """Slowest device's embedding/head forward per micro-batch."""
+    edge_bwd_ms: float
+    """Slowest device's embedding/head backward per micro-batch."""
+
+
+def layer_allreduce_ms(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str]) -> float:
+    """Eq. 9's all-reduce term: both in-layer all-reduces of one direction, on the group's slowest link."""
+    return tp_allreduce_ms(activation_bytes(spec, micro_batch), len(ids), cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER
+
+
+def stage_constants(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, slots: Sequence[DeviceSlot]) -> StageConstants:
+    ar = layer_allreduce_ms(cluster, spec, micro_batch, [s.device_id for s in slots])
+    return StageConstants(allreduce_ms=ar, edge_fwd_ms=max(s.edge_fwd_ms for s in slots),
+                          edge_bwd_ms=max(s.edge_bwd_ms for s in slots))
+
+
+def stage_time_ms(num_layers: int, per_layer_ms: float, allreduce_ms_per_layer: float, edge_ms: float) -> float:
+    """Eq. 9 for one direction: L * (sum over blocks of the slowest device + all-reduces) + slowest edge."""
+    return num_layers * (per_layer_ms + allreduce_ms_per_layer) + edge_ms
+
+
+def layer_limits(num_layers: int, num_stages: int) -> tuple[list[int], list[int]]:
+    """Fewest and most layers each stage may hold: every middle stage at least one (an empty middle stage
+    would only forward activations); the first and last may hold none (embedding or head alone)."""
+    if num_stages == 1:
+        return [num_layers], [num_layers]
+    lo = [0] + [1] * (num_stages - 2) + [0]
+    hi = [num_layers - (sum(lo) - lo[s]) for s in range(num_stages)]
+    return lo, hi
+
+
+def embedding_sync_ms(cluster: ClusterSpec, spec: ModelSpec, pipelines: Sequence[Sequence[Sequence[str]]]) -> float:
+    """Eq. 11's T_emb: the tied embedding's gradient is all-reduced between the first and last stage of
+    every replica once per iteration (nothing when the stages are one)."""
+    if len(pipelines[0]) <= 1:
+        return 0.0
+    return max(allreduce_ms(tied_embedding_bytes(spec), len(pipe[0]) + len(pipe[-1]),
+                            cluster.slowest_link(list(pipe[0]) + list(pipe[-1]))) for pipe in pipelines)
+
+
+def data_parallel_sync_line(cluster: ClusterSpec, peers: Sequence[str]) -> tuple[float, float]:
+    """Eq. 11's T_dp for one position as a line in the gradient bytes: (ms per byte, ms at zero bytes)."""
+    link = cluster.slowest_link(list(peers))
+    zero = allreduce_ms(0.0, len(peers), link)
+    return (allreduce_ms(1e9, len(peers), link) - zero) / 1e9, zero
 
 
 def model_flops_per_sample(spec: ModelSpec, seq_len: int | None = None) -> float:
     """Training FLOPs of one sample: 3x the forward of every layer plus the LM head (no recompute)."""
-    from baton.operators import operator_flops
-
     s = seq_len or spec.seq_len
     per_layer = sum(operator_flops(spec, o, 1, s) for o in layer_operators(spec))
     head = 2 * s * spec.hidden_dim * spec.vocab_size

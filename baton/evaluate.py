@@ -5,12 +5,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (ALLREDUCES_PER_LAYER, BLOCKS, activation_bytes, allreduce_ms, tp_allreduce_ms, edge_param_bytes,
-                             in_flight_microbatches, layer_cost, model_flops_per_sample, optimizer_bytes,
-                             optimizer_step_ms, p2p_ms)
+from baton.costmodel import (BLOCKS, data_parallel_sync_line, device_memory, device_slot, embedding_sync_ms, layer_cost,
+                             layer_train_ms, model_flops_per_sample, pipeline_transfers, stage_constants, stage_time_ms)
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
-from baton.operators import EMBEDDING, HEAD, layer_operators
+from baton.operators import EMBEDDING, HEAD
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
 from baton.plan import Plan, check_against_cluster
 from baton.profile import Profile, ProfileSet
@@ -58,6 +57,8 @@ class DeviceReport:
     """Device memory."""
     fits: bool
     """peak_memory_bytes <= capacity_bytes."""
+    optimizer_ms: float
+    """Its Adam step (eq. 10)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,16 +125,15 @@ class PlanReport:
         return [d for d in self.devices if not d.fits]
 
 
-def _max(values):
-    return max(values) if values else 0.0
-
-
 def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_source: str = "<plan>") -> PlanReport:
-    """Predict iteration time and per-device memory of ``plan`` on ``cluster`` (docs/cost-model.md)."""
+    """Predict iteration time and per-device memory of ``plan`` on ``cluster`` (docs/cost-model.md).
+
+    It assembles the plan from ``baton.costmodel``'s functions, the same ones the planner reads, and
+    shares no code with the planner beyond them.
+    """
     check_against_cluster(plan, cluster, source=plan_source)
     spec = plan.model
     mb, m = plan.micro_batch_size, plan.num_microbatches
-    act = activation_bytes(spec, mb)
     stage_reports: list[StageReport] = []
     device_reports: list[DeviceReport] = []
     pipeline_times = []
@@ -141,70 +141,52 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
         p = len(pipe.stages)
         fwd, bwd, sf, sb = [], [], [], []
         for si, stage in enumerate(pipe.stages):
-            first, last = si == 0, si == p - 1
             ids = stage.device_ids
-            n = len(ids)
-            ar = tp_allreduce_ms(act, n, cluster.slowest_link(ids)) * ALLREDUCES_PER_LAYER
-            per_dev = []
-            for d in stage.devices:
-                dev = cluster.device(d.id)
-                prof = profiles[dev.gpu.name]
-                share = d.units / stage.units_per_layer
-                lc = layer_cost(prof, spec, mb, share, frozenset(d.recompute))
-                edge_f = (prof.cost(EMBEDDING, mb).fwd_ms if first else 0.0) + (prof.cost(HEAD, mb).fwd_ms if last else 0.0)
-                edge_b = (prof.cost(EMBEDDING, mb).bwd_ms if first else 0.0) + (prof.cost(HEAD, mb).bwd_ms if last else 0.0)
-                edge_saved = (prof.cost(EMBEDDING, mb).saved_bytes if first else 0.0) + (prof.cost(HEAD, mb).saved_bytes if last else 0.0)
-                per_dev.append((d, dev, prof, share, lc, edge_f, edge_b, edge_saved))
+            slots = [device_slot(cluster, profiles, spec, mb, i, stage=si, num_stages=p, num_microbatches=m) for i in ids]
+            const = stage_constants(cluster, spec, mb, slots)
+            costs = [layer_cost(slot.profile, spec, mb, d.units / stage.units_per_layer, frozenset(d.recompute))
+                     for slot, d in zip(slots, stage.devices)]
             L = stage.num_layers
-            f_layer = sum(_max([x[4].fwd_ms[b] for x in per_dev]) for b in BLOCKS)
-            b_layer = sum(_max([x[4].bwd_ms[b] + x[4].recompute_ms[b] for x in per_dev]) for b in BLOCKS)
-            F = L * (f_layer + (ar if L else 0.0)) + _max([x[5] for x in per_dev])
-            B = L * (b_layer + (ar if L else 0.0)) + _max([x[6] for x in per_dev])
-            fwd.append(F)
-            bwd.append(B)
-            if not last:
-                nxt = pipe.stages[si + 1].device_ids
-                sf.append(p2p_ms(cluster, ids, nxt, act))
-                sb.append(p2p_ms(cluster, nxt, ids, act))
+            f_layer = sum(max(c.block_fwd_ms()[k] for c in costs) for k in range(len(BLOCKS)))
+            b_layer = sum(max(c.block_bwd_ms()[k] for c in costs) for k in range(len(BLOCKS)))
+            fwd.append(stage_time_ms(L, f_layer, const.allreduce_ms, const.edge_fwd_ms))
+            bwd.append(stage_time_ms(L, b_layer, const.allreduce_ms, const.edge_bwd_ms))
+            nxt = pipe.stages[si + 1].device_ids if si + 1 < p else None
+            send_f, send_b = pipeline_transfers(cluster, spec, mb, ids, nxt)
+            if nxt is not None:
+                sf.append(send_f)
+                sb.append(send_b)
             stage_reports.append(StageReport(
-                pipeline=pi, index=si, devices=ids, first_layer=stage.first_layer, num_layers=L, fwd_ms=F, bwd_ms=B,
-                allreduce_ms=2 * L * ar, send_fwd_ms=sf[-1] if not last else 0.0, send_bwd_ms=sb[-1] if not last else 0.0))
-            inflight = in_flight_microbatches(si, p, m)
-            for d, dev, prof, share, lc, edge_f, edge_b, edge_saved in per_dev:
-                weights = L * lc.param_bytes + edge_param_bytes(prof, spec, mb, first=first, last=last)
-                activ = inflight * (L * lc.held_bytes + edge_saved)
-                transient = lc.transient_bytes if L else 0.0
-                peak = 2 * weights + optimizer_bytes(weights, spec) + activ + transient + dev.reserve_bytes
+                pipeline=pi, index=si, devices=ids, first_layer=stage.first_layer, num_layers=L, fwd_ms=fwd[-1], bwd_ms=bwd[-1],
+                allreduce_ms=2 * L * const.allreduce_ms, send_fwd_ms=send_f, send_bwd_ms=send_b))
+            for d, slot, lc in zip(stage.devices, slots, costs):
+                mem = device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
+                                    transient_bytes=lc.transient_bytes)
+                dev = cluster.device(d.id)
                 device_reports.append(DeviceReport(
-                    id=d.id, gpu=dev.gpu.name, pipeline=pi, stage=si, units=d.units, share=share,
+                    id=d.id, gpu=dev.gpu.name, pipeline=pi, stage=si, units=d.units, share=d.units / stage.units_per_layer,
                     recompute=list(d.recompute),
-                    fwd_ms=L * sum(lc.fwd_ms.values()) + edge_f, bwd_ms=L * sum(lc.bwd_ms.values()) + edge_b,
+                    fwd_ms=L * sum(lc.fwd_ms.values()) + slot.edge_fwd_ms, bwd_ms=L * sum(lc.bwd_ms.values()) + slot.edge_bwd_ms,
                     recompute_ms=L * sum(lc.recompute_ms.values()),
-                    weights_bytes=weights, grads_bytes=weights, optimizer_bytes=optimizer_bytes(weights, spec),
-                    activation_bytes=activ, transient_bytes=transient, reserve_bytes=float(dev.reserve_bytes),
-                    peak_memory_bytes=peak, capacity_bytes=float(dev.memory_bytes), fits=peak <= dev.memory_bytes))
+                    weights_bytes=float(mem.weights_bytes), grads_bytes=float(mem.grads_bytes),
+                    optimizer_bytes=float(mem.optimizer_bytes), activation_bytes=float(mem.activation_bytes),
+                    transient_bytes=float(mem.transient_bytes), reserve_bytes=float(mem.reserve_bytes),
+                    peak_memory_bytes=float(mem.peak_bytes), capacity_bytes=float(slot.memory_bytes),
+                    fits=bool(mem.peak_bytes <= slot.memory_bytes),
+                    optimizer_ms=float(slot.optimizer_ms_per_byte * mem.weights_bytes)))
         timing = PipelineTiming(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), send_fwd_ms=tuple(sf), send_bwd_ms=tuple(sb))
         pipeline_times.append(iteration_time_1f1b(timing, m))
 
-    emb_sync = 0.0
-    if plan.num_stages > 1:
-        tied = spec.vocab_size * spec.hidden_dim * spec.dtype_bytes
-        emb_sync = max(
-            allreduce_ms(tied, len(pipe.stages[0].devices) + len(pipe.stages[-1].devices),
-                         cluster.slowest_link(pipe.stages[0].device_ids + pipe.stages[-1].device_ids))
-            for pipe in plan.pipelines)
+    emb_sync = embedding_sync_ms(cluster, spec, [[s.device_ids for s in pipe.stages] for pipe in plan.pipelines])
     dp_sync = 0.0
     if len(plan.pipelines) > 1:
-        by_position: dict[tuple[int, int], list[DeviceReport]] = {}
-        for pi, pipe in enumerate(plan.pipelines):
-            for si, stage in enumerate(pipe.stages):
-                for k, d in enumerate(stage.devices):
-                    rep = next(r for r in device_reports if r.id == d.id)
-                    by_position.setdefault((si, k), []).append(rep)
-        dp_sync = max(allreduce_ms(peers[0].grads_bytes, len(peers), cluster.slowest_link([r.id for r in peers]))
-                      for peers in by_position.values())
-    opt = max(optimizer_step_ms(r.weights_bytes, spec, cluster.device(r.id).gpu.memory_bandwidth_gb_per_s,
-                                profiles[r.gpu].optimizer_sample()) for r in device_reports)
+        by_id = {r.id: r for r in device_reports}
+        for si, stage in enumerate(plan.pipelines[0].stages):
+            for k in range(len(stage.devices)):
+                peers = [pipe.stages[si].devices[k].id for pipe in plan.pipelines]
+                per_byte, fixed = data_parallel_sync_line(cluster, peers)
+                dp_sync = max(dp_sync, per_byte * by_id[peers[0]].grads_bytes + fixed)
+    opt = max(r.optimizer_ms for r in device_reports)
     total = max(pipeline_times) + emb_sync + dp_sync + opt
 
     tokens = plan.global_batch * spec.seq_len
@@ -222,10 +204,9 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
 
 def single_device_ms(spec: ModelSpec, profile: Profile, micro_batch: int) -> float:
     """One micro-batch of the whole model on one device: all units, no recompute, no communication."""
-    per_layer = sum(profile.cost(o.name, micro_batch, 1.0).fwd_ms + profile.cost(o.name, micro_batch, 1.0).bwd_ms
-                    for o in layer_operators(spec))
-    edges = sum(profile.cost(n, micro_batch).fwd_ms + profile.cost(n, micro_batch).bwd_ms for n in (EMBEDDING, HEAD))
-    return spec.num_layers * per_layer + edges
+    emb, head = profile.cost(EMBEDDING, micro_batch), profile.cost(HEAD, micro_batch)
+    edges = emb.fwd_ms + emb.bwd_ms + head.fwd_ms + head.bwd_ms
+    return spec.num_layers * layer_train_ms(profile, spec, micro_batch, 1.0) + edges
 
 
 def ideal_tokens_per_s(spec: ModelSpec, gpus: list[str], profiles: ProfileSet, micro_batch: int) -> float:

@@ -13,7 +13,10 @@ are never recomputed.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import numpy as np
 
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE, ALLREDUCE_OUTPUTS, LAYER_INPUT, Operator, layer_operators, tensor_sizes
@@ -134,13 +137,63 @@ def tensor_bytes(spec: ModelSpec, micro_batch: int, share: float, op_saved: dict
     return result
 
 
-def layer_activation_bytes(roles: dict[str, TensorRole], sizes: dict[str, float], recompute: frozenset[str],
-                           order: LayerOrder) -> tuple[float, float]:
-    """(bytes held per layer per in-flight micro-batch, bytes re-created while one layer runs backward).
+class RecomputeSpace:
+    """The liveness matrix of eq. 3-4 over candidate recompute sets of one layer.
 
-    The second figure counts every re-created tensor of the layer as if all existed at once, an upper
-    bound on the recompute buffer (segments are replayed one after another in the backward pass).
+    Row i is one recompute set (``recompute_set(i)``), column j one tensor (``tensors[j]``);
+    ``held[i, j]`` is rule (a)/(b) of ``is_held`` and ``remat[i, j]`` is ``is_rematerialised``, the
+    same functions the evaluator uses, so every consumer (the evaluator through ``layer_cost``, the
+    planner's pruning and memory limits, the bounds) reads one liveness rule. Sets are bit masks over
+    the operators in execution order. Build it with ``recompute_space`` (memoised per model shape).
     """
-    held = sum(sizes[t] for t, r in roles.items() if is_held(r, recompute, order))
-    transient = sum(sizes[t] for t, r in roles.items() if is_rematerialised(r, recompute, order))
-    return held, transient
+
+    def __init__(self, spec: ModelSpec, universe: list[frozenset[str]] | None = None):
+        ops = layer_operators(spec)
+        self.ops: list[str] = [o.name for o in ops]
+        """Operator names in execution order (bit k of a mask is ops[k])."""
+        self.blocks: list[str] = [o.block for o in ops]
+        """Block of each operator."""
+        bit = {name: 1 << i for i, name in enumerate(self.ops)}
+        if universe is None:
+            masks = np.arange(1 << len(self.ops), dtype=np.int64)
+        else:
+            unknown = {op for r in universe for op in r} - set(self.ops)
+            if unknown:
+                raise ValueError(f"unknown operators in recompute universe: {sorted(unknown)}")
+            masks = np.array(sorted({sum(bit[o] for o in r) for r in universe}), dtype=np.int64)
+        self.masks: np.ndarray = masks
+        """One int64 bit mask per candidate set."""
+        roles = tensor_roles(spec)
+        order = layer_order(spec)
+        self.tensors: list[str] = list(roles)
+        """Tensor names, the columns of ``held`` and ``remat``."""
+        held = np.zeros((len(masks), len(self.tensors)), dtype=bool)
+        remat = np.zeros_like(held)
+        for i in range(len(masks)):
+            r = self.recompute_set(i)
+            for j, t in enumerate(self.tensors):
+                held[i, j] = is_held(roles[t], r, order)
+                remat[i, j] = is_rematerialised(roles[t], r, order)
+        self.held: np.ndarray = held.astype(float)
+        """held[i, j] = 1 when set i keeps tensor j from forward to backward (eq. 3)."""
+        self.remat: np.ndarray = remat.astype(float)
+        """remat[i, j] = 1 when set i re-creates tensor j in the backward pass (eq. 4)."""
+        self.op_bits: np.ndarray = ((masks[:, None] >> np.arange(len(self.ops))) & 1).astype(float)
+        """op_bits[i, k] = 1 when set i recomputes ops[k]."""
+
+    def recompute_set(self, i: int) -> frozenset[str]:
+        m = int(self.masks[i])
+        return frozenset(name for k, name in enumerate(self.ops) if m >> k & 1)
+
+    def __len__(self) -> int:
+        return len(self.masks)
+
+
+@functools.lru_cache(maxsize=64)
+def recompute_space(spec: ModelSpec, universe: tuple[frozenset[str], ...] | None = None) -> RecomputeSpace:
+    """The liveness matrix for ``spec`` over ``universe`` (default: every subset of the operators).
+
+    Memoised so that the planner, the bounds and the evaluator share one matrix (and one cache key)
+    per model.
+    """
+    return RecomputeSpace(spec, None if universe is None else list(universe))

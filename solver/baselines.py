@@ -18,13 +18,15 @@ import time
 import pyomo.environ as pyo
 
 from baton.errors import BatonError
+from baton.costmodel import layer_train_ms
 from baton.evaluate import evaluate
-from baton.operators import layer_operators, operator_names
+from baton.memory import recompute_space
+from baton.operators import operator_names
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, validate
 
-from solver.instance import Skeleton
 from solver.milp import highs_solve
-from solver.options import RecomputeSpace, valid_unit_counts
+from solver.options import valid_unit_counts
+from solver.space import Skeleton, hethub_layout, megatron_layout
 from solver.search import NoPlanFits, SolveResult, micro_batch_candidates, search
 
 SELECTIVE = ("attn_scores", "softmax", "attn_dropout", "attn_v")
@@ -72,20 +74,16 @@ def megatron(spec, cluster, profiles, *, global_batch: int, micro_batch: int | N
             n = len(devs)
             for t in [u for u in Us if n % u == 0]:
                 for p in [q for q in range(1, N + 1) if N % q == 0 and (n // t) % q == 0]:
-                    d = n // (t * p)
-                    if global_batch % (b * d):
+                    layout = megatron_layout([d.id for d in devs], t, p)
+                    if global_batch % (b * layout.num_replicas):
                         continue
                     for rec in modes.values():
-                        pipes = []
-                        for dp in range(d):
-                            stages = []
-                            for pp in range(p):
-                                ids = [devs[tp + t * (dp + d * pp)].id for tp in range(t)]
-                                stages.append(Stage(first_layer=pp * (N // p), num_layers=N // p, units_per_layer=t,
-                                                    devices=tuple(DeviceShare(id=i, units=1, recompute=rec) for i in ids)))
-                            pipes.append(Pipeline(stages=tuple(stages)))
+                        pipes = tuple(Pipeline(stages=tuple(
+                            Stage(first_layer=s * (N // p), num_layers=N // p, units_per_layer=t,
+                                  devices=tuple(DeviceShare(id=i, units=1, recompute=rec) for i in ids))
+                            for s, ids in enumerate(pipe))) for pipe in layout.pipelines)
                         plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=b,
-                                             num_microbatches=global_batch // (b * d), pipelines=tuple(pipes)))
+                                             num_microbatches=global_batch // (b * layout.num_replicas), pipelines=pipes))
                         best = _consider(best, plan, cluster, profiles)
                         n_eval += 1
     return _result(best, "megatron", t0, n_eval)
@@ -102,12 +100,9 @@ def hethub_skeletons(spec, cluster) -> list[Skeleton]:
         for order in itertools.permutations(types, k):
             degrees = [[t for t in valid_unit_counts(spec) if len(by_type[g]) % t == 0] for g in order]
             for ts in itertools.product(*degrees):
-                stages = []
-                for g, t in zip(order, ts):
-                    ids = by_type[g]
-                    stages.extend(tuple(ids[i:i + t]) for i in range(0, len(ids), t))
-                if len(stages) <= spec.num_layers + 2:
-                    out.append(Skeleton(pipelines=(tuple(stages),)))
+                sk = hethub_layout(by_type, order, ts)
+                if sk.num_stages <= spec.num_layers + 2:
+                    out.append(sk)
     return out
 
 
@@ -117,7 +112,7 @@ def hethub(spec, cluster, profiles, *, global_batch: int, micro_batch: int | Non
     allowed = {"uniform_tp": True, "recompute": {frozenset(), frozenset(modes["full"])}}
     res = search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit, gap=gap,
                  threads=threads, skeletons=hethub_skeletons(spec, cluster), family="hethub", strategy="hethub",
-                 allowed=allowed, space=RecomputeSpace(spec, [frozenset(), frozenset(modes["full"])]))
+                 allowed=allowed, space=recompute_space(spec, (frozenset(), frozenset(modes["full"]))))
     return res
 
 
@@ -153,10 +148,6 @@ def hap(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None =
     modes = recompute_modes(spec)
     best, n_eval = None, 0
 
-    def layer_ms(prof, b, share):
-        return sum(prof.cost(o.name, b, share if o.tp_split else 1.0).fwd_ms + prof.cost(o.name, b, share if o.tp_split else 1.0).bwd_ms
-                   for o in layer_operators(spec))
-
     for b in micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch):
         for devs in _type_subsets(cluster):
             Us = [u for u in valid_unit_counts(spec) if u >= len(devs)]
@@ -166,7 +157,7 @@ def hap(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None =
             times = []
             for d in devs:  # HAP's linear cost model, through shares 1/U and 1
                 prof = profiles[d.gpu.name]
-                full, least = layer_ms(prof, b, 1.0), layer_ms(prof, b, 1.0 / U)
+                full, least = layer_train_ms(prof, spec, b, 1.0), layer_train_ms(prof, spec, b, 1.0 / U)
                 slope = (full - least) / (1 - 1.0 / U) if U > 1 else full
                 times.append((full - slope, slope))
             units = hap_shares(times, U, threads)

@@ -17,30 +17,28 @@ from __future__ import annotations
 import numpy as np
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (ALLREDUCES_PER_LAYER, activation_bytes, allreduce_ms, tp_allreduce_ms, in_flight_microbatches,
-                             optimizer_step_ms, p2p_ms)
-from baton.profile import ProfileSet
+from baton.costmodel import (device_slot, embedding_sync_ms, layer_allreduce_ms, layer_cost, layer_limits, layer_prices,
+                             layer_train_ms, max_layers_that_fit, pipeline_transfers)
+from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
-from baton.operators import EMBEDDING, HEAD, layer_operators
+from baton.profile import ProfileSet
 
-from solver.instance import Skeleton
-from solver.options import RecomputeSpace, Slot, approx_max_layers, share_table, valid_unit_counts
+from solver.options import valid_unit_counts
+from solver.space import Skeleton
 
 
 def _layer_ms(profile, spec, mb, share, part="fb") -> float:
-    """fwd + bwd (part 'fb') or bwd only (part 'b') of one layer, no recomputation."""
-    total = 0.0
-    for o in layer_operators(spec):
-        c = profile.cost(o.name, mb, share if o.tp_split else 1.0)
-        total += (c.fwd_ms if part == "fb" else 0.0) + c.bwd_ms
-    return total
+    """fwd + bwd (part 'fb') or bwd only (part 'b') of one layer, no recomputation (eq. 2)."""
+    if part == "fb":
+        return layer_train_ms(profile, spec, mb, share)
+    return sum(layer_cost(profile, spec, mb, share).bwd_ms.values())
 
 
 def stage_layer_lower_bound(spec, cluster, profiles, mb, ids, part="fb") -> float:
     """Smallest possible per-layer F + B (or B alone) of a TP group, all-reduces included, memory ignored."""
     n = len(ids)
     Umax = max(valid_unit_counts(spec))
-    ar = tp_allreduce_ms(activation_bytes(spec, mb), n, cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER * (2 if part == "fb" else 1)
+    ar = layer_allreduce_ms(cluster, spec, mb, ids) * (2 if part == "fb" else 1)
     if n == 1:
         return _layer_ms(profiles[cluster.device(ids[0]).gpu.name], spec, mb, 1.0, part) + ar
     if n > Umax:
@@ -63,6 +61,10 @@ def stage_layer_lower_bound(spec, cluster, profiles, mb, ids, part="fb") -> floa
     return float("inf")
 
 
+def _slot(spec, cluster, profiles, mb, device_id, s, p, m):
+    return device_slot(cluster, profiles, spec, mb, device_id, stage=s, num_stages=p, num_microbatches=m)
+
+
 def stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space: RecomputeSpace, N: int, tied: bool) -> int:
     """Upper bound on the layers stage s can hold: every device at its least memory-hungry recompute set,
     maximised over the shares it may get (only the equal share when the stage is tied, see instance.py)."""
@@ -73,11 +75,9 @@ def stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space: RecomputeS
         return -1
     cap = N
     for i in ids:
-        dev = cluster.device(i)
-        slot = Slot(profile=profiles[dev.gpu.name], memory_bytes=dev.memory_bytes, reserve_bytes=dev.reserve_bytes,
-                    in_flight=in_flight_microbatches(s, p, m), first=s == 0, last=s == p - 1)
-        best = max(int(approx_max_layers(share_table(slot.profile, spec, mb, sh, space), slot, spec, mb, N).max()) for sh in shares)
-        cap = min(cap, best + 1 if best >= 0 else -1)  # +1: the vectorised count may be one short
+        slot = _slot(spec, cluster, profiles, mb, i, s, p, m)
+        best = max(int(max_layers_that_fit(slot, spec, layer_prices(slot.profile, spec, mb, sh, space), N).max()) for sh in shares)
+        cap = min(cap, best)
     return cap
 
 
@@ -103,10 +103,11 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
     cache = cache or BoundCache()
     r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
     m = global_batch // (mb * r)
-    lo = [N] if p == 1 else [0] + [1] * (p - 2) + [0]
+    if p > N + 2:
+        return float("inf")
+    lo, _ = layer_limits(N, p)
     if sum(lo) > N:
         return float("inf")
-    act = activation_bytes(spec, mb)
     best = 0.0
     for pipe in skeleton.pipelines:
         tau, tau_b, edge, edge_b, cap, per_fb, per_b = [], [], [], [], [], [], []
@@ -117,22 +118,12 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
                                      stage_layer_lower_bound(spec, cluster, profiles, mb, ids, "b"))
             tau.append(cache.tau[mb, gk][0])
             tau_b.append(cache.tau[mb, gk][1])
-            e = eb = 0.0
-            for i in ids:
-                prof = profiles[cluster.device(i).gpu.name]
-                v = vb = 0.0
-                if s == 0:
-                    c = prof.cost(EMBEDDING, mb)
-                    v, vb = v + c.fwd_ms + c.bwd_ms, vb + c.bwd_ms
-                if s == p - 1:
-                    c = prof.cost(HEAD, mb)
-                    v, vb = v + c.fwd_ms + c.bwd_ms, vb + c.bwd_ms
-                e, eb = max(e, v), max(eb, vb)
-            edge.append(e)
-            edge_b.append(eb)
+            slots = [_slot(spec, cluster, profiles, mb, i, s, p, m) for i in ids]
+            edge.append(max(x.edge_fwd_ms + x.edge_bwd_ms for x in slots))
+            edge_b.append(max(x.edge_bwd_ms for x in slots))
             Umax = max(valid_unit_counts(spec))
             tied = (len(gk[0]) == 1 or len(set(gk[0])) == 1) and Umax % len(ids) == 0 and bool(monotone and monotone.get(gk[0][0][0]))
-            ck = (mb, gk[0], s == 0, s == p - 1, in_flight_microbatches(s, p, m), tied)
+            ck = (mb, gk[0], s == 0, s == p - 1, slots[0].in_flight, tied)
             if ck not in cache.cap:
                 cache.cap[ck] = stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space, N, tied)
             cap.append(cache.cap[ck])
@@ -154,21 +145,13 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
         with np.errstate(invalid="ignore"):
             c = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_fb), 0.0) + edge[:, None]
             cb = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_b), 0.0) + edge_b[:, None]
-        links = sum(p2p_ms(cluster, list(pipe[s]), list(pipe[s + 1]), act) + p2p_ms(cluster, list(pipe[s + 1]), list(pipe[s]), act)
-                    for s in range(p - 1))
+        links = sum(sum(pipeline_transfers(cluster, spec, mb, pipe[s], pipe[s + 1])) for s in range(p - 1))
         best = max(best, _pipeline_bound(c, tau, edge, cap, lo_a, N, m, p), _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p) + links)
-    emb = 0.0
-    if p > 1:
-        tied = spec.vocab_size * spec.hidden_dim * spec.dtype_bytes
-        emb = max(allreduce_ms(tied, len(pp[0]) + len(pp[-1]), cluster.slowest_link(list(pp[0]) + list(pp[-1]))) for pp in skeleton.pipelines)
-    opt = 0.0
-    for pipe in skeleton.pipelines:
-        for s, ids in enumerate(pipe):
-            for i in ids:
-                dev = cluster.device(i)
-                prof = profiles[dev.gpu.name]
-                w = (prof.cost(EMBEDDING, mb).param_bytes if s == 0 else 0.0) + (prof.cost(HEAD, mb).param_bytes if s == p - 1 else 0.0)
-                opt = max(opt, optimizer_step_ms(w, spec, dev.gpu.memory_bandwidth_gb_per_s, prof.optimizer_sample()))
+    emb = embedding_sync_ms(cluster, spec, skeleton.pipelines)
+    # Every device steps at least its embedding/head weights (eq. 10).
+    opt = max(x.optimizer_ms_per_byte * x.edge_param_bytes
+              for pipe in skeleton.pipelines for s, ids in enumerate(pipe)
+              for x in (_slot(spec, cluster, profiles, mb, i, s, p, m) for i in ids))
     return best + emb + opt
 
 
@@ -227,14 +210,12 @@ def tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N):
     """For a tied stage (equal shares, one recompute set): per-layer F + B and B alone as functions of
     the layer count L: the cheapest recompute set that still fits L layers (eq. 8), all-reduces included."""
     n = len(ids)
-    dev = cluster.device(ids[0])
-    slot = Slot(profile=profiles[dev.gpu.name], memory_bytes=dev.memory_bytes, reserve_bytes=dev.reserve_bytes,
-                in_flight=in_flight_microbatches(s, p, m), first=s == 0, last=s == p - 1)
-    t = share_table(slot.profile, spec, mb, 1.0 / n, space)
-    ar = tp_allreduce_ms(activation_bytes(spec, mb), n, cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER
-    fits = approx_max_layers(t, slot, spec, mb, N) + 1  # +1: never tighter than the exact count
-    b_all = sum(t.bwd) + t.rec_attn + t.rec_mlp + ar
-    fb_all = sum(t.fwd) + ar + b_all
+    slot = _slot(spec, cluster, profiles, mb, ids[0], s, p, m)
+    t = layer_prices(slot.profile, spec, mb, 1.0 / n, space)
+    ar = layer_allreduce_ms(cluster, spec, mb, ids)
+    fits = max_layers_that_fit(slot, spec, t, N)
+    b_all = sum(t.bwd_ms) + t.rec_attn_ms + t.rec_mlp_ms + ar
+    fb_all = sum(t.fwd_ms) + ar + b_all
     fb, bb = np.full(N + 1, np.inf), np.full(N + 1, np.inf)
     for L in range(N + 1):
         ok = fits >= L

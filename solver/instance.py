@@ -10,36 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (ALLREDUCES_PER_LAYER, activation_bytes, allreduce_ms, tp_allreduce_ms, in_flight_microbatches,
-                             optimizer_step_ms, p2p_ms)
-from baton.profile import ProfileSet
+from baton.costmodel import (data_parallel_sync_line, device_slot, embedding_sync_ms, layer_limits,
+                             pipeline_transfers, stage_constants)
+from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
-from baton.operators import EMBEDDING, HEAD
+from baton.profile import ProfileSet
 
-from solver.options import Choice, RecomputeSpace, Slot, block_times, device_choices, valid_unit_counts
+from solver.options import Choice, device_choices, valid_unit_counts
+from solver.space import Skeleton
 
 GB = 1e9
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Skeleton:
-    """Device layout without numbers: replicas, each a list of stages, each a TP group in rank order."""
-
-    pipelines: tuple[tuple[tuple[str, ...], ...], ...]
-
-    @property
-    def num_replicas(self) -> int:
-        return len(self.pipelines)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.pipelines[0])
-
-    def device_ids(self) -> list[str]:
-        return [d for p in self.pipelines for s in p for d in s]
-
-    def describe(self) -> str:
-        return " | ".join(" -> ".join("[" + ",".join(s) + "]" for s in p) for p in self.pipelines)
 
 
 @dataclass(kw_only=True)
@@ -58,10 +38,18 @@ class Group:
     """TP rank position (None for a tied group)."""
     choices: dict
     """(U, u) -> list[Choice]."""
-    edge_param_gb: float
-    """Embedding / head parameters this device holds (GB)."""
-    opt_ms_per_gb: list
-    """Adam step ms per GB of weights for each device of the group (eq. 10)."""
+    slots: list
+    """DeviceSlot of each device of the group (edge terms, memory, eq. 10's optimizer slope)."""
+
+    @property
+    def edge_param_gb(self) -> float:
+        """Embedding / head parameters each device holds (GB)."""
+        return self.slots[0].edge_param_bytes / GB
+
+    @property
+    def opt_ms_per_gb(self) -> list[float]:
+        """Adam step ms per GB of weights for each device of the group (eq. 10)."""
+        return [s.optimizer_ms_per_byte * GB for s in self.slots]
 
 
 @dataclass(kw_only=True)
@@ -101,7 +89,8 @@ class Instance:
     max_layers: list
     embedding_sync_ms: float
     dp_ms_per_gb: list
-    """dp_ms_per_gb[s][k] = (alpha, beta): all-reduce of replica 0's rank-k weights across replicas (eq. 5)."""
+    """dp_ms_per_gb[s][k] = (alpha, beta): all-reduce of replica 0's rank-k weights across replicas is
+    alpha * GB + beta ms (eq. 5, 11)."""
     infeasible_reason: str | None = None
     notes: list = field(default_factory=list)
 
@@ -117,12 +106,15 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
     """Constants and choices for one candidate. ``allowed`` optionally restricts choices (baselines)."""
     r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
     m = global_batch // (micro_batch * r)
-    act = activation_bytes(spec, micro_batch)
     units_all = valid_unit_counts(spec)
-    min_layers = [N] if p == 1 else [0] + [1] * (p - 2) + [0]
-    max_layers = [N - (sum(min_layers) - min_layers[s]) for s in range(p)]
-    if p > N + 2 or sum(min_layers) > N:
+    if p > N + 2:
         return _infeasible(spec, skeleton, micro_batch, m, "more stages than layers")
+    min_layers, max_layers = layer_limits(N, p)
+    if sum(min_layers) > N:
+        return _infeasible(spec, skeleton, micro_batch, m, "more stages than layers")
+
+    def slots_of(pipe, s):
+        return [device_slot(cluster, profiles, spec, micro_batch, i, stage=s, num_stages=p, num_microbatches=m) for i in pipe[s]]
 
     # Share options per stage position; a stage is "tied" when it is homogeneous in every replica.
     share_options, unit_counts, tied = [], [], []
@@ -150,15 +142,9 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
 
     # Replicas are interchangeable when every stage matches device for device and link for link.
     def replica_signature(pipe):
-        sig = []
-        for s, ids in enumerate(pipe):
-            link = cluster.slowest_link(list(ids))
-            nxt = pipe[s + 1] if s + 1 < p else None
-            sig.append((tuple(_device_signature(cluster, i) for i in ids),
-                        link,
-                        p2p_ms(cluster, list(ids), list(nxt), act) if nxt else 0.0,
-                        p2p_ms(cluster, list(nxt), list(ids), act) if nxt else 0.0))
-        return tuple(sig)
+        return tuple((tuple(_device_signature(cluster, i) for i in ids), cluster.slowest_link(list(ids)),
+                      pipeline_transfers(cluster, spec, micro_batch, ids, pipe[s + 1] if s + 1 < p else None))
+                     for s, ids in enumerate(pipe))
     same = reduce_symmetry and len({replica_signature(pipe) for pipe in skeleton.pipelines}) == 1
     modelled = 1 if same else r
 
@@ -168,51 +154,33 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
         row = []
         for s, ids in enumerate(pipe):
             ids = list(ids)
-            first, last = s == 0, s == p - 1
-            n = len(ids)
-            ar = tp_allreduce_ms(act, n, cluster.slowest_link(ids)) * ALLREDUCES_PER_LAYER
-            edge_f = max((profiles[cluster.device(i).gpu.name].cost(EMBEDDING, micro_batch).fwd_ms if first else 0.0)
-                         + (profiles[cluster.device(i).gpu.name].cost(HEAD, micro_batch).fwd_ms if last else 0.0) for i in ids)
-            edge_b = max((profiles[cluster.device(i).gpu.name].cost(EMBEDDING, micro_batch).bwd_ms if first else 0.0)
-                         + (profiles[cluster.device(i).gpu.name].cost(HEAD, micro_batch).bwd_ms if last else 0.0) for i in ids)
-            sf = p2p_ms(cluster, ids, list(pipe[s + 1]), act) if not last else 0.0
-            sb = p2p_ms(cluster, list(pipe[s + 1]), ids, act) if not last else 0.0
-            members = [ids] if tied[s] else [[i] for i in ids]
+            slots = slots_of(pipe, s)
+            const = stage_constants(cluster, spec, micro_batch, slots)
+            sf, sb = pipeline_transfers(cluster, spec, micro_batch, ids, pipe[s + 1] if s + 1 < p else None)
+            members = [list(range(len(ids)))] if tied[s] else [[k] for k in range(len(ids))]
             groups = []
-            for k, g_ids in enumerate(members):
-                dev = cluster.device(g_ids[0])
-                slot = Slot(profile=profiles[dev.gpu.name], memory_bytes=dev.memory_bytes, reserve_bytes=dev.reserve_bytes,
-                            in_flight=in_flight_microbatches(s, p, m), first=first, last=last)
+            for k, member in enumerate(members):
+                slot = slots[member[0]]
                 choices = {}
                 for (U, u) in share_options[s]:
                     found = device_choices(slot, spec, micro_batch, u / U, space, min_layers=min_layers[s],
                                            cap=max_layers[s], prune=prune)
                     if allowed is not None and allowed.get("recompute") is not None:
                         found = [f for f in found if f[0] in allowed["recompute"]]
-                    lst = []
-                    for rset, lc, L in found:
-                        fwd, bwd = block_times(lc)
-                        lst.append(Choice(units=u, units_per_layer=U, recompute=rset, fwd=fwd, bwd=bwd, max_layers=L,
-                                          param_bytes=lc.param_bytes))
+                    lst = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
+                                  max_layers=L, param_bytes=lc.param_bytes) for rset, lc, L in found]
                     if lst:
                         choices[(U, u)] = lst
-                groups.append(Group(
-                    ids=g_ids, rank=None if tied[s] else k, choices=choices,
-                    edge_param_gb=slot.edge_param_bytes(spec, micro_batch) / GB,
-                    opt_ms_per_gb=[optimizer_step_ms(GB, spec, cluster.device(i).gpu.memory_bandwidth_gb_per_s,
-                                                     profiles[cluster.device(i).gpu.name].optimizer_sample()) for i in g_ids]))
+                groups.append(Group(ids=[ids[j] for j in member], rank=None if tied[s] else k, choices=choices,
+                                    slots=[slots[j] for j in member]))
             if any(not g.choices for g in groups):
                 bad = next(g for g in groups if not g.choices)
                 return _infeasible(spec, skeleton, micro_batch, m, f"device {bad.ids[0]} cannot hold stage {s} under any share and recompute set")
-            row.append(StageData(replica=rho, index=s, ids=ids, allreduce_ms=ar, edge_fwd_ms=edge_f, edge_bwd_ms=edge_b,
-                                 send_fwd_ms=sf, send_bwd_ms=sb, groups=groups, tied=tied[s]))
+            row.append(StageData(replica=rho, index=s, ids=ids, allreduce_ms=const.allreduce_ms, edge_fwd_ms=const.edge_fwd_ms,
+                                 edge_bwd_ms=const.edge_bwd_ms, send_fwd_ms=sf, send_bwd_ms=sb, groups=groups, tied=tied[s]))
         stages.append(row)
 
-    emb = 0.0
-    if p > 1:
-        tied_bytes = spec.vocab_size * spec.hidden_dim * spec.dtype_bytes
-        emb = max(allreduce_ms(tied_bytes, len(pipe[0]) + len(pipe[-1]), cluster.slowest_link(list(pipe[0]) + list(pipe[-1])))
-                  for pipe in skeleton.pipelines)
+    emb = embedding_sync_ms(cluster, spec, skeleton.pipelines)
     dp = []
     for s in range(p):
         row = []
@@ -220,11 +188,8 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
             if r == 1:
                 row.append((0.0, 0.0))
                 continue
-            peers = [pipe[s][k] for pipe in skeleton.pipelines]
-            link = cluster.slowest_link(peers)
-            beta = allreduce_ms(0.0, r, link)
-            alpha = allreduce_ms(GB, r, link) - beta
-            row.append((alpha, beta))
+            per_byte, fixed = data_parallel_sync_line(cluster, [pipe[s][k] for pipe in skeleton.pipelines])
+            row.append((per_byte * GB, fixed))
         dp.append(row)
     return Instance(spec=spec, skeleton=skeleton, micro_batch=micro_batch, num_microbatches=m, stages=stages,
                     modelled_replicas=modelled, share_options=share_options, unit_counts=unit_counts,

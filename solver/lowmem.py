@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from baton.costmodel import in_flight_microbatches, layer_cost
+from baton.costmodel import device_memory, device_slot, layer_cost_of, layer_limits, layer_prices
+from baton.memory import RecomputeSpace
 from baton.plan import DeviceShare, Pipeline, Plan, Stage
 
-from solver.options import RecomputeSpace, Slot, peak_bytes, share_table, valid_unit_counts
+from solver.options import valid_unit_counts
 
 
 def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: int, space: RecomputeSpace) -> Plan:
@@ -29,20 +30,18 @@ def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: i
         units = [U // n + (1 if k < U % n else 0) for k in range(n)]
         rows = []
         for dev, u in zip(g, units):
-            prof = profiles[dev.gpu.name]
-            t = share_table(prof, spec, micro_batch, u / U, space)
-            i = int(np.lexsort((t.transient, t.held))[0])
-            rset = space.recompute_set(i)
-            lc = layer_cost(prof, spec, micro_batch, u / U, rset)
-            slot = Slot(profile=prof, memory_bytes=dev.memory_bytes, reserve_bytes=dev.reserve_bytes,
-                        in_flight=in_flight_microbatches(s, p, m), first=s == 0, last=s == p - 1)
-            rows.append((dev, u, rset, lc, slot))
+            slot = device_slot(cluster, profiles, spec, micro_batch, dev.id, stage=s, num_stages=p, num_microbatches=m)
+            t = layer_prices(slot.profile, spec, micro_batch, u / U, space)
+            i = int(np.lexsort((t.transient_bytes, t.held_bytes))[0])
+            rows.append((dev, u, space.recompute_set(i), layer_cost_of(t, i), slot))
         stage_devs.append(rows)
 
-    lo = [N] if p == 1 else [0] + [1] * (p - 2) + [0]
+    lo, _ = layer_limits(N, p)
 
     def over(s, L):
-        return max(peak_bytes(slot, spec, micro_batch, lc, L) - slot.memory_bytes for _, _, _, lc, slot in stage_devs[s])
+        return max(device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
+                                 transient_bytes=lc.transient_bytes).peak_bytes - slot.memory_bytes
+                   for _, _, _, lc, slot in stage_devs[s])
 
     def split(theta):
         caps = []

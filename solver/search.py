@@ -23,14 +23,15 @@ from baton.cluster import ClusterSpec
 from baton.errors import BatonError
 from baton.evaluate import PlanReport, evaluate, explain_over_capacity
 from baton.profile import ProfileSet
+from baton.memory import RecomputeSpace, recompute_space
 from baton.model_spec import ModelSpec
 from baton.plan import Plan, validate
 
 from solver.bounds import BoundCache, candidate_lower_bound
-from solver.instance import Skeleton, build_instance
+from solver.instance import build_instance
 from solver.milp import InnerModel
-from solver.options import RecomputeSpace, monotone_in_share
-from solver.space import exact_skeletons, structured_skeletons
+from solver.options import monotone_in_share
+from solver.space import Skeleton, exact_skeletons, structured_skeletons
 
 EXACT_LIMIT = 5000
 """Above this many exact skeletons the search switches to the structured family."""
@@ -117,7 +118,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     t_start = time.perf_counter()
     deadline = t_start + time_limit
     monotone = check_profiles(spec, cluster, profiles)
-    space = space or RecomputeSpace(spec)
+    space = space or recompute_space(spec)
     mbs = micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
     if skeletons is None:
         family, skeletons = skeleton_family(spec, cluster, family)

@@ -20,7 +20,26 @@ from dataclasses import dataclass
 
 from baton.cluster import ClusterSpec
 
-from solver.instance import Skeleton
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Skeleton:
+    """Device layout without numbers: replicas, each a list of stages, each a TP group in rank order."""
+
+    pipelines: tuple[tuple[tuple[str, ...], ...], ...]
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.pipelines)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.pipelines[0])
+
+    def device_ids(self) -> list[str]:
+        return [d for p in self.pipelines for s in p for d in s]
+
+    def describe(self) -> str:
+        return " | ".join(" -> ".join("[" + ",".join(s) + "]" for s in p) for p in self.pipelines)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -213,6 +232,21 @@ def structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -
     return list(out.values())
 
 
+def megatron_layout(device_ids: list[str], tp: int, pp: int) -> Skeleton:
+    """Megatron's rank order over ``device_ids``: tensor-parallel ranks fastest, then data-parallel
+    replicas, then pipeline stages (rank = tp_rank + tp * (dp_rank + dp * pp_rank))."""
+    dp = len(device_ids) // (tp * pp)
+    return Skeleton(pipelines=tuple(
+        tuple(tuple(device_ids[k + tp * (r + dp * s)] for k in range(tp)) for s in range(pp)) for r in range(dp)))
+
+
+def hethub_layout(by_type: dict[str, list[str]], order: tuple[str, ...], degrees: tuple[int, ...]) -> Skeleton:
+    """HetHub's pipeline: the GPU types in ``order``, each type's devices (cluster order) cut into
+    consecutive TP groups of its degree, one stage per group."""
+    stages = [tuple(by_type[g][i:i + t]) for g, t in zip(order, degrees) for i in range(0, len(by_type[g]), t)]
+    return Skeleton(pipelines=(tuple(stages),))
+
+
 def baseline_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -> list[Skeleton]:
     """Layouts of the baselines: Megatron (TP fastest, then DP, then PP over the devices of some GPU
     types in cluster order), HetHub (stages of one type, one TP degree per type, every type order) and
@@ -227,14 +261,12 @@ def baseline_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -> 
                 out.append(Skeleton(pipelines=((tuple(devs),),)))
             for t in [t for t in range(1, n + 1) if n % t == 0 and heads % t == 0]:
                 for p in [q for q in range(1, max_stages + 1) if (n // t) % q == 0]:
-                    d = n // (t * p)
-                    out.append(Skeleton(pipelines=tuple(
-                        tuple(tuple(devs[tp + t * (dp + d * pp)] for tp in range(t)) for pp in range(p)) for dp in range(d))))
+                    out.append(megatron_layout(devs, t, p))
             by_type = {g: [x.id for x in cluster.devices if x.gpu.name == g] for g in sub}
             for order in itertools.permutations(sub):
                 degrees = [[t for t in range(1, len(by_type[g]) + 1) if len(by_type[g]) % t == 0 and heads % t == 0] for g in order]
                 for ts in itertools.product(*degrees):
-                    stages = [tuple(by_type[g][i:i + t]) for g, t in zip(order, ts) for i in range(0, len(by_type[g]), t)]
-                    if len(stages) <= max_stages:
-                        out.append(Skeleton(pipelines=(tuple(stages),)))
+                    sk = hethub_layout(by_type, order, ts)
+                    if sk.num_stages <= max_stages:
+                        out.append(sk)
     return out

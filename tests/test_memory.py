@@ -12,7 +12,7 @@ from baton.costmodel import layer_cost, optimizer_bytes
 from baton.evaluate import evaluate
 from baton.profile import ProfileSet
 from baton.cluster import homogeneous_cpu_cluster
-from baton.memory import layer_activation_bytes, layer_order, tensor_bytes, tensor_roles
+from baton.memory import recompute_space, tensor_bytes
 from baton.model_spec import PRESETS
 from baton.operators import layer_operators
 from baton.plan import simple_plan
@@ -119,7 +119,8 @@ def test_measured_totals_rescale_tensor_sizes():
     scaled = _analytic_saved() | {"fc1": 2 * BSH}
     sizes = tensor_bytes(TINY, 2, 1.0, scaled, _analytic_out())
     assert sizes["ln2_out"] == 2 * BSH and sizes["fc1_out"] == BSF
-    h, _ = layer_activation_bytes(tensor_roles(TINY), sizes, frozenset(), layer_order(TINY))
+    space = recompute_space(TINY, (frozenset(),))
+    h = sum(sizes[t] * space.held[0, j] for j, t in enumerate(space.tensors))
     assert h == FULL + BSH
 
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import math
 
+import dataclasses
+
 import pytest
 
+from baton.costmodel import device_slot
+from baton.memory import RecomputeSpace
 from baton.evaluate import evaluate
 from solver.baselines import exhaustive
 from solver.instance import build_instance
 from solver.milp import InnerModel
-from solver.options import RecomputeSpace, device_choices, Slot
+from solver.options import device_choices
 from solver.bounds import candidate_lower_bound
 from solver.search import NoPlanFits, check_profiles, search, skeleton_family
 from tests.test_solver_helpers import random_instance
@@ -104,9 +108,9 @@ def test_recompute_pruning_keeps_a_dominating_set():
     inst = _instance(CASES[3])
     space = RecomputeSpace(inst.spec)  # all 2^13 sets
     dev = inst.cluster.devices[0]
-    for first, last, in_flight in [(True, False, 2), (False, True, 1)]:
-        slot = Slot(profile=inst.profiles[dev.gpu.name], memory_bytes=dev.memory_bytes * 2, reserve_bytes=0,
-                    in_flight=in_flight, first=first, last=last)
+    for stage in (0, 1):  # first of two stages (2 micro-batches in flight), then the last (1)
+        slot = dataclasses.replace(device_slot(inst.cluster, inst.profiles, inst.spec, 1, dev.id, stage=stage, num_stages=2,
+                                               num_microbatches=2), memory_bytes=dev.memory_bytes * 2, reserve_bytes=0)
         full = device_choices(slot, inst.spec, 1, 0.5, space, min_layers=0, cap=inst.spec.num_layers, prune=False)
         kept = device_choices(slot, inst.spec, 1, 0.5, space, min_layers=0, cap=inst.spec.num_layers, prune=True)
         assert 0 < len(kept) < len(full)
