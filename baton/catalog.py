@@ -1,17 +1,124 @@
-"""Public datasheet figures of the GPU types Baton knows, plus a ``cpu`` stand-in device.
+"""Public datasheet figures of the GPU types Baton knows, what real kernels reach of them, and a
+``cpu`` stand-in device.
 
-Peaks are dense (no structured sparsity) tensor-core figures for fp16/bf16 and plain (non-TF32)
-fp32, as vendors publish them; bandwidths are DRAM bandwidths. Where a GPU has no bf16 support its
-``peak_bf16_tflops`` is None and a bf16 model is rejected for it.
+Peaks are dense (no structured sparsity) figures as vendors publish them: tensor-core fp16/bf16 and
+TF32, and plain fp32 (the vector units). Bandwidths are DRAM bandwidths. Where a GPU has no bf16
+support its ``peak_bf16_tflops`` is None and a bf16 model is rejected for it; where it has no TF32
+``peak_tf32_tflops`` is None and fp32 matmuls run on the vector units whatever the setting.
+
+Datasheet peaks are not what a training step sees. ``Architecture`` holds, per GPU generation, the
+fractions of the peaks and of DRAM bandwidth that kernels reach and the fixed cost of every kernel;
+each GPU adds the share of its boost clock it holds under sustained load (power-limited cards hold
+far less). Every figure carries its source; ``baton show gpus`` prints them, and
+``docs/cost-model.md`` section 11 says how the derivation uses them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.errors import BatonError
 
 GIB = 1024**3
 GB = 1e9
+
+REFERENCE = "profiles/reference/layers.csv"
+"""Published and quoted per-layer measurements the fitted figures below reproduce (bench/bench_profiles.py)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Architecture:
+    """What kernels reach on one GPU generation, as fractions of the datasheet figures."""
+
+    name: str
+    """Generation key (``volta``, ``ampere-ga10x``...); calibration transfers between GPUs of one key."""
+    fp32_issue: float
+    """Share of the datasheet fp32 peak a GEMM inner loop can issue: 0.5 where the peak counts FP32
+    lanes that are shared with INT32 (dual issue), which GEMMs do not keep busy."""
+    gemm_fp32: float
+    """Fraction of the issuable fp32 peak (at the sustained clock) cuBLAS SGEMM reaches on large shapes."""
+    gemm_tensor: float
+    """Same for fp16/bf16 tensor-core GEMMs; for GPUs without tensor cores, their fp16 vector GEMMs."""
+    gemm_tf32: float = 0.0
+    """Same for fp32 GEMMs on TF32 tensor cores (0 where the generation has none)."""
+    bandwidth: float
+    """Fraction of DRAM bandwidth a streaming kernel (copy, triad) reaches."""
+    launch_us: float
+    """Fixed cost of one operator in eager PyTorch: kernel launch plus framework dispatch."""
+    small_op_us: float
+    """Shortest time a LayerNorm or softmax kernel takes, however small its input (reductions, a sync per row)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Figure name -> where it comes from."""
+
+
+_FIT = f"fitted to the reference layer times in {REFERENCE}"
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in [
+        Architecture(
+            name="pascal", fp32_issue=1.0, gemm_fp32=0.8, gemm_tensor=0.7, bandwidth=0.8, launch_us=10.0, small_op_us=8.0,
+            sources={"fp32_issue": "Pascal SM: 64 FP32 lanes, no dual issue (NVIDIA P100 whitepaper)",
+                     "gemm_fp32": "estimate: as Volta (same cuBLAS SGEMM structure, no tensor cores)",
+                     "gemm_tensor": "estimate: fp16 runs on the vector units (half2); 'tensor' here means those",
+                     "gemm_tf32": "no TF32",
+                     "bandwidth": "estimate: HBM2/GDDR5X stream kernels reach 75-85% (BabelStream-class results)",
+                     "launch_us": "estimate: eager PyTorch dispatch + launch on older hosts",
+                     "small_op_us": "estimate: as Volta"}),
+        Architecture(
+            name="volta", fp32_issue=1.0, gemm_fp32=0.8, gemm_tensor=0.55, bandwidth=0.85, launch_us=8.0, small_op_us=6.0,
+            sources={"fp32_issue": "Volta SM: 64 FP32 lanes beside separate INT32 lanes (NVIDIA V100 whitepaper)",
+                     "gemm_fp32": f"{_FIT} (V100, GPT-3 1.3B layer, fp32, 18 ms)",
+                     "gemm_tensor": f"{_FIT} (V100 fp16 BERT-large throughput, Lambda)", "gemm_tf32": "no TF32",
+                     "bandwidth": "estimate: V100 stream kernels reach ~800 of 900 GB/s (BabelStream-class results)",
+                     "launch_us": "estimate: eager PyTorch dispatch + launch, ~5-10 us per op",
+                     "small_op_us": "estimate: one block per row, a few us at any size"}),
+        Architecture(
+            name="turing", fp32_issue=1.0, gemm_fp32=0.8, gemm_tensor=0.7, bandwidth=0.8, launch_us=8.0, small_op_us=6.0,
+            sources={"fp32_issue": "Turing SM: 64 FP32 lanes beside separate INT32 lanes (NVIDIA Turing whitepaper)",
+                     "gemm_fp32": "estimate: as Volta (same SGEMM kernels); the T4's shortfall is its clock",
+                     "gemm_tensor": "estimate: as Volta", "gemm_tf32": "no TF32",
+                     "bandwidth": "estimate: GDDR6 stream kernels reach ~80%",
+                     "launch_us": "estimate: as Volta", "small_op_us": "estimate: as Volta"}),
+        Architecture(
+            name="ampere-ga100", fp32_issue=1.0, gemm_fp32=0.8, gemm_tensor=0.6, gemm_tf32=0.5, bandwidth=0.85, launch_us=8.0, small_op_us=5.0,
+            sources={"fp32_issue": "GA100 SM: 64 FP32 lanes, no dual issue (NVIDIA A100 whitepaper)",
+                     "gemm_fp32": "estimate: as Volta",
+                     "gemm_tensor": f"{_FIT} (A100 fp16 BERT-large throughput, Lambda)",
+                     "gemm_tf32": f"{_FIT} (A100 TF32 BERT-large throughput, Lambda); TF32 operands are twice as wide as fp16",
+                     "bandwidth": "estimate: HBM2e stream kernels reach ~85-90%",
+                     "launch_us": "estimate: as Volta", "small_op_us": "estimate: slightly faster than Volta"}),
+        Architecture(
+            name="ampere-ga10x", fp32_issue=0.5, gemm_fp32=0.8, gemm_tensor=0.7, gemm_tf32=0.7, bandwidth=0.8, launch_us=8.0, small_op_us=5.0,
+            sources={"fp32_issue": "GA10x SM: 128 FP32 lanes of which 64 share the INT32 path; the datasheet peak counts all "
+                                   "128, SGEMM inner loops keep about half busy (issue 14: A6000/A10G measure ~2x the "
+                                   "dual-issue roofline)",
+                     "gemm_fp32": "estimate: as Volta, applied to the issuable half",
+                     "gemm_tensor": f"{_FIT} (A6000, A10, RTX 3090 fp16 BERT-large throughput, Lambda)",
+                     "gemm_tf32": f"{_FIT} (same cards, TF32)",
+                     "bandwidth": "estimate: GDDR6(X) stream kernels reach ~80%",
+                     "launch_us": "estimate: as Volta", "small_op_us": "estimate: as GA100"}),
+        Architecture(
+            name="ada", fp32_issue=0.5, gemm_fp32=0.8, gemm_tensor=0.7, gemm_tf32=0.7, bandwidth=0.8, launch_us=7.0, small_op_us=5.0,
+            sources={"fp32_issue": "AD10x SM: same FP32/INT32 sharing as GA10x (NVIDIA Ada whitepaper)",
+                     "gemm_fp32": "estimate: as GA10x",
+                     "gemm_tensor": f"{_FIT} (RTX 4090 fp16 BERT-large throughput, Lambda)",
+                     "gemm_tf32": f"{_FIT} (RTX 4090 TF32)",
+                     "bandwidth": "estimate: GDDR6(X) stream kernels reach ~80%; the large L2 is not modelled",
+                     "launch_us": "estimate: newer hosts", "small_op_us": "estimate: as GA100"}),
+        Architecture(
+            name="hopper", fp32_issue=1.0, gemm_fp32=0.75, gemm_tensor=0.55, gemm_tf32=0.5, bandwidth=0.85, launch_us=7.0, small_op_us=4.0,
+            sources={"fp32_issue": "GH100 SM: 128 FP32 lanes, INT32 separate (NVIDIA H100 whitepaper)",
+                     "gemm_fp32": "estimate: slightly below Volta, SGEMM is not the tuned path on Hopper",
+                     "gemm_tensor": f"{_FIT} (H100 SXM fp16 BERT-large throughput, Lambda, PyTorch 1.13)",
+                     "gemm_tf32": f"{_FIT} (H100 SXM TF32)",
+                     "bandwidth": "estimate: HBM3 stream kernels reach ~85%",
+                     "launch_us": "estimate: newer hosts", "small_op_us": "estimate"}),
+        Architecture(
+            name="cpu", fp32_issue=1.0, gemm_fp32=1.0, gemm_tensor=1.0, gemm_tf32=1.0, bandwidth=1.0, launch_us=8.0, small_op_us=0.0,
+            sources={"*": "stand-in device: its catalog peaks are already effective figures; measure it with "
+                          "'baton profile --device cpu' (measured tables win)"}),
+    ]
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,15 +130,27 @@ class GpuType:
     memory_bytes: int
     """Device memory as sold (GiB for GPUs: a '40 GB' A100 has 40 GiB)."""
     peak_fp16_tflops: float
-    """Dense fp16 matrix throughput (tensor cores where present), 10^12 FLOP/s."""
+    """Dense fp16 matrix throughput with fp32 accumulation (tensor cores where present), 10^12 FLOP/s."""
     peak_bf16_tflops: float | None
     """Dense bf16 matrix throughput; None where the GPU has no bf16 support."""
     peak_fp32_tflops: float
-    """Plain fp32 throughput (no TF32), 10^12 FLOP/s."""
+    """Plain fp32 throughput (no TF32) as the datasheet gives it (dual issue counted where the SM has it)."""
     memory_bandwidth_gb_per_s: float
     """DRAM bandwidth, 10^9 bytes/s."""
     note: str = ""
     """Where the figures come from, and any caveat."""
+    arch: str = "cpu"
+    """Key into ``ARCHITECTURES``."""
+    peak_tf32_tflops: float | None = None
+    """Dense TF32 tensor throughput; None where the GPU has no TF32."""
+    clock_fraction: float = 1.0
+    """Share of the boost clock (the one the peaks assume) the GPU holds under sustained GEMM load."""
+    clock_source: str = "estimate: holds near its boost clock at its power limit"
+    """Where ``clock_fraction`` comes from."""
+
+    @property
+    def architecture(self) -> Architecture:
+        return ARCHITECTURES[self.arch]
 
     def peak_tflops(self, dtype: str) -> float:
         """Matrix peak for the model's dtype; raises for bf16 on GPUs without it."""
@@ -45,8 +164,24 @@ class GpuType:
             return self.peak_bf16_tflops
         raise BatonError(f"unknown dtype '{dtype}' (expected fp16, bf16 or fp32)", field="dtype")
 
+    def matmul_tflops(self, dtype: str, *, tf32: bool = False) -> float:
+        """What large GEMMs sustain in ``dtype`` (fp32 on TF32 tensor cores when ``tf32`` and the GPU has them)."""
+        a = self.architecture
+        if dtype == "fp32":
+            if tf32 and self.peak_tf32_tflops is not None:
+                return self.peak_tf32_tflops * self.clock_fraction * a.gemm_tf32
+            return self.peak_fp32_tflops * a.fp32_issue * self.clock_fraction * a.gemm_fp32
+        return self.peak_tflops(dtype) * self.clock_fraction * a.gemm_tensor
 
-def _gpu(name, mem_gib, fp16, bf16, fp32, bw, note=""):
+    def vector_tflops(self) -> float:
+        """What elementwise and reduction kernels can issue in fp32."""
+        return self.peak_fp32_tflops * self.architecture.fp32_issue * self.clock_fraction
+
+    def achievable_bandwidth_gb_per_s(self) -> float:
+        return self.memory_bandwidth_gb_per_s * self.architecture.bandwidth
+
+
+def _gpu(name, mem_gib, fp16, bf16, fp32, bw, note="", *, arch, tf32=None, clock=1.0, clock_source=None):
     return GpuType(
         name=name,
         memory_bytes=int(mem_gib * GIB),
@@ -55,30 +190,49 @@ def _gpu(name, mem_gib, fp16, bf16, fp32, bw, note=""):
         peak_fp32_tflops=fp32,
         memory_bandwidth_gb_per_s=bw,
         note=note,
+        arch=arch,
+        peak_tf32_tflops=tf32,
+        clock_fraction=clock,
+        **({"clock_source": clock_source} if clock_source else {}),
     )
 
 
 CATALOG: dict[str, GpuType] = {
     g.name: g
     for g in [
-        _gpu("a100-40gb", 40, 312.0, 312.0, 19.5, 1555.0, "NVIDIA A100 SXM4 40GB datasheet"),
-        _gpu("a100-80gb", 80, 312.0, 312.0, 19.5, 2039.0, "NVIDIA A100 SXM4 80GB datasheet"),
-        _gpu("a800-80gb", 80, 312.0, 312.0, 19.5, 1935.0, "NVIDIA A800 PCIe 80GB: A100 compute, NVLink capped at 400 GB/s"),
-        _gpu("h100", 80, 989.0, 989.0, 67.0, 3350.0, "NVIDIA H100 SXM5 80GB datasheet (dense)"),
-        _gpu("h200", 141, 989.0, 989.0, 67.0, 4800.0, "NVIDIA H200 SXM 141GB datasheet (dense)"),
-        _gpu("v100-16gb", 16, 125.0, None, 15.7, 900.0, "NVIDIA V100 SXM2 16GB datasheet"),
-        _gpu("v100-32gb", 32, 125.0, None, 15.7, 900.0, "NVIDIA V100 SXM2 32GB datasheet"),
-        _gpu("v100s-32gb", 32, 130.0, None, 16.4, 1134.0, "NVIDIA V100S PCIe 32GB datasheet"),
-        _gpu("p100-12gb", 12, 18.7, None, 9.3, 549.0, "NVIDIA P100 PCIe 12GB datasheet"),
-        _gpu("t4", 16, 65.0, None, 8.1, 320.0, "NVIDIA T4 datasheet (70 W)"),
-        _gpu("l4", 24, 121.0, 121.0, 30.3, 300.0, "NVIDIA L4 datasheet (dense; 242 with sparsity)"),
-        _gpu("a10g", 24, 70.0, 70.0, 31.2, 600.0, "AWS A10G as reported for g5 instances (dense tensor ~70 TFLOPS)"),
-        _gpu("a6000", 48, 154.8, 154.8, 38.7, 768.0, "NVIDIA RTX A6000 datasheet (dense)"),
-        _gpu("p100", 16, 21.2, None, 10.6, 732.0, "NVIDIA P100 SXM2 16GB datasheet (no tensor cores)"),
-        _gpu("p40", 24, 0.18, None, 11.8, 346.0, "NVIDIA P40 datasheet: fp16 runs at 1/64 rate; train it in fp32"),
-        _gpu("rtx3090", 24, 71.0, 71.0, 35.6, 936.0, "GeForce RTX 3090: dense fp16 tensor with fp32 accumulate"),
-        _gpu("rtx4090", 24, 82.6, 82.6, 82.6, 1008.0, "GeForce RTX 4090: dense fp16 tensor with fp32 accumulate"),
-        _gpu("cpu", 24, 0.2, 0.2, 0.2, 20.0, "stand-in for a CPU process; measure it with 'baton profile --device cpu'"),
+        _gpu("a100-40gb", 40, 312.0, 312.0, 19.5, 1555.0, "NVIDIA A100 SXM4 40GB datasheet", arch="ampere-ga100", tf32=156.0),
+        _gpu("a100-80gb", 80, 312.0, 312.0, 19.5, 2039.0, "NVIDIA A100 SXM4 80GB datasheet", arch="ampere-ga100", tf32=156.0),
+        _gpu("a800-80gb", 80, 312.0, 312.0, 19.5, 1935.0, "NVIDIA A800 PCIe 80GB: A100 compute, NVLink capped at 400 GB/s",
+             arch="ampere-ga100", tf32=156.0, clock=0.9,
+             clock_source="estimate: PCIe card at 300 W holds less clock than the 400 W SXM4 A100"),
+        _gpu("h100", 80, 989.0, 989.0, 67.0, 3350.0, "NVIDIA H100 SXM5 80GB datasheet (dense)", arch="hopper", tf32=494.7,
+             clock=0.9, clock_source="estimate: sustained GEMM load at 700 W runs ~10% below the 1.98 GHz boost"),
+        _gpu("h200", 141, 989.0, 989.0, 67.0, 4800.0, "NVIDIA H200 SXM 141GB datasheet (dense)", arch="hopper", tf32=494.7,
+             clock=0.9, clock_source="estimate: as H100 SXM"),
+        _gpu("v100-16gb", 16, 125.0, None, 15.7, 900.0, "NVIDIA V100 SXM2 16GB datasheet", arch="volta"),
+        _gpu("v100-32gb", 32, 125.0, None, 15.7, 900.0, "NVIDIA V100 SXM2 32GB datasheet", arch="volta"),
+        _gpu("v100s-32gb", 32, 130.0, None, 16.4, 1134.0, "NVIDIA V100S PCIe 32GB datasheet", arch="volta"),
+        _gpu("p100-12gb", 12, 18.7, None, 9.3, 549.0, "NVIDIA P100 PCIe 12GB datasheet", arch="pascal"),
+        _gpu("t4", 16, 65.0, None, 8.1, 320.0, "NVIDIA T4 datasheet (70 W)", arch="turing", clock=0.67,
+             clock_source=f"{_FIT} (T4 2.9x V100); 70 W cap: sustained GEMM clocks ~1.0 GHz of the 1.59 GHz boost"),
+        _gpu("l4", 24, 121.0, 121.0, 30.3, 300.0, "NVIDIA L4 datasheet (dense; 242 with sparsity)", arch="ada", tf32=60.0,
+             clock=0.55, clock_source=f"{_FIT} (L4 1.9x V100); 72 W cap: sustained GEMM clocks ~1.0 GHz of the 2.04 GHz boost"),
+        _gpu("a10g", 24, 70.0, 70.0, 31.2, 600.0, "AWS A10G as reported for g5 instances (dense tensor ~70 TFLOPS)",
+             arch="ampere-ga10x", tf32=35.0, clock=0.94,
+             clock_source=f"{_FIT} (A10G ~1.1x V100); power-capped card, ~1.6 of 1.71 GHz under GEMM load"),
+        _gpu("a6000", 48, 154.8, 154.8, 38.7, 768.0, "NVIDIA RTX A6000 datasheet (dense)", arch="ampere-ga10x", tf32=77.4,
+             clock=0.95, clock_source=f"{_FIT} (A6000 ~0.9x V100); 300 W, ~1.7 of 1.8 GHz under GEMM load"),
+        _gpu("p100", 16, 21.2, None, 10.6, 732.0, "NVIDIA P100 SXM2 16GB datasheet (no tensor cores)", arch="pascal"),
+        _gpu("p40", 24, 0.18, None, 11.8, 346.0, "NVIDIA P40 datasheet: fp16 runs at 1/64 rate; train it in fp32", arch="pascal",
+             clock=0.85, clock_source="estimate: 250 W passively cooled card, below its 1.53 GHz boost under load"),
+        _gpu("rtx3090", 24, 71.0, 71.0, 35.6, 936.0, "GeForce RTX 3090: dense fp16 tensor with fp32 accumulate",
+             arch="ampere-ga10x", tf32=35.6, clock=1.05,
+             clock_source=f"{_FIT} (RTX 3090, Lambda); GeForce cards run above their rated boost clock when power allows"),
+        _gpu("rtx4090", 24, 165.2, 165.2, 82.6, 1008.0,
+             "GeForce RTX 4090 (Ada whitepaper): dense fp16/bf16 tensor with fp32 accumulate 165.2, TF32 82.6",
+             arch="ada", tf32=82.6, clock=1.05,
+             clock_source=f"{_FIT} (RTX 4090, Lambda); GeForce cards run above their rated boost clock when power allows"),
+        _gpu("cpu", 24, 0.2, 0.2, 0.2, 20.0, "stand-in for a CPU process; measure it with 'baton profile --device cpu'", arch="cpu"),
     ]
 }
 

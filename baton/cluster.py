@@ -1,7 +1,13 @@
-"""Cluster specs: nodes of GPUs, the links inside and between nodes, and per-device memory."""
+"""Cluster specs: nodes of GPUs, the links inside and between nodes, and per-device memory.
+
+Between nodes, every node has its network interface figures (``nic``, or several ``nics`` whose
+bandwidths add up); a transfer between two nodes runs at the slower end (lower bandwidth, higher
+latency), and a collective at the slowest pair it spans (``slowest_link``). The cluster-wide
+``inter_node_link`` is a shorthand: the NIC of every node that does not give its own.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.catalog import GIB, GpuType, gpu_type
@@ -77,23 +83,33 @@ class ClusterSpec:
     intra_links: dict
     """Node name -> Link between devices of that node."""
     inter_link: Link | None
-    """Link between devices of different nodes (None for a single-node cluster)."""
+    """The cluster-wide ``inter_node_link`` shorthand (None when absent)."""
     source: str = "<memory>"
+    """The file it was read from, for error messages."""
+    nics: dict = field(default_factory=dict)
+    """Node name -> that node's network figures (its NICs together); nodes without one use ``inter_link``."""
     """The file it was read from, for error messages."""
 
     def device(self, device_id: str) -> Device:
-        for d in self.devices:
-            if d.id == device_id:
-                return d
-        raise BatonError(f"no device '{device_id}' in cluster '{self.name}'")
+        found = _device_index(self).get(device_id)
+        if found is None:
+            raise BatonError(f"no device '{device_id}' in cluster '{self.name}'")
+        return found
 
     def link(self, a: str, b: str) -> Link:
         """The link between two devices (a device talking to itself costs nothing)."""
         da, db = self.device(a), self.device(b)
         if da.node == db.node:
             return self.intra_links[da.node]
+        na, nb = self.nic(da.node), self.nic(db.node)
+        return na if na == nb else slower_end(na, nb)
+
+    def nic(self, node: str) -> Link:
+        """A node's network figures: its own NICs, else the cluster-wide ``inter_node_link``."""
+        if node in self.nics:
+            return self.nics[node]
         if self.inter_link is None:
-            raise BatonError(f"devices {a} and {b} are on different nodes but no inter_node_link is given", source=self.source)
+            raise BatonError(f"node '{node}' has no nic and the cluster gives no inter_node_link", source=self.source, field="inter_node_link")
         return self.inter_link
 
     def slowest_link(self, ids: list[str]) -> Link | None:
@@ -101,14 +117,7 @@ class ClusterSpec:
         links = [self.link(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
         if not links:
             return None
-        return Link(
-            bandwidth_gb_per_s=min(l.bandwidth_gb_per_s for l in links),
-            latency_us=max(l.latency_us for l in links),
-            allreduce_bandwidth_gb_per_s=min(l.collective_bandwidth_gb_per_s for l in links),
-            allreduce_latency_us=max(l.collective_latency_us for l in links),
-            tp_allreduce_bandwidth_gb_per_s=min(l.tp_collective_bandwidth_gb_per_s for l in links),
-            tp_allreduce_latency_us=max(l.tp_collective_latency_us for l in links),
-        )
+        return slower_end(*links)
 
     @property
     def gpu_types(self) -> list[str]:
@@ -119,15 +128,48 @@ class ClusterSpec:
         return seen
 
 
+def slower_end(*links: Link) -> Link:
+    """What traffic across all of ``links`` gets: the lowest bandwidths and highest latencies among them,
+    each kind of figure (transfer, all-reduce, in-layer all-reduce) taken separately."""
+    return Link(
+        bandwidth_gb_per_s=min(l.bandwidth_gb_per_s for l in links),
+        latency_us=max(l.latency_us for l in links),
+        allreduce_bandwidth_gb_per_s=min(l.collective_bandwidth_gb_per_s for l in links),
+        allreduce_latency_us=max(l.collective_latency_us for l in links),
+        tp_allreduce_bandwidth_gb_per_s=min(l.tp_collective_bandwidth_gb_per_s for l in links),
+        tp_allreduce_latency_us=max(l.tp_collective_latency_us for l in links),
+    )
+
+
+def combined_nics(links: list[Link]) -> Link:
+    """Several NICs of one node as one: bandwidths add up (traffic spreads over them), the highest latency counts."""
+    if len(links) == 1:
+        return links[0]
+
+    def total(attr: str) -> float:
+        return sum(getattr(l, attr) for l in links)
+
+    return Link(
+        bandwidth_gb_per_s=total("bandwidth_gb_per_s"),
+        latency_us=max(l.latency_us for l in links),
+        allreduce_bandwidth_gb_per_s=total("collective_bandwidth_gb_per_s"),
+        allreduce_latency_us=max(l.collective_latency_us for l in links),
+        tp_allreduce_bandwidth_gb_per_s=total("tp_collective_bandwidth_gb_per_s"),
+        tp_allreduce_latency_us=max(l.tp_collective_latency_us for l in links),
+    )
+
+
 _TOP = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description"}
-_NODE = {"name", "gpus", "intra_node_link", "count"}
+_NODE = {"name", "gpus", "intra_node_link", "count", "nic", "nics"}
+_NIC_COUNT = "count"
+"""How many identical NICs one ``nics`` entry stands for."""
 _GPUS = {"type", "count", "memory_gib", "memory_reserve_gib"}
 _LINK = {"bandwidth_gb_per_s", "latency_us", "allreduce_bandwidth_gb_per_s", "allreduce_latency_us",
          "tp_allreduce_bandwidth_gb_per_s", "tp_allreduce_latency_us", "kind"}
 
 
-def _link(f: Fields) -> Link:
-    f.check_known(_LINK)
+def _link(f: Fields, *, extra: frozenset = frozenset()) -> Link:
+    f.check_known(_LINK | extra)
 
     def optional(key, **kw):
         return f.number(key, **kw) if f.has(key) else None
@@ -150,13 +192,16 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
     default_reserve = top.number("memory_reserve_gib", default=0.0, allow_zero=True)
     devices: list[Device] = []
     intra: dict[str, Link] = {}
+    nics: dict[str, Link] = {}
     node_names: set[str] = set()
+    node_names_in_order: list[str] = []
     for i, raw_node in enumerate(top.sequence("nodes")):
         node = Fields(raw_node, source=source, prefix=f"nodes[{i}]")
         node.check_known(_NODE)
         base_name = node.string("name", default=f"node{i}")
         copies = node.integer("count", default=1)
         link = _link(node.mapping("intra_node_link")) if node.has("intra_node_link") else None
+        nic = _node_nic(node)
         entries = node.sequence("gpus")
         parsed = []
         for j, raw_gpu in enumerate(entries):
@@ -177,7 +222,10 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
             if name in node_names:
                 raise node.error("name", f"duplicate node name '{name}'")
             node_names.add(name)
+            node_names_in_order.append(name)
             intra[name] = link or Link(bandwidth_gb_per_s=1e6, latency_us=0.0)
+            if nic is not None:
+                nics[name] = nic
             k = 0
             for gpu, count, memory, reserve in parsed:
                 for _ in range(count):
@@ -185,11 +233,32 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
                     k += 1
     inter = _link(top.mapping("inter_node_link")) if top.has("inter_node_link") else None
     if len(node_names) > 1 and inter is None:
-        raise top.error("inter_node_link", "missing required field (the cluster has more than one node)")
+        bare = [i for i, n in enumerate(node_names_in_order) if n not in nics]
+        if len(nics) == 0:
+            raise top.error("inter_node_link", "missing required field (the cluster has more than one node; "
+                                               "give it, or a nic on every node)")
+        if bare:
+            raise top.error("inter_node_link", f"missing required field (node '{node_names_in_order[bare[0]]}' has no nic)")
     return ClusterSpec(
         name=top.string("name", default=Path(source).stem),
-        devices=tuple(devices), intra_links=intra, inter_link=inter, source=source,
+        devices=tuple(devices), intra_links=intra, inter_link=inter, source=source, nics=nics,
     )
+
+
+def _node_nic(node: Fields) -> Link | None:
+    """A node's ``nic`` (one mapping) or ``nics`` (a list, each with an optional ``count``), as one Link."""
+    if node.has("nic") and node.has("nics"):
+        raise node.error("nics", "give either nic or nics, not both")
+    if node.has("nic"):
+        return _link(node.mapping("nic"))
+    if not node.has("nics"):
+        return None
+    links = []
+    for k, raw in enumerate(node.sequence("nics")):
+        f = Fields(raw, source=node.source, prefix=f"{node.path('nics')}[{k}]")
+        copies = f.integer(_NIC_COUNT, default=1)
+        links += [_link(f, extra=frozenset({_NIC_COUNT}))] * copies
+    return combined_nics(links)
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
@@ -205,3 +274,20 @@ def homogeneous_cpu_cluster(num_devices: int, *, name: str = "cpu") -> ClusterSp
                    "intra_node_link": {"bandwidth_gb_per_s": 5.0, "latency_us": 50.0}}],
     }
     return from_mapping(data, source=f"<{name}>")
+
+
+_DEVICE_INDEX: dict[int, tuple[ClusterSpec, dict[str, Device]]] = {}
+
+
+def _device_index(cluster: ClusterSpec) -> dict[str, Device]:
+    """Device id -> Device; planners look devices up millions of times on clusters of 1,000 GPUs.
+
+    Keyed by identity (the spec holds dicts, so it has no hash); the entry keeps the spec alive, so
+    the id cannot be reused while it is cached.
+    """
+    hit = _DEVICE_INDEX.get(id(cluster))
+    if hit is None or hit[0] is not cluster:
+        if len(_DEVICE_INDEX) >= 32:
+            _DEVICE_INDEX.clear()
+        hit = _DEVICE_INDEX[id(cluster)] = (cluster, {d.id: d for d in cluster.devices})
+    return hit[1]

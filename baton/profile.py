@@ -233,15 +233,21 @@ def load_profile(gpu: str, spec: ModelSpec, *, directory: str | Path | None = No
 # ---------------------------------------------------------------------------------------------
 # Analytic derivation
 
-# Fraction of peak an operator kind reaches: compute-bound kinds against the matrix peak, all kinds
-# against DRAM bandwidth. Chosen from published measurements of GEMM and elementwise kernels on
-# V100/A100-class GPUs (large GEMMs reach 60-80% of tensor peak, batched attention GEMMs less, and
-# bandwidth-bound kernels 70-85% of DRAM bandwidth). Measured tables replace these.
-COMPUTE_EFFICIENCY = {"matmul": 0.6, "bmm": 0.45, "norm": 0.3, "softmax": 0.3, "dropout": 0.3, "elementwise": 0.3, "embedding": 0.3, "head": 0.6}
-MEMORY_EFFICIENCY = {"matmul": 0.8, "bmm": 0.8, "norm": 0.7, "softmax": 0.7, "dropout": 0.7, "elementwise": 0.75, "embedding": 0.6, "head": 0.7}
+# Fraction of a GPU's achievable rates (``GpuType.matmul_tflops``, ``vector_tflops``,
+# ``achievable_bandwidth_gb_per_s``: datasheet peaks times the catalog's per-generation fractions and
+# sustained clock) that each operator kind reaches. The GPU figures say what large GEMMs and streaming
+# kernels reach on that GPU; these say how far the layer's own shapes fall short of them (thin GEMMs
+# of one micro-batch, batched per-head attention GEMMs, reductions). They are the same on every GPU;
+# everything that differs between GPUs lives in the catalog, with its source.
+COMPUTE_EFFICIENCY = {"matmul": 0.75, "bmm": 0.55, "norm": 0.3, "softmax": 0.3, "dropout": 0.3, "elementwise": 0.3, "embedding": 0.3, "head": 0.75}
+MEMORY_EFFICIENCY = {"matmul": 0.95, "bmm": 0.95, "norm": 0.85, "softmax": 0.85, "dropout": 0.85, "elementwise": 0.9, "embedding": 0.7, "head": 0.85}
 BACKWARD_FACTOR = {"matmul": 2.0, "bmm": 2.0, "norm": 2.0, "softmax": 1.5, "dropout": 1.0, "elementwise": 1.5, "embedding": 1.5, "head": 2.0}
-LAUNCH_MS = 0.008
-"""Per-kernel launch and framework overhead on a GPU, added once per operator and pass."""
+SMALL_OP_KINDS = ("norm", "softmax")
+"""Kinds whose kernels never take less than the generation's ``small_op_us`` (row reductions)."""
+MATRIX_KINDS = ("matmul", "bmm", "head")
+DEFAULT_TF32 = False
+"""Whether fp32 matmuls run on TF32 tensor cores when a run does not say: PyTorch's default
+(``torch.backends.cuda.matmul.allow_tf32`` is False since 1.12)."""
 
 
 class ProfileSet:
@@ -277,21 +283,29 @@ def _bytes_moved(spec: ModelSpec, op: str, b: int, s: int) -> float:
     }[op]
 
 
-def _time_ms(flops: float, bytes_moved: float, kind: str, gpu: GpuType, dtype: str) -> float:
-    peak = gpu.peak_tflops(dtype) if kind in ("matmul", "bmm", "head") else gpu.peak_fp32_tflops
-    compute = flops / (peak * 1e12 * COMPUTE_EFFICIENCY[kind])
-    memory = bytes_moved / (gpu.memory_bandwidth_gb_per_s * 1e9 * MEMORY_EFFICIENCY[kind])
-    return max(compute, memory) * 1e3
+def _time_ms(flops: float, bytes_moved: float, kind: str, gpu: GpuType, dtype: str, tf32: bool = DEFAULT_TF32) -> float:
+    """Roofline of one kernel on the GPU's achievable rates, with the generation's floor for small reductions."""
+    rate = gpu.matmul_tflops(dtype, tf32=tf32) if kind in MATRIX_KINDS else gpu.vector_tflops()
+    compute = flops / (rate * 1e12 * COMPUTE_EFFICIENCY[kind])
+    memory = bytes_moved / (gpu.achievable_bandwidth_gb_per_s() * 1e9 * MEMORY_EFFICIENCY[kind])
+    floor = gpu.architecture.small_op_us * 1e-6 if kind in SMALL_OP_KINDS else 0.0
+    return max(compute, memory, floor) * 1e3
 
 
-def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch: int, share: float, seq_len: int | None = None) -> OpCost:
-    """Roofline estimate of one layer operator: max(FLOPs / compute, bytes / bandwidth) + launch."""
+def launch_ms(gpu: GpuType) -> float:
+    """Fixed cost of one operator and pass on this GPU's generation (launch plus framework dispatch)."""
+    return gpu.architecture.launch_us * 1e-3
+
+
+def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch: int, share: float, seq_len: int | None = None,
+                        *, tf32: bool = DEFAULT_TF32) -> OpCost:
+    """Roofline estimate of one layer operator: max(FLOPs / compute, bytes / bandwidth, floor) + launch."""
     s = seq_len or spec.seq_len
     r = share if op.tp_split else 1.0
     flops = operator_flops(spec, op, micro_batch, s) * r
     moved = _bytes_moved(spec, op.name, micro_batch, s) * r
-    fwd = _time_ms(flops, moved, op.kind, gpu, spec.dtype) + LAUNCH_MS
-    bwd = _time_ms(flops * BACKWARD_FACTOR[op.kind], moved * BACKWARD_FACTOR[op.kind], op.kind, gpu, spec.dtype) + LAUNCH_MS
+    fwd = _time_ms(flops, moved, op.kind, gpu, spec.dtype, tf32) + launch_ms(gpu)
+    bwd = _time_ms(flops * BACKWARD_FACTOR[op.kind], moved * BACKWARD_FACTOR[op.kind], op.kind, gpu, spec.dtype, tf32) + launch_ms(gpu)
     sizes = tensor_sizes(spec, micro_batch, s)
     saved = sum(sizes[t].bytes(share) for t in op.saves)
     out = sum(sizes[t].bytes(share) for t in op.outputs)
@@ -299,7 +313,8 @@ def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch
     return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=out, param_bytes=params)
 
 
-def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: int, seq_len: int | None = None) -> OpCost:
+def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: int, seq_len: int | None = None,
+                       *, tf32: bool = DEFAULT_TF32) -> OpCost:
     """Embedding (first stage) or final LayerNorm + LM head + cross-entropy (last stage).
 
     The head's parameter bytes hold only the final LayerNorm: the tied embedding matrix is charged to
@@ -310,15 +325,15 @@ def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: in
     tokens = b * s
     if name == EMBEDDING:
         moved = 3 * tokens * h * e
-        fwd = _time_ms(tokens * h, moved, "embedding", gpu, spec.dtype) + LAUNCH_MS
-        bwd = _time_ms(tokens * h, moved * BACKWARD_FACTOR["embedding"], "embedding", gpu, spec.dtype) + LAUNCH_MS
+        fwd = _time_ms(tokens * h, moved, "embedding", gpu, spec.dtype) + launch_ms(gpu)
+        bwd = _time_ms(tokens * h, moved * BACKWARD_FACTOR["embedding"], "embedding", gpu, spec.dtype) + launch_ms(gpu)
         return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=tokens * 8, output_bytes=tokens * h * e,
                       param_bytes=(V * h + s * h) * e)
     if name == HEAD:
         flops = 2 * tokens * h * V + 5 * tokens * h + 5 * tokens * V
         moved = V * h * e + 2 * tokens * h * e + tokens * V * (e + 8)
-        fwd = _time_ms(flops, moved, "head", gpu, spec.dtype) + 3 * LAUNCH_MS
-        bwd = _time_ms(2 * flops, 2 * moved, "head", gpu, spec.dtype) + 3 * LAUNCH_MS
+        fwd = _time_ms(flops, moved, "head", gpu, spec.dtype, tf32) + 3 * launch_ms(gpu)
+        bwd = _time_ms(2 * flops, 2 * moved, "head", gpu, spec.dtype, tf32) + 3 * launch_ms(gpu)
         # Saved: final-LN input and output, and the fp32 log-probabilities cross-entropy keeps.
         saved = 2 * tokens * h * e + tokens * 2 * 4 + tokens * V * 4
         return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=tokens * V * e, param_bytes=2 * h * e)
@@ -326,8 +341,12 @@ def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: in
 
 
 def derive_table(spec: ModelSpec, gpu: GpuType | str, *, micro_batches=DEFAULT_MICRO_BATCHES, shares=DEFAULT_SHARES,
-                 seq_len: int | None = None) -> pd.DataFrame:
-    """The analytic table of one GPU type for one model: every operator at every (micro-batch, share)."""
+                 seq_len: int | None = None, tf32: bool = DEFAULT_TF32) -> pd.DataFrame:
+    """The analytic table of one GPU type for one model: every operator at every (micro-batch, share).
+
+    ``tf32``: whether the run lets fp32 matmuls use TF32 tensor cores (ignored for fp16/bf16 models and
+    for GPUs without TF32). It is a parameter here because the model spec has no field for it yet.
+    """
     gpu = gpu_type(gpu) if isinstance(gpu, str) else gpu
     gpu.peak_tflops(spec.dtype)  # rejects bf16 on GPUs without it before we build anything
     s = seq_len or spec.seq_len
@@ -335,10 +354,10 @@ def derive_table(spec: ModelSpec, gpu: GpuType | str, *, micro_batches=DEFAULT_M
     for mb in micro_batches:
         for op in layer_operators(spec):
             for share in (shares if op.tp_split else (1.0,)):
-                c = analytic_layer_cost(spec, gpu, op, mb, share, s)
+                c = analytic_layer_cost(spec, gpu, op, mb, share, s, tf32=tf32)
                 rows.append((gpu.name, spec.name, op.name, mb, s, share, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes, "derived"))
         for name in (EMBEDDING, HEAD):
-            c = analytic_edge_cost(spec, gpu, name, mb, s)
+            c = analytic_edge_cost(spec, gpu, name, mb, s, tf32=tf32)
             rows.append((gpu.name, spec.name, name, mb, s, 1.0, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes, "derived"))
     return validate_table(pd.DataFrame(rows, columns=COLUMNS), source=f"<derived {gpu.name}/{spec.name}>")
 
@@ -348,10 +367,12 @@ def calibrate(target: pd.DataFrame, measured: pd.DataFrame, measured_as_derived:
 
     For every operator, the median over shared (micro-batch, share) rows of measured / derived time on
     the measured device (separately for forward and backward) multiplies the target's derived times.
-    The roofline captures the GPUs' differences in peak and bandwidth; the ratio carries what the
-    roofline misses on this code (kernel efficiency, launch overhead, framework time), which is
-    similar across GPUs of one generation. Bytes are structural and are taken from the measurement's
-    ratios as well, so a runtime that keeps more than the formulas (fp32 dropout masks) is reflected.
+    The derivation captures the GPUs' differences in peaks, clocks and bandwidth; the ratio carries what
+    it misses on this code (kernel choice, launch overhead, framework time), which is similar across
+    GPUs of one architecture and only roughly so across architectures. Bytes are structural and are
+    taken from the measurement's ratios as well, so a runtime that keeps more than the formulas (fp32
+    dropout masks) is reflected. ``out.attrs["calibration"]`` records the factors;
+    ``calibration_summary`` says them in one line.
     """
     key = ["op", "micro_batch", "tp_share"]
     joined = measured.merge(measured_as_derived, on=key, suffixes=("_m", "_d"))
@@ -363,7 +384,42 @@ def calibrate(target: pd.DataFrame, measured: pd.DataFrame, measured_as_derived:
                       if (g[f"{col}_d"] > 0).any() else 1.0
                       for col in ("fwd_ms", "bwd_ms", "saved_bytes")}
     out = target.copy()
+    before = float(out["fwd_ms"].sum() + out["bwd_ms"].sum())
     for col in ("fwd_ms", "bwd_ms", "saved_bytes"):
         factor = out["op"].map(lambda o: ratios.get(o, {}).get(col, 1.0)).astype(float).fillna(1.0)
         out[col] = out[col] * factor
-    return validate_table(out, source="<calibrated>")
+    out = validate_table(out, source="<calibrated>")
+    src, dst = str(measured["gpu"].iloc[0]), str(target["gpu"].iloc[0])
+    out.attrs["calibration"] = {
+        "from_gpu": src, "to_gpu": dst,
+        "from_arch": _arch_of(src), "to_arch": _arch_of(dst),
+        "same_architecture": _arch_of(src) is not None and _arch_of(src) == _arch_of(dst),
+        "time_factor": float(out["fwd_ms"].sum() + out["bwd_ms"].sum()) / before if before > 0 else 1.0,
+        "op_factors": {op: {k: v for k, v in r.items() if k != "saved_bytes"} for op, r in ratios.items()},
+    }
+    return out
+
+
+def _arch_of(gpu: str) -> str | None:
+    try:
+        return gpu_type(gpu).arch
+    except BatonError:
+        return None
+
+
+def same_architecture(a: str, b: str) -> bool:
+    """True when two catalog GPUs share an architecture key: a measured table of one calibrates the other well."""
+    return _arch_of(a) is not None and _arch_of(a) == _arch_of(b)
+
+
+def calibration_summary(df: pd.DataFrame) -> str:
+    """One line on what ``calibrate`` did to a table: overall factor, range over operators, architecture match."""
+    c = df.attrs.get("calibration")
+    if not c:
+        return "not calibrated"
+    factors = [v for r in c["op_factors"].values() for v in r.values()]
+    lo, hi = (min(factors), max(factors)) if factors else (1.0, 1.0)
+    match = (f"same architecture ({c['to_arch']})" if c["same_architecture"] else
+             f"different architectures ({c['from_arch']} -> {c['to_arch']}): the factors carry runtime overheads only roughly")
+    return (f"calibrated {c['to_gpu']} from a measured {c['from_gpu']} table: layer time x{c['time_factor']:.2f} "
+            f"(operators x{lo:.2f} to x{hi:.2f}); {match}")

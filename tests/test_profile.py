@@ -52,7 +52,9 @@ def test_faster_gpu_derives_faster_matmuls():
     spec = PRESETS["gpt3-1.3b"]
     a100 = Profile(derive_table(spec, CATALOG["a100-40gb"], micro_batches=(1,)))
     t4 = Profile(derive_table(spec, CATALOG["t4"], micro_batches=(1,)))
-    assert t4.cost("fc1", 1, 1.0).fwd_ms / a100.cost("fc1", 1, 1.0).fwd_ms == pytest.approx(312 / 65, rel=0.05)
+    # compute-bound GEMMs scale with what each GPU sustains (datasheet peak x generation fraction x clock)
+    sustained = CATALOG["a100-40gb"].matmul_tflops("fp16") / CATALOG["t4"].matmul_tflops("fp16")
+    assert t4.cost("fc1", 1, 1.0).fwd_ms / a100.cost("fc1", 1, 1.0).fwd_ms == pytest.approx(sustained, rel=0.05)
     assert t4.cost("fc1", 1, 0.5).fwd_ms < t4.cost("fc1", 1, 1.0).fwd_ms
 
 
