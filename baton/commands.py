@@ -1,7 +1,13 @@
-"""Subcommands of the planning core: ``evaluate``, ``profile --analytic`` and ``show``."""
+"""Subcommands of the planning core: ``evaluate``, ``profile`` and ``show``.
+
+``profile --analytic`` is derived here; ``profile --device`` measures the runtime's own layer, so the
+runtime installs that branch (``set_profile_measurer``) and this package imports nothing from it.
+"""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,7 +15,7 @@ import typer
 from rich.table import Table
 
 from baton.catalog import CATALOG, GIB, gpu_type
-from baton.cli_support import console, guarded
+from baton.cli_support import console, guarded, say
 from baton.cluster import load_cluster
 from baton.errors import BatonError
 from baton.evaluate import PlanReport, evaluate
@@ -52,6 +58,48 @@ def render_report(report: PlanReport, *, title: str) -> None:
         f"throughput [bold]{report.tokens_per_s:,.0f} tokens/s[/]  MFU {report.mfu:.1%}  "
         f"efficiency vs ideal [bold]{report.efficiency_vs_ideal:.1%}[/] (ideal {report.ideal_tokens_per_s:,.0f} tokens/s)",
         highlight=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasureRequest:
+    """What ``baton profile --device`` asks the measurer for; options only it understands arrive unparsed."""
+
+    model: str
+    """Preset or model YAML."""
+    device: str
+    """As typed: cpu, cuda or cuda:N (checked by the measurer)."""
+    gpu: str | None
+    """Catalog GPU type to record in the table, or None to let the measurer name the device."""
+    seq_len: int | None
+    """Sequence length, or None for the model's."""
+    micro_batches: tuple[int, ...]
+    """Micro-batch sizes to tabulate (positive)."""
+    tp_shares: str | None
+    """Comma-separated tensor-parallel shares, or None for the whole layer."""
+    warmup: int
+    """Untimed repetitions before measuring."""
+    reps: int
+    """Timed repetitions; the median is kept."""
+    threads: int | None
+    """torch threads while measuring on CPU, or None to leave torch's default."""
+    comm: bool
+    """Also measure all-reduce and send/receive and fit a link."""
+    comm_ranks: int
+    """Processes for ``comm``."""
+    concurrent: int
+    """Profilers running at once, as training loads the machine."""
+    out: Path | None
+    """Output CSV, or None for the default path under profiles/measured/."""
+
+
+_measure_profile: Callable[[MeasureRequest], None] | None = None
+
+
+def set_profile_measurer(measure: Callable[[MeasureRequest], None]) -> None:
+    """Make ``baton profile --device`` call ``measure``; the runtime does this when it registers its
+    commands (the planning core sits below the runtime and must not import it: tests/test_layering.py)."""
+    global _measure_profile
+    _measure_profile = measure
 
 
 def register(app: typer.Typer) -> None:
@@ -110,7 +158,11 @@ def register(app: typer.Typer) -> None:
         if analytic:
             _derive(model, gpu, seq_len, mbs, calibrate_from, out)
         else:
-            _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads, comm, comm_ranks, out, concurrent)
+            if _measure_profile is None:
+                raise BatonError("measuring needs Baton's runtime, which has not registered its commands", field="--device")
+            _measure_profile(MeasureRequest(model=model, device=device, gpu=gpu, seq_len=seq_len, micro_batches=mbs,
+                                            tp_shares=tp_shares, warmup=warmup, reps=reps, threads=threads, comm=comm,
+                                            comm_ranks=comm_ranks, concurrent=concurrent, out=out))
 
     @app.command("show")
     @guarded
@@ -127,6 +179,7 @@ def register(app: typer.Typer) -> None:
                           "-" if g.peak_bf16_tflops is None else f"{g.peak_bf16_tflops:g}", f"{g.peak_fp32_tflops:g}",
                           f"{g.memory_bandwidth_gb_per_s:g}", g.note)
             console.print(t)
+            _show_achievable()
         elif what == "models":
             t = Table(title="Model presets")
             for col in ("name", "layers", "hidden", "heads", "ffn", "seq", "vocab", "dtype", "params"):
@@ -135,7 +188,7 @@ def register(app: typer.Typer) -> None:
                 t.add_row(m.name, str(m.num_layers), str(m.hidden_dim), str(m.num_heads), str(m.ffn_dim), str(m.seq_len),
                           str(m.vocab_size), m.dtype, f"{m.num_params() / 1e6:,.1f}M")
             console.print(t)
-        elif what.endswith((".yaml", ".yml")) and Path(what).is_file() and "nodes" in Path(what).read_text():
+        elif what.endswith((".yaml", ".yml")) and Path(what).is_file() and b"nodes" in Path(what).read_bytes()[:1 << 24]:
             c = load_cluster(what)
             t = Table(title=f"cluster {c.name} ({len(c.devices)} devices)")
             for col in ("device", "gpu", "memory GiB", "reserve GiB"):
@@ -146,6 +199,28 @@ def register(app: typer.Typer) -> None:
         else:
             m = load_model(what)
             console.print_json(json.dumps({**m.to_dict(), "num_params": m.num_params()}))
+
+
+def _show_achievable() -> None:
+    """What the derivation uses of each GPU (peaks x generation fractions x sustained clock), with sources."""
+    from baton.catalog import ARCHITECTURES
+
+    t = Table(title="Achievable rates the analytic profiles use (docs/cost-model.md, section 11)")
+    for col in ("type", "arch", "clock", "fp32 GEMM", "TF32 GEMM", "fp16 GEMM", "bf16 GEMM", "GB/s", "clock source"):
+        t.add_column(col)
+    for g in CATALOG.values():
+        t.add_row(g.name, g.arch, f"{g.clock_fraction:g}", f"{g.matmul_tflops('fp32'):.1f}",
+                  "-" if g.peak_tf32_tflops is None else f"{g.matmul_tflops('fp32', tf32=True):.1f}",
+                  f"{g.matmul_tflops('fp16'):.1f}", "-" if g.peak_bf16_tflops is None else f"{g.matmul_tflops('bf16'):.1f}",
+                  f"{g.achievable_bandwidth_gb_per_s():.0f}", g.clock_source)
+    console.print(t)
+    a = Table(title="Per-generation fractions and fixed costs, with sources")
+    for col in ("arch", "fp32 issue", "SGEMM", "tensor GEMM", "TF32 GEMM", "DRAM", "launch us", "small op us", "sources"):
+        a.add_column(col, overflow="fold")
+    for x in ARCHITECTURES.values():
+        a.add_row(x.name, f"{x.fp32_issue:g}", f"{x.gemm_fp32:g}", f"{x.gemm_tensor:g}", f"{x.gemm_tf32:g}", f"{x.bandwidth:g}",
+                  f"{x.launch_us:g}", f"{x.small_op_us:g}", "; ".join(f"{k}: {v}" for k, v in x.sources.items()))
+    console.print(a)
 
 
 def _derive(model, gpu, seq_len, mbs, calibrate_from, out) -> None:
@@ -177,57 +252,6 @@ def _derive(model, gpu, seq_len, mbs, calibrate_from, out) -> None:
             write_table(df, path)
             written += 1
             if len(gpus) * len(specs) == 1:
-                console.print(f"wrote {len(df)} rows to {path}")
+                say(f"wrote {len(df)} rows to {path}")  # the user's path, printed literally
     if written > 1:
         console.print(f"wrote {written} tables under {profiles_dir() / 'derived'}")
-
-
-def _measure(model, device, gpu, seq_len, mbs, tp_shares, warmup, reps, threads, comm, comm_ranks, out, concurrent=1) -> None:
-    import torch
-    from rich.progress import Progress
-
-    from runtime.op_profiler import profile_table
-
-    spec = load_model(model)
-    if seq_len:
-        spec = spec.with_overrides(seq_len=seq_len)
-    try:
-        shares = tuple(float(x) for x in tp_shares.split(",")) if tp_shares else (1.0,)
-    except ValueError:
-        raise BatonError(f"expected comma-separated numbers, got '{tp_shares}'", field="--tp-shares") from None
-    if any(not 0 < s <= 1 for s in shares):
-        raise BatonError("shares must be in (0, 1]", field="--tp-shares")
-    if warmup < 0 or reps < 1:
-        raise BatonError("need --warmup >= 0 and --reps >= 1", field="--reps")
-    dev = device.lower()
-    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise BatonError(f"unknown device '{device}' (expected cpu, cuda or cuda:N)", field="--device")
-    if threads:
-        torch.set_num_threads(threads)
-    name = gpu_type(gpu, field="--gpu").name if gpu else None
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"profiling {spec.name} on {device}", total=None)
-        df = profile_table(spec, device=dev, micro_batches=mbs, shares=shares, warmup=warmup, reps=reps, gpu_name=name,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total), concurrent=concurrent)
-    gpu_name = str(df["gpu"].iloc[0])
-    path = out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)
-    write_table(df, path)
-    console.print(f"wrote {len(df)} measured rows to {path} "
-                  f"(torch {torch.__version__}, "
-                  + (f"{concurrent} profilers at once, one thread each" if concurrent > 1 else f"{torch.get_num_threads()} threads")
-                  + f", median of {reps} after {warmup} warm-up)")
-    if comm:
-        from runtime.comm_profiler import measure_links
-        from baton.atomic import write_atomically
-
-        backend = "nccl" if dev.startswith("cuda") else "gloo"
-        # Two sizes at least, so the in-layer all-reduces get a line of their own.
-        layer_mbs = tuple(sorted(mbs)) if len(set(mbs)) > 1 else (mbs[0], 2 * mbs[0])
-        fit = measure_links(backend=backend, world_size=comm_ranks, spec=spec, micro_batches=layer_mbs)
-        link_path = Path(str(path).removesuffix(".csv") + ".link.yaml")
-        write_atomically(link_path, fit.yaml_block())
-        write_atomically(link_path.with_suffix(".json"), json.dumps(fit.to_dict(), indent=2))
-        console.print(f"link over {backend}: {fit.bandwidth_gb_per_s:.2f} GB/s, {fit.latency_us:.0f} us per message "
-                      f"(all-reduce implies {fit.allreduce_bandwidth_gb_per_s:.2f} GB/s"
-                      + (f", inside the TP layer {fit.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s and {fit.tp_allreduce_latency_us:.0f} us per step"
-                         if fit.tp_allreduce_bandwidth_gb_per_s is not None else "") + f"); wrote {link_path}")

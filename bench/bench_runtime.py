@@ -49,7 +49,7 @@ class EvenBlock(nn.Module):
 
     def __init__(self, spec, rank, world, group, full):
         super().__init__()
-        from runtime.stage import parameter_slice, take_slice
+        from runtime.slicing import parameter_slice, take_slice
 
         self.spec, self.group = spec, group
         nh, nf = spec.num_heads // world, spec.ffn_dim // world  # divide(n, world)
@@ -80,7 +80,7 @@ class EvenBlock(nn.Module):
 
 def bench_tp(rank, world, iters):
     from runtime.model import init_parameter
-    from runtime.stage import MicroBatch, ParallelBlock
+    from runtime.tp_layer import MicroBatch, ParallelBlock
 
     spec = SPEC
     full = lambda name: init_parameter(spec, name, 0)  # noqa: E731
@@ -93,7 +93,7 @@ def bench_tp(rank, world, iters):
         blk = ParallelBlock(spec, 0, heads=range(before * hpu, (before + units[rank]) * hpu),
                             ffn_cols=range(before * fpu, (before + units[rank]) * fpu), tp_group=group)
         with torch.no_grad():
-            from runtime.stage import parameter_slice, take_slice
+            from runtime.slicing import parameter_slice, take_slice
             for n, prm in blk.named_parameters():
                 prm.copy_(take_slice(full("h.0." + n), parameter_slice(spec, "h.0." + n, blk.heads,
                                                                         range(before * fpu, (before + units[rank]) * fpu))))
@@ -124,7 +124,7 @@ def bench_pp(rank, world, iters):
 
     from runtime.data import TokenSource
     from runtime.engine import Engine
-    from runtime.stage import MicroBatch
+    from runtime.tp_layer import MicroBatch
     from tests.runtime_helpers import plan_of
 
     spec, m, mbs = SPEC, 4, 2

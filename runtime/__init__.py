@@ -3,7 +3,10 @@
 model.py            the single-device reference GPT (nanoGPT style) and the parameter inventory/init
 rng.py              dropout masks as pure functions of (seed, step, layer, op, sample, head, position)
 tensor_parallel.py  non-uniform TP communication (dual autograd Functions, padded uneven gather)
-stage.py            one rank's slice of the model; per-operator recompute segments; measurement hooks
+tp_layer.py         the tensor-parallel transformer layer (ParallelBlock): any head/FFN split, recompute segments
+stage.py            one rank's part of the model: its layers, the embedding and head at the pipeline's ends
+slicing.py          which slice of each full parameter a rank holds (checkpoints, loading full weights)
+meters.py           operator calls, recompute time and saved activation bytes, measured while training
 topology.py         plan devices -> ranks, stage pairing, process groups
 engine.py           the 1F1B step, gradient sync, AdamW, StepStats
 data.py             byte-level text or synthetic tokens addressed by sample position
@@ -11,4 +14,5 @@ checkpoint.py       plan-independent checkpoints (full tensors, safetensors), at
 hf.py               Hugging Face GPT-2 import
 launch.py           spawning ranks (or running under torchrun), error reporting
 commands.py         `baton train`
+profile_command.py  the measured branch of `baton profile` (--device, --comm)
 """

@@ -108,7 +108,8 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
     rank, and the time the communication threads take from the compute after the call returns.
     """
     from runtime.op_profiler import _init
-    from runtime.stage import MicroBatch, StageModel
+    from runtime.stage import StageModel
+    from runtime.tp_layer import MicroBatch
     from runtime.tensor_parallel import AllReduceClock
 
     nh, nf = spec.num_heads // world, spec.ffn_dim // world

@@ -1,6 +1,6 @@
 """Measured operator tables: time and saved bytes of each operator of the runtime's own layer.
 
-Each operator of ``runtime.stage.ParallelBlock`` (the code ``baton train`` runs) is called on its
+Each operator of ``runtime.tp_layer.ParallelBlock`` (the code ``baton train`` runs) is called on its
 own, with inputs made by running the layer's earlier operators once, at every requested micro-batch
 size and tensor-parallel share. Forward and backward are timed after warm-up over several
 repetitions and the median is kept; on CUDA with events, on CPU with a monotonic clock. Saved bytes
@@ -27,7 +27,8 @@ from baton.catalog import CATALOG
 from baton.profile import COLUMNS, OPTIMIZER, analytic_edge_cost, validate_table
 from runtime.affinity import pin_rank
 from runtime.processes import stop_processes
-from runtime.stage import MicroBatch, ParallelBlock, StageModel
+from runtime.stage import StageModel
+from runtime.tp_layer import MicroBatch, ParallelBlock
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -149,7 +149,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_parity(plan, *, steps=3, seed=0, lr=1e-3, tol=1e-5):
     """Run ``plan`` on spawned ranks and the reference; compare losses and every gradient slice."""
     from runtime.model import init_parameter
-    from runtime.stage import take_slice
+    from runtime.slicing import take_slice
 
     results = run_ranks(parallel_worker, len(plan.device_ids()), plan, steps, seed, lr)
     ref_losses, ref_grads = reference_run(plan.model, global_batch=plan.global_batch, steps=steps, seed=seed, lr=lr)

@@ -8,7 +8,8 @@ import torch
 from baton.operators import operator_names
 from runtime.model import GPT, init_parameter
 from runtime.rng import DropoutKey, attention_mask, residual_mask
-from runtime.stage import MicroBatch, StageModel, _Segment
+from runtime.stage import StageModel
+from runtime.tp_layer import MicroBatch, _Segment
 from tests.runtime_helpers import tiny
 
 
@@ -47,7 +48,7 @@ def _blocks(spec, recompute):
 
 
 def _run(model, spec, B=2):
-    from runtime.stage import SavedBytes
+    from runtime.meters import SavedBytes
 
     x = torch.randn(B, spec.seq_len, spec.hidden_dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
     saved = SavedBytes(model.parameters())

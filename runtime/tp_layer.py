@@ -1,0 +1,213 @@
+"""The tensor-parallel transformer layer: ``ParallelBlock``, one rank's heads and FFN columns of a layer.
+
+A ``ParallelBlock`` runs the operators of ``baton.operators.layer_operators`` in order, holding
+``len(heads)`` attention heads and ``len(ffn_cols)`` FFN columns of the layer (any split, not just even
+ones). Column-parallel qkv/fc1 take their input through ``copy_to_tp`` (all-reduce in backward), the
+row-parallel out_proj/fc2 produce partial sums that one all-reduce completes; the row-parallel biases
+are added after that all-reduce, in resid1/resid2. The communication itself is in ``tensor_parallel.py``.
+
+Recomputation: maximal runs of consecutive recomputed operators form segments, each wrapped in a
+non-reentrant ``torch.utils.checkpoint``. The two forward all-reduces end a segment and are never inside
+one (ranks of a TP group recompute different operators; a collective in a recomputed region would
+deadlock). Early stopping of recomputation is off, so every planned operator is re-executed in full,
+which is what the planner charges for.
+
+Shape legend: B micro-batch, T sequence, C hidden, nl local heads, hs head size, fl local FFN width.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from baton.model_spec import ModelSpec
+from baton.operators import ALLREDUCE_OUTPUTS, LAYER_INPUT, layer_operators
+from runtime.meters import Meter
+from runtime.model import LN_EPS
+from runtime.rng import DropoutKey, attention_mask, residual_mask
+from runtime.tensor_parallel import copy_to_tp, reduce_from_tp
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """What a layer's dropout masks depend on besides the layer and operator."""
+
+    seed: int
+    step: int
+    samples: torch.Tensor
+    """Indices of the micro-batch's rows in the step's global batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """A run of consecutive recomputed operators, replayed as one checkpoint."""
+
+    ops: tuple
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+class _Params(nn.Module):
+    """A bag of parameters named like the reference model's modules (``c_attn.weight``, ...)."""
+
+    def __init__(self, **shapes):
+        super().__init__()
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+
+
+class ParallelBlock(nn.Module):
+    """One transformer layer at this rank's heads and FFN columns (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, layer: int, *, heads: range, ffn_cols: range, recompute=frozenset(),
+                 tp_group=None, meter: Meter | None = None):
+        super().__init__()
+        self.spec, self.layer, self.heads, self.tp_group = spec, layer, heads, tp_group
+        self.meter = meter or Meter()
+        C, nl, hs, fl = spec.hidden_dim, len(heads), spec.head_dim, len(ffn_cols)
+        self.ln_1 = _Params(weight=(C,), bias=(C,))
+        self.attn = nn.Module()
+        self.attn.c_attn = _Params(weight=(3 * nl * hs, C), bias=(3 * nl * hs,))
+        self.attn.c_proj = _Params(weight=(C, nl * hs), bias=(C,))
+        self.ln_2 = _Params(weight=(C,), bias=(C,))
+        self.mlp = nn.Module()
+        self.mlp.c_fc = _Params(weight=(fl, C), bias=(fl,))
+        self.mlp.c_proj = _Params(weight=(C, fl), bias=(C,))
+        self.program = _program(layer_operators(spec), frozenset(recompute))
+
+    # One method per operator of baton.operators, in order: (mb, *inputs) -> outputs.
+    def _ln1(self, mb, x):
+        return (F.layer_norm(x, x.shape[-1:], self.ln_1.weight, self.ln_1.bias, LN_EPS),)
+
+    def _qkv(self, mb, a):
+        B, T, _ = a.shape
+        qkv = F.linear(copy_to_tp(a, self.tp_group), self.attn.c_attn.weight, self.attn.c_attn.bias)
+        q, k, v = qkv.view(B, T, 3, len(self.heads), self.spec.head_dim).permute(2, 0, 3, 1, 4)
+        # Three separate tensors, as the planner counts them: a view would pin the whole qkv output.
+        return q.contiguous(), k.contiguous(), v.contiguous()  # each (B, nl, T, hs)
+
+    def _attn_scores(self, mb, q, k):
+        return ((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.spec.head_dim)),)  # (B, nl, T, T)
+
+    def _softmax(self, mb, scores):
+        T = scores.size(-1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).triu(1)
+        return (F.softmax(scores.masked_fill(causal, float("-inf")), dim=-1),)
+
+    def _attn_dropout(self, mb, probs):
+        key = DropoutKey(mb.seed, mb.step, self.layer)
+        return (probs * attention_mask(key, mb.samples, self.heads, probs.size(-1), self.spec.dropout, probs.device),)
+
+    def _attn_v(self, mb, probs, v):
+        return (probs @ v,)  # (B, nl, T, hs)
+
+    def _out_proj(self, mb, ctx):
+        B, nl, T, hs = ctx.shape
+        return (F.linear(ctx.transpose(1, 2).reshape(B, T, nl * hs), self.attn.c_proj.weight),)  # partial (B, T, C)
+
+    def _resid(self, name, bias, mb, branch, x):
+        y = branch + bias
+        if self.spec.dropout > 0.0:
+            B, T, C = y.shape
+            y = y * residual_mask(DropoutKey(mb.seed, mb.step, self.layer), name, mb.samples, T, C,
+                                  self.spec.dropout, y.device)
+        return (x + y,)
+
+    def _resid1(self, mb, attn_out, x):
+        return self._resid("resid1", self.attn.c_proj.bias, mb, attn_out, x)
+
+    def _ln2(self, mb, x):
+        return (F.layer_norm(x, x.shape[-1:], self.ln_2.weight, self.ln_2.bias, LN_EPS),)
+
+    def _fc1(self, mb, a):
+        return (F.linear(copy_to_tp(a, self.tp_group), self.mlp.c_fc.weight, self.mlp.c_fc.bias),)  # (B, T, fl)
+
+    def _gelu(self, mb, h):
+        return (F.gelu(h, approximate="tanh"),)
+
+    def _fc2(self, mb, h):
+        return (F.linear(h, self.mlp.c_proj.weight),)  # partial (B, T, C)
+
+    def _resid2(self, mb, mlp_out, x_mid):
+        return self._resid("resid2", self.mlp.c_proj.bias, mb, mlp_out, x_mid)
+
+    # Execution.
+    def _run_ops(self, ops, mb, env):
+        meter = self.meter
+        for op in ops:
+            meter.calls[op.name] += 1
+            if meter.in_backward:
+                meter.recomputed[op.name] += 1
+            outs = getattr(self, "_" + op.name)(mb, *(env[n] for n in op.inputs))
+            env.update(zip(op.outputs, outs))
+
+    def _replay(self, seg: _Segment, mb, *inputs):
+        start = time.perf_counter()
+        env = dict(zip(seg.inputs, inputs))
+        self._run_ops(seg.ops, mb, env)
+        if self.meter.in_backward:
+            self.meter.recompute_s += time.perf_counter() - start
+        return tuple(env[n] for n in seg.outputs)
+
+    def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        env = {LAYER_INPUT: x}
+        for item in self.program:
+            if isinstance(item, tuple):  # ("allreduce", partial sum, full tensor)
+                env[item[2]] = reduce_from_tp(env[item[1]], self.tp_group)
+            elif isinstance(item, _Segment):
+                inputs = [env[n] for n in item.inputs]
+                if self.meter.saved is not None:
+                    for t in inputs:
+                        self.meter.saved.add(t)
+                with set_checkpoint_early_stop(False):
+                    outs = checkpoint(partial(self._replay, item, mb), *inputs,
+                                      use_reentrant=False, preserve_rng_state=False)
+                env.update(zip(item.outputs, outs))
+            else:
+                self._run_ops((item,), mb, env)
+        return env["layer_output"]
+
+
+def _program(ops, recompute: frozenset) -> list:
+    """Operators, all-reduces and recomputed segments in execution order."""
+    items: list = []
+    run: list = []
+
+    def flush():
+        if run:
+            items.append(list(run))
+            run.clear()
+
+    for op in ops:
+        if op.name in recompute:
+            run.append(op)
+        else:
+            flush()
+            items.append(op)
+        for out in op.outputs:
+            if out in ALLREDUCE_OUTPUTS:
+                flush()
+                items.append(("allreduce", out, ALLREDUCE_OUTPUTS[out]))
+    flush()
+    # Give each segment its inputs (read, not made inside) and outputs (made inside, read later).
+    program = []
+    for i, item in enumerate(items):
+        if not isinstance(item, list):
+            program.append(item)
+            continue
+        made = [n for op in item for n in op.outputs]
+        inputs = list(dict.fromkeys(n for op in item for n in op.inputs if n not in made))
+        later = {"layer_output"}
+        for nxt in items[i + 1:]:
+            if isinstance(nxt, tuple):
+                later.add(nxt[1])
+            else:
+                later.update(n for op in (nxt if isinstance(nxt, list) else [nxt]) for n in op.inputs)
+        program.append(_Segment(ops=tuple(item), inputs=tuple(inputs), outputs=tuple(n for n in made if n in later)))
+    return program
