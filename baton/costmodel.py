@@ -17,7 +17,7 @@ Two levels:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -216,8 +216,8 @@ def tied_embedding_bytes(spec: ModelSpec) -> float:
 class DeviceSlot:
     """What a device's position in a skeleton adds to its own layer costs (eq. 8-10)."""
 
-    device_id: str
-    """Cluster device id."""
+    device_id: str = field(compare=False)
+    """Cluster device id (not part of equality: devices alike in every other field are priced alike)."""
     profile: Profile
     """The table of its GPU type."""
     memory_bytes: int
@@ -300,6 +300,13 @@ def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes,
     peak = 2 * weights + opt + activ + transient + slot.reserve_bytes
     return DeviceMemory(weights_bytes=weights, grads_bytes=weights, optimizer_bytes=opt, activation_bytes=activ,
                         transient_bytes=transient, reserve_bytes=slot.reserve_bytes, peak_bytes=peak)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def fitting_layers(slot: DeviceSlot, spec: ModelSpec, micro_batch: int, share: float, space: RecomputeSpace, cap: int) -> np.ndarray:
+    """``max_layers_that_fit`` for the prices of (slot's GPU, micro_batch, share) over ``space``, memoised
+    (read-only result): many skeletons put alike devices at alike positions."""
+    return max_layers_that_fit(slot, spec, layer_prices(slot.profile, spec, micro_batch, share, space), cap)
 
 
 def max_layers_that_fit(slot: DeviceSlot, spec: ModelSpec, prices: LayerPrices, cap: int) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import (device_slot, embedding_sync_ms, layer_allreduce_ms, layer_cost, layer_limits, layer_prices,
-                             layer_train_ms, max_layers_that_fit, pipeline_transfers)
+                             layer_train_ms, fitting_layers, pipeline_transfers)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
@@ -76,7 +76,7 @@ def stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space: RecomputeS
     cap = N
     for i in ids:
         slot = _slot(spec, cluster, profiles, mb, i, s, p, m)
-        best = max(int(max_layers_that_fit(slot, spec, layer_prices(slot.profile, spec, mb, sh, space), N).max()) for sh in shares)
+        best = max(int(fitting_layers(slot, spec, mb, sh, space, N).max()) for sh in shares)
         cap = min(cap, best)
     return cap
 
@@ -213,7 +213,7 @@ def tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N):
     slot = _slot(spec, cluster, profiles, mb, ids[0], s, p, m)
     t = layer_prices(slot.profile, spec, mb, 1.0 / n, space)
     ar = layer_allreduce_ms(cluster, spec, mb, ids)
-    fits = max_layers_that_fit(slot, spec, t, N)
+    fits = fitting_layers(slot, spec, mb, 1.0 / n, space, N)
     b_all = sum(t.bwd_ms) + t.rec_attn_ms + t.rec_mlp_ms + ar
     fb_all = sum(t.fwd_ms) + ar + b_all
     fb, bb = np.full(N + 1, np.inf), np.full(N + 1, np.inf)

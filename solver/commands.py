@@ -7,7 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from baton.cli_support import console, guarded
+from baton.cli_support import say, check_output_path, console, guarded
+from baton.fields import excerpt
+from baton.model_spec import LIMITS as MODEL_LIMITS
+from baton.plan import MAX_DEVICES, MAX_GLOBAL_BATCH
 from baton.cluster import load_cluster
 from baton.commands import render_report
 from baton.errors import BatonError
@@ -16,6 +19,7 @@ from baton.model_spec import load_model
 from baton.plan import save_plan
 
 STRATEGIES = ("baton", "megatron", "hethub", "hap", "exhaustive")
+MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
 
 
 def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, micro_batch: int | None,
@@ -25,8 +29,9 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
     from solver.search import search
 
     if strategy == "baton":
+        # One line per better plan on stderr: a long solve is never silent, and stdout stays the result.
         return search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit,
-                      gap=gap, threads=threads)
+                      gap=gap, threads=threads, log=lambda line: say(line, err=True))
     if strategy == "megatron":
         return baselines.megatron(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
     if strategy == "hethub":
@@ -58,23 +63,30 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Plan the fastest training iteration that fits in every GPU's memory (three-level MILP)."""
         if strategy not in STRATEGIES:
-            raise BatonError(f"unknown strategy '{strategy}' (choose one of {', '.join(STRATEGIES)})", field="--strategy")
-        if global_batch <= 0:
-            raise BatonError("must be positive", field="--global-batch")
-        if time_limit <= 0:
-            raise BatonError("must be positive", field="--time-limit")
+            raise BatonError(f"unknown strategy {excerpt(strategy)} (choose one of {', '.join(STRATEGIES)})", field="--strategy")
+        # Bounds (README, "Errors"): a typo such as 10^12 samples would otherwise grow the search without end.
+        if not 0 < global_batch <= MAX_GLOBAL_BATCH:
+            raise BatonError(f"must be in 1..{MAX_GLOBAL_BATCH}, got {global_batch}", field="--global-batch")
+        if micro_batch is not None and not 0 < micro_batch <= global_batch:
+            raise BatonError(f"must be in 1..--global-batch ({global_batch}), got {micro_batch}", field="--micro-batch")
+        if not 0 < time_limit <= MAX_TIME_LIMIT_S:  # also refuses nan
+            raise BatonError(f"must be a number of seconds in (0, {MAX_TIME_LIMIT_S:g}], got {time_limit}", field="--time-limit")
         if not 0 <= gap < 1:
             raise BatonError("must be in [0, 1)", field="--gap")
-        if threads <= 0:
-            raise BatonError("must be positive", field="--threads")
-        if seq_len is not None and seq_len <= 0:
-            raise BatonError("must be positive", field="--seq-len")
+        if not 0 < threads <= 1024:
+            raise BatonError(f"must be in 1..1024, got {threads}", field="--threads")
+        if seq_len is not None and not 0 < seq_len <= MODEL_LIMITS["seq_len"]:
+            raise BatonError(f"must be in 1..{MODEL_LIMITS['seq_len']}, got {seq_len}", field="--seq-len")
         if profiles is not None and not profiles.is_dir():
             raise BatonError("not a directory", source=str(profiles), field="--profiles")
+        if out is not None:
+            check_output_path(out, "--out")  # before the solve, which may take minutes
         spec = load_model(model)
         if seq_len is not None and seq_len != spec.seq_len:
             spec = spec.with_overrides(seq_len=seq_len)
         c = load_cluster(cluster)
+        if len(c.devices) > MAX_DEVICES:
+            raise BatonError(f"{len(c.devices)} devices, more than the {MAX_DEVICES} Baton plans for", source=str(cluster), field="nodes")
         profile_set = ProfileSet(spec, directory=profiles)
         for g in c.gpu_types:  # fail early, one line, naming the missing table
             prof = profile_set[g]
@@ -97,4 +109,4 @@ def register(app: typer.Typer) -> None:
             f"bound {result.bound_ms:.1f} ms, build {result.build_s:.2f} s, solve {result.solve_s:.2f} s, total {result.total_s:.2f} s, "
             f"{result.candidates} candidates, {result.solved} MILPs, {result.pruned} pruned by bound", highlight=False)
         if out is not None:
-            console.print(f"wrote {out}", highlight=False)
+            say(f"wrote {out}")  # the user's path, printed literally

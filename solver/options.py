@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from baton.costmodel import DeviceSlot, LayerCost, layer_cost_of, layer_prices, max_layers_that_fit
+from baton.costmodel import DeviceSlot, LayerCost, fitting_layers, layer_cost_of, layer_prices
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
 from baton.profile import Profile
@@ -57,7 +57,7 @@ def device_choices(slot: DeviceSlot, spec: ModelSpec, mb: int, share: float, spa
     evaluator prices for that set.
     """
     prices = layer_prices(slot.profile, spec, mb, share, space)
-    fit = max_layers_that_fit(slot, spec, prices, cap)
+    fit = fitting_layers(slot, spec, mb, share, space, cap)
     idx = np.flatnonzero(fit >= min_layers)
     if prune and len(idx):
         idx = _front(idx, fit[idx], prices.rec_attn_ms[idx], prices.rec_mlp_ms[idx], space.op_bits[idx].sum(axis=1))

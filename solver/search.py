@@ -28,6 +28,7 @@ from baton.model_spec import ModelSpec
 from baton.plan import Plan, validate
 
 from solver.bounds import BoundCache, candidate_lower_bound
+from solver.greedy import greedy_incumbent
 from solver.instance import build_instance
 from solver.milp import InnerModel
 from solver.options import monotone_in_share
@@ -64,13 +65,18 @@ class SolveResult:
     candidates: int = 0
     solved: int = 0
     pruned: int = 0
+    first_plan_s: float | None = None
+    """Seconds from the start to the first plan that fits (the constructive one or a MILP's)."""
+    unbounded: int = 0
+    """Candidates the time limit left without even a cheap bound (then the gap is not proven)."""
     notes: list = field(default_factory=list)
 
     def info(self) -> dict:
         return {"strategy": self.strategy, "objective_ms": self.objective_ms, "bound_ms": self.bound_ms, "gap": self.gap,
                 "status": self.status, "build_s": round(self.build_s, 4), "solve_s": round(self.solve_s, 4),
                 "total_s": round(self.total_s, 4), "family": self.family, "candidates": self.candidates,
-                "milps_solved": self.solved, "pruned": self.pruned}
+                "milps_solved": self.solved, "pruned": self.pruned, "first_plan_s": self.first_plan_s,
+                "unbounded": self.unbounded}
 
 
 def micro_batch_candidates(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
@@ -110,11 +116,41 @@ def skeleton_family(spec: ModelSpec, cluster: ClusterSpec, family: str = "auto")
     return "structured", structured_skeletons(cluster, heads=spec.num_heads, max_stages=max_stages)
 
 
+class Progress:
+    """One line per improvement (time, incumbent, proven bound, gap, candidates left) for ``log``."""
+
+    def __init__(self, log, t_start: float, detail_log=None):
+        self.log, self.t_start, self.detail_log = log, t_start, detail_log
+        self.first_s: float | None = None
+
+    def improved(self, objective_ms: float, bound_ms: float | None, how: str, *, left: int | None = None,
+                 bounded: str = "") -> None:
+        now = time.perf_counter() - self.t_start
+        if self.first_s is None:
+            self.first_s = now
+        if not self.log:
+            return
+        if bound_ms is None:  # still bounding candidates: no proven bound yet
+            self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound pending ({bounded} candidates bounded)")
+            return
+        gap = max(0.0, (objective_ms - bound_ms) / objective_ms)
+        self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound {bound_ms:.1f} ms, gap {gap:.2%}"
+                 + (f", {left} candidates left" if left is not None else ""))
+
+    def detail(self, line: str) -> None:
+        if self.detail_log:
+            self.detail_log("  " + line)
+
+
 def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, global_batch: int, micro_batch: int | None = None,
            time_limit: float = 60.0, gap: float = 1e-4, threads: int = 2, space: RecomputeSpace | None = None,
            skeletons: list[Skeleton] | None = None, family: str = "auto", strategy: str = "baton",
-           allowed: dict | None = None, reduce_symmetry: bool = True, log=None) -> SolveResult:
-    """Best plan over the candidates; raises NoPlanFits when none fits."""
+           allowed: dict | None = None, reduce_symmetry: bool = True, log=None, detail_log=None) -> SolveResult:
+    """Best plan over the candidates; raises NoPlanFits when none fits.
+
+    ``log`` gets one line per improvement, ``detail_log`` one per MILP solved. ``time_limit`` covers the
+    whole search: bounding candidates, constructive plans and MILPs.
+    """
     t_start = time.perf_counter()
     deadline = t_start + time_limit
     monotone = check_profiles(spec, cluster, profiles)
@@ -125,20 +161,43 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     cache = BoundCache()
     cands = []
     t0 = time.perf_counter()
-    for b in mbs:
-        for sk in skeletons:
-            if global_batch % (b * sk.num_replicas):
-                continue
-            lb = candidate_lower_bound(spec, cluster, profiles, sk, b, global_batch, space, cache, monotone if reduce_symmetry else None)
-            if math.isfinite(lb):
-                cands.append((lb, b, sk))
+    best = None  # (objective, plan, instance or None)
+    progress = Progress(log, t_start, detail_log)
+    greedy_lb = math.inf  # smallest bound of a candidate the constructive plan has been tried on
+    unbounded = 0
+    timed_out = False
+
+    def try_greedy(lb, b, sk):
+        """A constructive plan for a promising candidate: an incumbent within seconds (solver/greedy.py)."""
+        nonlocal best
+        inst = build_instance(spec, cluster, profiles, sk, b, global_batch, space, monotone=monotone,
+                              reduce_symmetry=reduce_symmetry, allowed=allowed)
+        if inst.infeasible_reason is not None:
+            return
+        found = greedy_incumbent(inst, cluster, profiles)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], found[1], None)
+            progress.improved(best[0], None, "constructive", bounded=f"{len(cands)} of {len(work)}")
+
+    # Candidate construction: bound every (micro-batch, skeleton); the time limit covers it too.
+    work = [(b, sk) for b in mbs for sk in skeletons if global_batch % (b * sk.num_replicas) == 0]
+    for i, (b, sk) in enumerate(work):
+        if time.perf_counter() >= deadline:
+            unbounded = len(work) - i
+            timed_out = True
+            break
+        lb = candidate_lower_bound(spec, cluster, profiles, sk, b, global_batch, space, cache, monotone if reduce_symmetry else None)
+        if not math.isfinite(lb):
+            continue
+        cands.append((lb, b, sk))
+        if strategy == "baton" and lb < greedy_lb * 0.97 and time.perf_counter() < deadline:
+            greedy_lb = lb
+            try_greedy(lb, b, sk)
     cands.sort(key=lambda c: (c[0], c[1], c[2].describe()))
     build_s = time.perf_counter() - t0
     solve_s = 0.0
-    best = None  # (objective, plan, instance)
-    bounds: list[float] = []  # proven bounds of candidates not (yet) shown worse
+    bounds: list[float] = [0.0] if unbounded else []  # candidates never bounded could hold anything
     solved = pruned = 0
-    timed_out = False
     for idx, (lb, b, sk) in enumerate(cands):
         inc = best[0] if best else math.inf
         if lb >= inc * (1 - gap) - 1e-9 * inc:
@@ -161,9 +220,8 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         res = model.solve(time_limit=left, rel_gap=gap, threads=threads, cutoff=inc if math.isfinite(inc) else None)
         solve_s += res.solve_s
         solved += 1
-        if log:
-            log(f"  b={b} {sk.describe()}: lb {lb:.1f} -> {res.status} {res.objective_ms} (bound {res.bound_ms:.1f}) "
-                f"[{model.build_s:.2f}s build, {res.solve_s:.2f}s solve]")
+        progress.detail(f"b={b} {sk.describe()}: lb {lb:.1f} -> {res.status} {res.objective_ms} (bound {res.bound_ms:.1f}) "
+                        f"[{model.build_s:.2f}s build, {res.solve_s:.2f}s solve]")
         if res.status in ("infeasible", "cutoff"):
             continue
         if res.status == "no_solution":  # time ran out before any incumbent
@@ -175,6 +233,8 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         bounds.append(max(lb, res.bound_ms))
         if res.objective_ms < inc:
             best = (res.objective_ms, res.plan, inst)
+            rest = [c[0] for c in cands[idx + 1:]]
+            progress.improved(best[0], min(bounds + rest + ([0.0] if unbounded else [])), "MILP", left=len(cands) - idx - 1)
     total_s = time.perf_counter() - t_start
     if best is None:
         if timed_out:
@@ -189,7 +249,8 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     report = recheck(plan, cluster, profiles, objective)
     result = SolveResult(plan=plan, report=report, strategy=strategy, status=status, objective_ms=objective, bound_ms=bound,
                          gap=achieved_gap, build_s=build_s, solve_s=solve_s, total_s=total_s, family=family,
-                         candidates=len(cands), solved=solved, pruned=pruned)
+                         candidates=len(cands), solved=solved, pruned=pruned, first_plan_s=progress.first_s,
+                         unbounded=unbounded)
     result.plan = plan.with_info(**result.info())
     return result
 
