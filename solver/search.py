@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from baton.cluster import ClusterSpec
 from baton.errors import BatonError
@@ -32,7 +33,7 @@ from solver.greedy import greedy_incumbent
 from solver.instance import build_instance
 from solver.milp import InnerModel
 from solver.options import monotone_in_share
-from solver.space import Skeleton, exact_skeletons, structured_skeletons
+from solver.space import Skeleton, exact_skeletons, iter_structured_skeletons
 
 EXACT_LIMIT = 5000
 """Above this many exact skeletons the search switches to the structured family."""
@@ -67,8 +68,8 @@ class SolveResult:
     pruned: int = 0
     first_plan_s: float | None = None
     """Seconds from the start to the first plan that fits (the constructive one or a MILP's)."""
-    unbounded: int = 0
-    """Candidates the time limit left without even a cheap bound (then the gap is not proven)."""
+    unbounded: bool = False
+    """The time limit stopped candidate construction: some candidates have no bound, so no gap is proven."""
     notes: list = field(default_factory=list)
 
     def info(self) -> dict:
@@ -107,13 +108,15 @@ def check_profiles(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet) 
     return out
 
 
-def skeleton_family(spec: ModelSpec, cluster: ClusterSpec, family: str = "auto") -> tuple[str, list[Skeleton]]:
+def skeleton_family(spec: ModelSpec, cluster: ClusterSpec, family: str = "auto") -> tuple[str, Iterable[Skeleton]]:
+    """The family and its skeletons; the structured family comes as a generator, so that a large
+    cluster's enumeration runs inside the time limit, interleaved with bounding."""
     max_stages = spec.num_layers + 2
     if family == "exact" or (family == "auto" and len(cluster.devices) <= EXACT_MAX_DEVICES):
         sks = exact_skeletons(cluster, max_stages=max_stages, limit=EXACT_LIMIT if family == "auto" else 10**7)
         if sks is not None:
             return "exact", sks
-    return "structured", structured_skeletons(cluster, heads=spec.num_heads, max_stages=max_stages)
+    return "structured", iter_structured_skeletons(cluster, heads=spec.num_heads, max_stages=max_stages)
 
 
 class Progress:
@@ -164,7 +167,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     best = None  # (objective, plan, instance or None)
     progress = Progress(log, t_start, detail_log)
     greedy_lb = math.inf  # smallest bound of a candidate the constructive plan has been tried on
-    unbounded = 0
+    unbounded = False
     timed_out = False
 
     def try_greedy(lb, b, sk):
@@ -177,13 +180,13 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         found = greedy_incumbent(inst, cluster, profiles)
         if found is not None and (best is None or found[0] < best[0]):
             best = (found[0], found[1], None)
-            progress.improved(best[0], None, "constructive", bounded=f"{len(cands)} of {len(work)}")
+            progress.improved(best[0], None, "constructive", bounded=str(len(cands)))
 
     # Candidate construction: bound every (micro-batch, skeleton); the time limit covers it too.
-    work = [(b, sk) for b in mbs for sk in skeletons if global_batch % (b * sk.num_replicas) == 0]
-    for i, (b, sk) in enumerate(work):
+    work = ((b, sk) for sk in skeletons for b in mbs if global_batch % (b * sk.num_replicas) == 0)
+    for b, sk in work:
         if time.perf_counter() >= deadline:
-            unbounded = len(work) - i
+            unbounded = True  # the rest were never even enumerated
             timed_out = True
             break
         lb = candidate_lower_bound(spec, cluster, profiles, sk, b, global_batch, space, cache, monotone if reduce_symmetry else None)

@@ -165,6 +165,11 @@ def node_kinds(cluster: ClusterSpec) -> list[NodeKind]:
 
 
 def structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -> list[Skeleton]:
+    """Every skeleton of the structured family (see ``iter_structured_skeletons``), as a list."""
+    return list(iter_structured_skeletons(cluster, heads=heads, max_stages=max_stages))
+
+
+def iter_structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int):
     """A heuristic family for clusters too large to enumerate. What it gives up, precisely:
 
     * TP groups hold devices of one node and one type (a node's devices of that type cut into equal
@@ -179,11 +184,17 @@ def structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -
       more than the requested gap.
     Inside the family, stage layers, units, recompute sets, micro-batch and replicas are chosen exactly.
     """
+    seen: set[str] = set()
+    # The baselines' layouts first: cheap, and often good enough to give the search an early incumbent.
+    for sk in baseline_skeletons(cluster, heads=heads, max_stages=max_stages):
+        key = sk.describe()
+        if key not in seen:
+            seen.add(key)
+            yield sk
     kinds = node_kinds(cluster)
     by_node: dict[str, dict[str, list[str]]] = {}
     for d in cluster.devices:
         by_node.setdefault(d.node, {}).setdefault(d.gpu.name, []).append(d.id)
-    out = {}
     for used in itertools.product([False, True], repeat=len(kinds)):
         chosen = [k for k, u in zip(kinds, used) if u]
         if not chosen:
@@ -226,10 +237,10 @@ def structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -
                             pipes.append(tuple(stages))
                         if len(pipes[0]) <= max_stages:
                             sk = Skeleton(pipelines=tuple(pipes))
-                            out[sk.describe()] = sk
-    for sk in baseline_skeletons(cluster, heads=heads, max_stages=max_stages):
-        out.setdefault(sk.describe(), sk)
-    return list(out.values())
+                            key = sk.describe()
+                            if key not in seen:
+                                seen.add(key)
+                                yield sk
 
 
 def megatron_layout(device_ids: list[str], tp: int, pp: int) -> Skeleton:
