@@ -9,11 +9,26 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"baton {version('baton')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            print("baton (not installed)")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    show_version: bool = typer.Option(False, "--version", metavar="", callback=_version, is_eager=True,
+                                      help="Print the version and exit."),
+) -> None:
     """Baton: uneven pipelines, uneven tensor shards and per-operator recomputation, planned as one MILP."""
 
 

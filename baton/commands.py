@@ -22,7 +22,7 @@ from baton.evaluate import PlanReport, evaluate
 from baton.profile import ProfileSet
 from baton.model_spec import PRESETS, load_model
 from baton.plan import load_plan
-from baton.profile import DEFAULT_MICRO_BATCHES, calibrate, derive_table, profiles_dir, read_table, table_filename, write_table
+from baton.profile import DEFAULT_MICRO_BATCHES, calibrate, calibration_summary, derive_table, profiles_dir, read_table, table_filename, write_table
 
 
 def _gib(x: float) -> str:
@@ -248,6 +248,7 @@ def _derive(model, gpu, seq_len, mbs, calibrate_from, out) -> None:
                 src_gpu = gpu_type(str(measured["gpu"].iloc[0]), source=str(calibrate_from), field="gpu")
                 df = calibrate(df, measured, derive_table(spec, src_gpu, micro_batches=tuple(sorted(set(measured["micro_batch"]))),
                                                           shares=tuple(sorted(set(measured["tp_share"]))), seq_len=s))
+                say(f"{g}: {calibration_summary(df)}")
             path = out or profiles_dir() / "derived" / table_filename(g, spec.name, s)
             write_table(df, path)
             written += 1

@@ -5,9 +5,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.errors import BatonError
-from baton.fields import Fields, load_yaml
+from baton.fields import Fields, excerpt, load_yaml
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+# Upper bounds of every size (documented in the README, "Errors"): far above any model trained today,
+# low enough that no size makes a table, a plan search or a parameter count exhaust the machine.
+LIMITS = {"num_layers": 1024, "hidden_dim": 65536, "num_heads": 1024, "ffn_dim": 262144, "seq_len": 1 << 20,
+          "vocab_size": 1 << 22}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,15 +66,19 @@ def validate(spec: ModelSpec, *, source: str) -> ModelSpec:
     for field in ("num_layers", "hidden_dim", "num_heads", "ffn_dim", "seq_len", "vocab_size"):
         value = getattr(spec, field)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise BatonError(f"must be a positive integer, got {value!r}", source=source, field=field)
+            raise BatonError(f"must be a positive integer, got {excerpt(value)}", source=source, field=field)
+        if value > LIMITS[field]:
+            raise BatonError(f"must be <= {LIMITS[field]}, got {value}", source=source, field=field)
     if spec.hidden_dim % spec.num_heads:
         raise BatonError(
             f"hidden_dim {spec.hidden_dim} is not divisible by num_heads {spec.num_heads}", source=source, field="num_heads"
         )
     if spec.dtype not in DTYPE_BYTES:
-        raise BatonError(f"unknown dtype '{spec.dtype}' (expected fp16, bf16 or fp32)", source=source, field="dtype")
-    if not 0.0 <= spec.dropout < 1.0:
-        raise BatonError(f"must be in [0, 1), got {spec.dropout}", source=source, field="dropout")
+        raise BatonError(f"unknown dtype {excerpt(spec.dtype)} (expected fp16, bf16 or fp32)", source=source, field="dtype")
+    if isinstance(spec.dropout, bool) or not isinstance(spec.dropout, (int, float)) or not 0.0 <= spec.dropout < 1.0:
+        raise BatonError(f"must be in [0, 1), got {excerpt(spec.dropout)}", source=source, field="dropout")
+    if not isinstance(spec.name, str) or not spec.name or len(spec.name) > 100 or any(c in spec.name for c in "/\\\0\n"):
+        raise BatonError(f"must be a short name without path separators, got {excerpt(spec.name)}", source=source, field="name")
     return spec
 
 
@@ -113,7 +122,7 @@ def from_mapping(data, *, source: str) -> ModelSpec:
     if f.has("base"):
         base = PRESETS.get(f.string("base"))
         if base is None:
-            raise f.error("base", f"unknown preset '{f.data['base']}' (known: {', '.join(PRESETS)})")
+            raise f.error("base", f"unknown preset {excerpt(f.data['base'])} (known: {', '.join(PRESETS)})")
     def pick(key, reader, **kw):
         if base is not None and not f.has(key):
             return getattr(base, key)
@@ -139,4 +148,4 @@ def load_model(name_or_path: str) -> ModelSpec:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         return from_mapping(load_yaml(path), source=str(path))
-    raise BatonError(f"unknown model '{name_or_path}': not a preset ({', '.join(PRESETS)}) and not a YAML file", field="model")
+    raise BatonError(f"unknown model {excerpt(name_or_path)}: not a preset ({', '.join(PRESETS)}) and not a YAML file", field="model")

@@ -13,11 +13,20 @@ from pathlib import Path
 
 from baton.atomic import write_atomically
 from baton.errors import BatonError
-from baton.fields import Fields, load_json
+from baton.fields import Fields, excerpt, load_json
 from baton.model_spec import ModelSpec, from_mapping as model_from_mapping
 from baton.operators import operator_names
 
 FORMAT = "baton-plan/1"
+
+# Upper bounds (README, "Errors"): beyond them a plan is a typo, and would make the runtime or the
+# evaluator allocate without end.
+MAX_DEVICES = 4096
+"""Devices in a plan or a cluster."""
+MAX_GLOBAL_BATCH = 1 << 20
+"""Samples per iteration."""
+MAX_MICROBATCHES = 1 << 16
+"""Micro-batches per pipeline per iteration."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,7 +131,7 @@ def from_dict(data, *, source: str = "<plan>") -> Plan:
     top.check_known({"format", "model", "cluster", "micro_batch_size", "num_microbatches", "pipelines", "info"})
     fmt = top.string("format", default=FORMAT)
     if fmt != FORMAT:
-        raise top.error("format", f"unsupported plan format '{fmt}' (expected '{FORMAT}')")
+        raise top.error("format", f"unsupported plan format {excerpt(fmt)} (expected '{FORMAT}')")
     model = model_from_mapping(top.raw("model"), source=f"{source}: model")
     pipelines = []
     for pi, raw_p in enumerate(top.sequence("pipelines")):
@@ -139,15 +148,16 @@ def from_dict(data, *, source: str = "<plan>") -> Plan:
                 recompute = df.raw("recompute", default=[])
                 if not isinstance(recompute, list) or not all(isinstance(x, str) for x in recompute):
                     raise df.error("recompute", "expected a list of operator names")
-                devices.append(DeviceShare(id=df.string("id"), units=df.integer("units"), recompute=tuple(recompute)))
+                devices.append(DeviceShare(id=df.string("id"), units=df.integer("units", maximum=1024), recompute=tuple(recompute)))
             stages.append(Stage(
-                first_layer=sf.integer("first_layer", minimum=0), num_layers=sf.integer("num_layers", minimum=0),
-                units_per_layer=sf.integer("units_per_layer"), devices=tuple(devices)))
+                first_layer=sf.integer("first_layer", minimum=0, maximum=model.num_layers),
+                num_layers=sf.integer("num_layers", minimum=0, maximum=model.num_layers),
+                units_per_layer=sf.integer("units_per_layer", maximum=model.num_heads), devices=tuple(devices)))
         pipelines.append(Pipeline(stages=tuple(stages)))
     info = top.raw("info", default={})
     plan = Plan(
-        model=model, cluster=top.string("cluster"), micro_batch_size=top.integer("micro_batch_size"),
-        num_microbatches=top.integer("num_microbatches"), pipelines=tuple(pipelines),
+        model=model, cluster=top.string("cluster"), micro_batch_size=top.integer("micro_batch_size", maximum=MAX_GLOBAL_BATCH),
+        num_microbatches=top.integer("num_microbatches", maximum=MAX_MICROBATCHES), pipelines=tuple(pipelines),
         info=info if isinstance(info, dict) else {},
     )
     return validate(plan, source=source)
@@ -162,6 +172,11 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
     def err(field_path: str, message: str) -> BatonError:
         return BatonError(message, source=source, field=field_path)
 
+    if len(plan.device_ids()) > MAX_DEVICES:
+        raise err("pipelines", f"{len(plan.device_ids())} devices, more than the {MAX_DEVICES} a plan may have")
+    if plan.global_batch > MAX_GLOBAL_BATCH:
+        raise err("micro_batch_size", f"global batch {plan.global_batch} (micro-batch size x micro-batches x pipelines) "
+                                      f"is more than {MAX_GLOBAL_BATCH}")
     shape0 = None
     for pi, pipe in enumerate(plan.pipelines):
         next_layer = 0
@@ -185,12 +200,12 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
                 raise err(f"{where}.devices", f"units add up to {total}, expected units_per_layer = {U}")
             for di, d in enumerate(stage.devices):
                 if d.id in seen:
-                    raise err(f"{where}.devices[{di}].id", f"device '{d.id}' is used more than once")
+                    raise err(f"{where}.devices[{di}].id", f"device {excerpt(d.id)} is used more than once")
                 seen.add(d.id)
                 for name in d.recompute:
                     if name not in known_ops:
                         raise err(f"{where}.devices[{di}].recompute",
-                                  f"unknown operator '{name}' (known: {', '.join(sorted(known_ops))})")
+                                  f"unknown operator {excerpt(name)} (known: {', '.join(sorted(known_ops))})")
             shape.append((stage.first_layer, stage.num_layers, U, tuple(d.units for d in stage.devices)))
         if next_layer != spec.num_layers:
             raise err(f"pipelines[{pi}].stages", f"stages cover {next_layer} layers, the model has {spec.num_layers}")
@@ -212,13 +227,17 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 
 def check_against_cluster(plan: Plan, cluster, *, source: str = "<plan>") -> None:
-    """Every device id exists in the cluster; the plan names that cluster."""
+    """The plan names this cluster, and every device id exists in it. Device ids such as 'node0:1' recur
+    from cluster to cluster, so matching ids alone would let a plan be evaluated on the wrong one."""
+    if plan.cluster != cluster.name:
+        raise BatonError(f"the plan was made for cluster {excerpt(plan.cluster)}, not {excerpt(cluster.name)} "
+                         f"({cluster.source}); plan again for this cluster", source=source, field="cluster")
     ids = {d.id for d in cluster.devices}
     for pi, pipe in enumerate(plan.pipelines):
         for si, stage in enumerate(pipe.stages):
             for di, d in enumerate(stage.devices):
                 if d.id not in ids:
-                    raise BatonError(f"device '{d.id}' is not in cluster '{cluster.name}' ({cluster.source})",
+                    raise BatonError(f"device {excerpt(d.id)} is not in cluster '{cluster.name}' ({cluster.source})",
                                      source=source, field=f"pipelines[{pi}].stages[{si}].devices[{di}].id")
 
 

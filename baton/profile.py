@@ -56,9 +56,13 @@ class OpCost:
 
 
 def profiles_dir() -> Path:
-    """Where shipped and user tables live: $BATON_PROFILES, else the repository's profiles/."""
+    """Where shipped and user tables live: $BATON_PROFILES, else the checkout's profiles/, else (an
+    installed wheel) the copy shipped inside the package."""
     env = os.environ.get("BATON_PROFILES")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "profiles"
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parent.parent / "profiles"
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parent / "shipped" / "profiles"
 
 
 def table_filename(gpu: str, model: str, seq_len: int) -> str:
@@ -98,6 +102,10 @@ def validate_table(df: pd.DataFrame, *, source: str) -> pd.DataFrame:
         raise BatonError(f"must be one of {SOURCES}, got {df['source'][bad_src].iloc[0]!r}", source=source, field="source")
     for col in ("gpu", "model", "op", "source"):
         df[col] = df[col].astype(str)
+    timed = df[~df["op"].isin([OPTIMIZER])]
+    if len(timed) and float((timed["fwd_ms"] + timed["bwd_ms"]).max()) <= 0.0:
+        # Every time zero: rates and ratios built from it divide by zero; no device runs in no time.
+        raise BatonError("every operator takes 0 ms: not a timing table", source=source, field="fwd_ms")
     dup = df.duplicated(subset=["gpu", "model", "op", "micro_batch", "seq_len", "tp_share"])
     if dup.any():
         row = int(np.flatnonzero(dup.to_numpy())[0])

@@ -18,11 +18,14 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from baton.cli_support import console, guarded
+from baton.cli_support import check_output_path, console, guarded, say
 from baton.plan import load_plan
+from runtime import profile_command
 
 
 def register(app: typer.Typer) -> None:
+    profile_command.register()  # `baton profile --device` measures with the runtime's layer
+
     @app.command("train")
     @guarded
     def train(
@@ -31,21 +34,28 @@ def register(app: typer.Typer) -> None:
         data: Optional[Path] = typer.Option(None, "--data", help="Text file read as bytes (vocab 256); synthetic tokens if omitted."),
         save_dir: Optional[Path] = typer.Option(None, "--save-dir", help="Directory for checkpoints (step-XXXXXX)."),
         save_every: int = typer.Option(0, "--save-every", help="Also save every N steps (0: only at the end)."),
-        resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in --save-dir (any plan)."),
+        keep: int = typer.Option(0, "--keep", help="Keep only the newest N checkpoints in --save-dir (0: all)."),
+        resume: bool = typer.Option(False, "--resume", metavar="", help="Continue from the newest intact checkpoint in --save-dir (any plan)."),
+        allow_other_data: bool = typer.Option(False, "--allow-other-data", metavar="", help="With --resume: continue on other data than the checkpoint's."),
         init_from: Optional[Path] = typer.Option(None, "--init-from", help="Hugging Face GPT-2 directory to initialise from."),
         seed: int = typer.Option(0, "--seed", help="Initialisation, data order and dropout masks."),
         lr: float = typer.Option(3e-4, "--lr", help="AdamW learning rate (constant)."),
         weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-        timeout: float = typer.Option(300.0, "--timeout", help="Seconds a rank may wait on a peer before failing."),
+        timeout: float = typer.Option(300.0, "--timeout", help="Seconds a rank may wait on a peer (any collective or receive) before failing."),
         report: Optional[Path] = typer.Option(None, "--report", help="Write measured vs predicted times and memory (JSON)."),
         cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster YAML the plan was made for (with --report)."),
         profiles: Optional[Path] = typer.Option(None, "--profiles", help="Profile tables for the prediction (with --report)."),
     ) -> None:
-        """Train the plan's model with exactly the plan's pipeline, tensor splits and recomputation."""
+        """Train the plan's model with exactly the plan's pipeline, tensor splits and recomputation.
+
+        Ctrl-C or SIGTERM with --save-dir: the ranks finish the current step and save a checkpoint (a second
+        one stops at once); without --save-dir they stop at once."""
         from runtime.launch import TrainConfig, train as run
 
         the_plan = load_plan(plan)
+        if report is not None:
+            check_output_path(report, "--report")  # before training, not after it
         predict = None
         if report is not None:
             from baton.cluster import load_cluster
@@ -60,7 +70,8 @@ def register(app: typer.Typer) -> None:
             evaluate(the_plan, c, ps, plan_source=str(plan))  # fail before training on a missing profile or device
             predict = (c, ps)
         cfg = TrainConfig(plan=the_plan, steps=steps, data=str(data) if data else None,
-                          save_dir=str(save_dir) if save_dir else None, save_every=save_every, resume=resume,
+                          save_dir=str(save_dir) if save_dir else None, save_every=save_every, keep=keep, resume=resume,
+                          allow_other_data=allow_other_data,
                           init_from=str(init_from) if init_from else None, seed=seed, lr=lr,
                           weight_decay=weight_decay, device=device, timeout_s=timeout,
                           collect_all_ranks=report is not None)
@@ -75,11 +86,11 @@ def register(app: typer.Typer) -> None:
                 progress.update(task, completed=s.step + 1,
                                 info=f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  stage ms [{per_stage}]")
 
-            history = run(cfg, on_step=on_step, per_rank=per_rank)
+            history = run(cfg, on_step=on_step, per_rank=per_rank, on_notice=lambda line: say(f"note: {line}", err=True))
         if show and history:
             last = history[-1]
             where = f", checkpoint in {save_dir}" if save_dir else ""
-            console.print(f"step {last.step + 1}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s{where}")
+            say(f"step {last.step + 1}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s{where}")
         if report is not None and show and per_rank:
             from rich.table import Table
 
@@ -93,4 +104,4 @@ def register(app: typer.Typer) -> None:
             for row in summary_rows(rep):
                 table.add_row(*row)
             console.print(table)
-            console.print(f"wrote {report}")
+            say(f"wrote {report}")

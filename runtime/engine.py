@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from baton.pipeline import schedule_1f1b
 from baton.plan import Plan
 from runtime.model import init_parameter
-from runtime.stage import MicroBatch, SavedBytes, StageModel
+from runtime.meters import SavedBytes
+from runtime.stage import StageModel
+from runtime.tp_layer import MicroBatch
 from runtime.tensor_parallel import AllReduceClock
 from runtime.topology import Topology
 
@@ -69,12 +71,14 @@ class Engine:
     """Everything one rank holds for training under a plan; the process group must already exist."""
 
     def __init__(self, plan: Plan, rank: int, *, device: torch.device | str = "cpu", seed: int = 0,
-                 lr: float = 3e-4, weight_decay: float = 0.0, full=None, measure: bool = True):
+                 lr: float = 3e-4, weight_decay: float = 0.0, full=None, measure: bool = True,
+                 timeout_s: float | None = None):
         self.plan, self.seed = plan, seed
+        self.timeout_s = timeout_s  # bounds every receive and every subgroup collective (None: torch's defaults)
         self.device = torch.device(device)
         self.topo = Topology(plan)
         self.pos = self.topo.position(rank)
-        self.groups = self.topo.groups(self.pos)
+        self.groups = self.topo.groups(self.pos, timeout_s=timeout_s)
         spec, stage = plan.model, self.topo.stage(self.pos)
         self.first, self.last = self.pos.stage == 0, self.pos.stage == plan.num_stages - 1
         self.model = StageModel(spec, layers=stage.layers, heads=self.pos.heads, ffn_cols=self.pos.ffn_cols,
@@ -118,8 +122,7 @@ class Engine:
     def _recv(self, src: int) -> torch.Tensor:
         spec = self.plan.model
         buf = torch.empty(self.plan.micro_batch_size, spec.seq_len, spec.hidden_dim, device=self.device)
-        dist.recv(buf, src)
-        return buf
+        return self.topo.recv(buf, src, timeout_s=self.timeout_s)
 
     def _send(self, t: torch.Tensor, targets: list[int], pending: list) -> None:
         t = t.detach().contiguous()

@@ -6,15 +6,33 @@ LOCAL_RANK in the environment) the current process is one rank and rank 0 report
 
 User errors are ``BatonError``s. Checks that need no process run in the parent before anything starts;
 a rank that fails reports one line (a ``BatonError``'s message, or the exception with the path of its
-traceback), and the parent kills the other ranks and raises that line.
+traceback), and the parent kills the other ranks and raises the line of the rank that failed first
+(a rank that died or was stopped is blamed before the peers that lost their connection to it).
+
+What ends a run, and what it leaves:
+
+* Spawned ranks die with their launcher (``runtime.processes.die_with_parent``), whatever kills it.
+* Every wait inside a rank is bounded by ``--timeout``: the default group, every subgroup and every
+  point-to-point receive. Under torchrun, where no launcher watches, that is what ends a rank whose
+  peers are gone.
+* Ctrl-C or SIGTERM with ``--save-dir``: the ranks finish the step they are in, agree on it, save a
+  checkpoint and stop (the launcher waits at most ``--timeout`` for that; a second Ctrl-C or SIGTERM
+  stops at once without saving). Without ``--save-dir`` the ranks are stopped at once. Exit code 130
+  (Ctrl-C) or 143 (SIGTERM).
+* The run's temporary directory (rendezvous store) is removed at the end; those of launchers that
+  were SIGKILLed are removed by the next run. A traceback file is written only for a failing rank.
 """
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import queue as queue_mod
+import re
+import shutil
+import signal
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,10 +43,14 @@ import torch.distributed as dist
 from baton.errors import BatonError
 from baton.plan import Plan
 from runtime.affinity import pin_rank, pinning_requested
-from runtime.checkpoint import CheckpointReader, latest_checkpoint, read_meta, save_checkpoint
+from runtime.checkpoint import CheckpointReader, find_resumable, remove_stale_temporaries, save_checkpoint
 from runtime.data import TokenSource, check_data_file
 from runtime.engine import Engine, StepStats
-from runtime.processes import stop_processes
+from runtime.processes import (Terminated, die_with_parent, process_state, run_directory, stop_processes,
+                               sweep_stale_run_directories, terminate_as_interrupt)
+
+MAX_STEPS = 10**9
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(kw_only=True)
@@ -45,10 +67,14 @@ class TrainConfig:
     """Where checkpoints go (``step-XXXXXX`` directories)."""
     save_every: int = 0
     """Save every N steps as well as at the end (0: at the end only)."""
+    keep: int = 0
+    """Keep only the newest N checkpoints (0: keep all)."""
     resume: bool = False
-    """Continue from the latest checkpoint in ``save_dir``."""
+    """Continue from the newest intact checkpoint in ``save_dir``."""
     resume_from: str | None = None
     """Resolved checkpoint directory (filled in by ``prepare``)."""
+    allow_other_data: bool = False
+    """Resume even if ``data`` is not the data the checkpoint was trained on."""
     init_from: str | None = None
     """Hugging Face GPT-2 directory to initialise the weights from."""
     seed: int = 0
@@ -60,36 +86,120 @@ class TrainConfig:
     device: str = "auto"
     """auto, cpu or cuda."""
     timeout_s: float = 300.0
-    """Collective timeout; a rank stuck longer fails instead of hanging."""
+    """Longest wait of a rank on a peer (every collective and receive); a rank stuck longer fails."""
     log_dir: str | None = None
-    """Where failing ranks write their tracebacks (a temporary directory when None)."""
+    """Where the traceback of a failing rank is written (the system's temporary directory when None)."""
     collect_all_ranks: bool = False
     """Send every rank's step measurements back (for ``--report``), not just rank 0's."""
 
 
-def prepare(cfg: TrainConfig) -> TrainConfig:
-    """Check everything that can be checked before starting processes; resolve the checkpoint."""
+def _finite(value: float, flag: str, *, minimum: float, inclusive: bool, maximum: float = math.inf) -> None:
+    ok = math.isfinite(value) and (value >= minimum if inclusive else value > minimum) and value <= maximum
+    if not ok:
+        lower = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+        upper = f" and <= {maximum:g}" if math.isfinite(maximum) else ""
+        raise BatonError(f"must be a finite number {lower}{upper}, got {value!r}", field=flag)
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """``path`` is (or can be created as) a directory we may write into; checked before any rank starts
+    so a bad --save-dir is not found after training."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise BatonError("exists and is not a directory", source=str(p), field=flag)
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise BatonError("directory is not writable", source=str(p), field=flag)
+        return
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise BatonError(f"cannot be created: {parent} is not a directory", source=str(p), field=flag)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BatonError(f"cannot be created: {parent} is not writable", source=str(p), field=flag)
+
+
+def data_fingerprint(path: str | None) -> dict:
+    """What identifies the training data in a checkpoint: None for synthetic tokens, else the size and a
+    SHA-256 of the first and last MiB (cheap for any size, and any edit of a text file shows there)."""
+    if path is None:
+        return {"path": None}
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(p, "rb") as fh:
+        h.update(fh.read(1 << 20))
+        if size > 1 << 20:
+            fh.seek(max(size - (1 << 20), 1 << 20))
+            h.update(fh.read(1 << 20))
+    return {"path": str(path), "bytes": size, "fingerprint": h.hexdigest()}
+
+
+def _check_same_data(meta: dict, cfg: TrainConfig, ckpt: Path) -> None:
+    theirs = meta.get("data") if isinstance(meta.get("data"), dict) else {}
+    ours = data_fingerprint(cfg.data)
+    if (theirs.get("path") is None) != (ours["path"] is None):
+        differs = True
+    elif ours["path"] is None or "fingerprint" not in theirs:
+        differs = False  # both synthetic, or a checkpoint that recorded only a path
+    else:
+        differs = theirs.get("fingerprint") != ours["fingerprint"]
+    if differs:
+        was = "synthetic tokens" if theirs.get("path") is None else f"'{theirs.get('path')}'"
+        now = "synthetic tokens" if cfg.data is None else f"'{cfg.data}'"
+        raise BatonError(f"{ckpt.name} was trained on {was}, this run reads {now}; "
+                         "pass --allow-other-data to continue on other data", field="--data")
+
+
+def prepare(cfg: TrainConfig, on_notice=None) -> TrainConfig:
+    """Check everything that can be checked before starting processes; resolve the checkpoint.
+
+    ``on_notice(line)`` hears what the user should know but is no error (a skipped damaged checkpoint)."""
     spec = cfg.plan.model
-    if cfg.steps < 1:
-        raise BatonError(f"must be at least 1, got {cfg.steps}", field="--steps")
+    notice = on_notice or (lambda line: None)
+    if isinstance(cfg.steps, bool) or not 1 <= cfg.steps <= MAX_STEPS:
+        raise BatonError(f"must be in 1..{MAX_STEPS}, got {cfg.steps}", field="--steps")
+    _finite(cfg.lr, "--lr", minimum=0.0, inclusive=False)
+    _finite(cfg.weight_decay, "--weight-decay", minimum=0.0, inclusive=True)
+    _finite(cfg.timeout_s, "--timeout", minimum=0.0, inclusive=False, maximum=MAX_TIMEOUT_S)
+    if cfg.save_every < 0:
+        raise BatonError(f"must be >= 0 (0: save only at the end), got {cfg.save_every}", field="--save-every")
+    if cfg.keep < 0:
+        raise BatonError(f"must be >= 0 (0: keep every checkpoint), got {cfg.keep}", field="--keep")
+    if not 0 <= cfg.seed < 2**63:
+        raise BatonError(f"must be in 0..2^63-1, got {cfg.seed}", field="--seed")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise BatonError(f"unknown device '{cfg.device}' (expected auto, cpu or cuda)", field="--device")
     if cfg.data is not None:
         check_data_file(cfg.data, spec)
     if cfg.resume and cfg.init_from:
         raise BatonError("use either --resume or --init-from, not both", field="--resume")
+    if cfg.save_dir is not None:
+        check_writable_dir(cfg.save_dir, "--save-dir")
+        for p in remove_stale_temporaries(cfg.save_dir):
+            notice(f"removed {p.name}, left by a run that died while saving")
+    elif cfg.save_every or cfg.keep:
+        raise BatonError("needs --save-dir", field="--save-every" if cfg.save_every else "--keep")
     if cfg.resume:
         if not cfg.save_dir:
             raise BatonError("--resume needs --save-dir (the directory holding the checkpoints)", field="--resume")
-        ckpt = latest_checkpoint(cfg.save_dir)
-        if ckpt is None:
-            raise BatonError("no checkpoint to resume from", source=cfg.save_dir, field="--save-dir")
-        meta = read_meta(ckpt, spec)
+        ckpt, meta, skipped = find_resumable(cfg.save_dir, spec)
+        for why in skipped:
+            notice(f"skipping {why}")
+        if skipped:
+            notice(f"resuming from {ckpt.name}, the newest intact checkpoint")
+        step = int(meta.get("step", 0))
+        if step >= cfg.steps:
+            raise BatonError(f"{ckpt.name} has already trained {step} steps, not fewer than --steps {cfg.steps}; "
+                             "raise --steps to train further", field="--steps")
+        if not cfg.allow_other_data:
+            _check_same_data(meta, cfg, ckpt)
         cfg.resume_from, cfg.seed = str(ckpt), int(meta.get("seed", cfg.seed))
     if cfg.init_from:
         from runtime.hf import load_gpt2
 
         load_gpt2(cfg.init_from, spec)  # fail early on a wrong directory or config
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise BatonError(f"unknown device '{cfg.device}' (expected auto, cpu or cuda)", field="--device")
     return cfg
 
 
@@ -104,10 +214,24 @@ def _choose_device(cfg: TrainConfig, world: int) -> str:
 # --- one rank --------------------------------------------------------------------------------------
 
 
-def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None) -> list[StepStats]:
-    """Train on this rank (process group already initialised); ``report(stats)`` is called on rank 0."""
+def _agree_to_stop(wanted: bool, device: torch.device) -> bool:
+    """True on every rank once any rank was asked to stop: all ranks must end after the same step, or
+    the checkpoint's collective would pair the wrong sends."""
+    flag = torch.tensor([1.0 if wanted else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None, stop_requested=None,
+             outcome: dict | None = None) -> list[StepStats]:
+    """Train on this rank (process group already initialised); ``report(stats)`` is called on rank 0.
+
+    With a ``save_dir``, ``stop_requested()`` is polled after every step; once any rank says yes, every
+    rank saves a checkpoint of that step and returns. ``outcome`` receives ``saved`` (the last
+    checkpoint's path) and ``stopped_after`` (the step count at a requested stop)."""
     plan = cfg.plan
     spec = plan.model
+    outcome = {} if outcome is None else outcome
     full = None
     reader = None
     start_step, start_sample = 0, 0
@@ -120,12 +244,14 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None) -> 
 
         weights = load_gpt2(cfg.init_from, spec)
         full = weights.__getitem__
-    engine = Engine(plan, rank, device=device, seed=cfg.seed, lr=cfg.lr, weight_decay=cfg.weight_decay, full=full)
+    engine = Engine(plan, rank, device=device, seed=cfg.seed, lr=cfg.lr, weight_decay=cfg.weight_decay, full=full,
+                    timeout_s=cfg.timeout_s)
     pin_rank(int(os.environ.get("LOCAL_RANK", rank)))  # after the engine made its groups (see runtime.affinity)
     if reader is not None:
         reader.load_into(engine)
     data = TokenSource(spec, path=cfg.data, seed=cfg.seed, global_batch=plan.global_batch,
                        start_step=start_step, start_sample=start_sample)
+    extra = {"data": data_fingerprint(cfg.data), "plan_info": plan.info}
     history = []
     for step in range(start_step, cfg.steps):
         stats = engine.train_step(step, data)
@@ -133,9 +259,14 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None) -> 
         if report is not None and rank == 0:
             report(stats)
         done = step + 1
-        if cfg.save_dir and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            save_checkpoint(engine, cfg.save_dir, step=done, samples_seen=data.samples_before(done),
-                            extra={"data": {"path": cfg.data}, "plan_info": plan.info})
+        stopping = bool(cfg.save_dir) and done < cfg.steps and \
+            _agree_to_stop(bool(stop_requested and stop_requested()), engine.device)
+        if cfg.save_dir and (done == cfg.steps or stopping or (cfg.save_every and done % cfg.save_every == 0)):
+            outcome["saved"] = str(save_checkpoint(engine, cfg.save_dir, step=done, samples_seen=data.samples_before(done),
+                                                   extra=extra, keep=cfg.keep))
+        if stopping:
+            outcome["stopped_after"] = done
+            break
     return history
 
 
@@ -144,27 +275,34 @@ def _init_group(backend: str, rank: int, world: int, init_method: str, timeout_s
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _worker(rank: int, world: int, cfg: TrainConfig, device_kind: str, init_method: str, log_dir: str, q) -> None:
-    """Entry point of a spawned rank: never raises, reports ('error', rank, line) or ('done', rank)."""
+def _worker(rank: int, world: int, cfg: TrainConfig, device_kind: str, init_method: str, q, stop, parent_pid: int) -> None:
+    """Entry point of a spawned rank: never raises; reports ('error', rank, line, is_user_error,
+    traceback) or ('done', rank, outcome)."""
+    die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group; the launcher alone decides what it means (stop now, or
+    # save first), so a rank must not die of it halfway through a collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1 if pinning_requested() else max(1, (os.cpu_count() or 1) // world))
     try:
         device = torch.device(f"cuda:{rank}") if device_kind == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init_group("nccl" if device.type == "cuda" else "gloo", rank, world, init_method, cfg.timeout_s)
-        history = run_rank(cfg, rank, device, report=lambda s: q.put(("step", asdict(s))))
+        outcome: dict = {}
+        history = run_rank(cfg, rank, device, report=lambda s: q.put(("step", asdict(s))),
+                           stop_requested=stop.is_set, outcome=outcome)
         if cfg.collect_all_ranks:
             q.put(("rank_stats", rank, [asdict(s) for s in history]))
         dist.barrier()
-        q.put(("done", rank))
+        q.put(("done", rank, outcome))
     except BatonError as exc:
-        q.put(("error", rank, str(exc), True))
+        q.put(("error", rank, str(exc), True, None))
     except BaseException as exc:
-        path = Path(log_dir) / f"rank-{rank}.traceback.txt"
-        path.write_text(traceback.format_exc())
+        import traceback
+
         line = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        device_id = cfg.plan.device_ids()[rank]
-        q.put(("error", rank, f"rank {rank} (device {device_id}) failed: {line} (traceback: {path})", False))
+        q.put(("error", rank, f"rank {rank} (device {cfg.plan.device_ids()[rank]}) failed: {line}", False,
+               traceback.format_exc()))
     finally:
         if dist.is_initialized():
             try:
@@ -180,17 +318,19 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def train(cfg: TrainConfig, on_step=None, per_rank: dict | None = None) -> list[StepStats]:
+def train(cfg: TrainConfig, on_step=None, per_rank: dict | None = None, on_notice=None) -> list[StepStats]:
     """Run ``cfg`` to the end; ``on_step(stats)`` sees every step's rank-0 stats. Returns them.
 
     With ``cfg.collect_all_ranks`` and a ``per_rank`` dict, it is filled with rank -> that rank's
-    StepStats of every step (under torchrun, on rank 0 only).
+    StepStats of every step (under torchrun, on rank 0 only). ``on_notice(line)`` hears what is worth
+    saying but is no error. An interrupted run raises KeyboardInterrupt (``Terminated`` for SIGTERM)
+    whose message says what was saved.
     """
-    cfg = prepare(cfg)
+    cfg = prepare(cfg, on_notice)
     world = len(cfg.plan.device_ids())
     if under_torchrun():
         return _train_torchrun(cfg, world, on_step, per_rank)
-    return _train_spawned(cfg, world, on_step, per_rank)
+    return _train_spawned(cfg, world, on_step, per_rank, on_notice or (lambda line: None))
 
 
 def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None) -> list[StepStats]:
@@ -203,36 +343,66 @@ def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None) -> lis
     device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    # torchrun forwards SIGINT/SIGTERM to every rank: with a save directory, the ranks finish the step,
+    # agree, save and stop (a second signal stops at once); without one the default applies.
+    signalled: list[int] = []
+    previous = {}
+    if cfg.save_dir:
+        def on_signal(signum, frame):
+            if signalled:
+                raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+            signalled.append(signum)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     _init_group("nccl" if use_cuda else "gloo", rank, world, "env://", cfg.timeout_s)
     try:
-        history = run_rank(cfg, rank, device, report=on_step)
+        outcome: dict = {}
+        history = run_rank(cfg, rank, device, report=on_step, stop_requested=lambda: bool(signalled), outcome=outcome)
         if cfg.collect_all_ranks:
             gathered = [None] * world if rank == 0 else None
             dist.gather_object([asdict(s) for s in history], gathered, dst=0)
             if rank == 0 and per_rank is not None:
                 per_rank.update({r: [StepStats(**s) for s in h] for r, h in enumerate(gathered)})
         dist.barrier()
+        if "stopped_after" in outcome:
+            kind = Terminated if signalled and signalled[0] == signal.SIGTERM else KeyboardInterrupt
+            raise kind(f"stopped after step {outcome['stopped_after']}; saved {outcome.get('saved')}")
         return history
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         dist.destroy_process_group()
 
 
-def _train_spawned(cfg: TrainConfig, world: int, on_step, per_rank=None) -> list[StepStats]:
+def _train_spawned(cfg: TrainConfig, world: int, on_step, per_rank, notice) -> list[StepStats]:
     import torch.multiprocessing as mp
 
     device_kind = _choose_device(cfg, world)
+    sweep_stale_run_directories()
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="baton-train-")
-    rdzv = Path(tempfile.mkdtemp(prefix="baton-rdzv-")) / "store"
-    procs = [ctx.Process(target=_worker, args=(r, world, cfg, device_kind, f"file://{rdzv}", log_dir, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    history, done = [], set()
-    last_news = time.monotonic()
+    q, stop = ctx.Queue(), ctx.Event()
+    run_dir = run_directory()
+    procs = []
     try:
-        while len(done) < world:
+        with terminate_as_interrupt():
+            for r in range(world):
+                procs.append(ctx.Process(target=_worker, args=(r, world, cfg, device_kind, f"file://{run_dir}/store", q, stop,
+                                                               os.getpid()), daemon=True))
+                procs[-1].start()
+            return _supervise(cfg, world, procs, q, stop, on_step, per_rank, notice)
+    finally:
+        stop_processes(procs)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _supervise(cfg: TrainConfig, world: int, procs, q, stop, on_step, per_rank, notice) -> list[StepStats]:
+    """Follow the ranks' messages until all are done; raise the first failure's line, or the interrupt."""
+    history, done, outcomes = [], set(), {}
+    interrupt: KeyboardInterrupt | None = None
+    last_news = time.monotonic()
+    deadline = None  # once interrupted: how long the ranks get to finish the step and save
+    while len(done) < world:
+        try:
             try:
                 msg = q.get(timeout=0.2)
             except queue_mod.Empty:
@@ -240,10 +410,15 @@ def _train_spawned(cfg: TrainConfig, world: int, on_step, per_rank=None) -> list
                 if dead:
                     time.sleep(0.5)  # its error message may still be in flight
                     if q.empty():
-                        raise BatonError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a report")
+                        raise BatonError(_root_cause([], procs, cfg, done))
                     continue
-                if time.monotonic() - last_news > cfg.timeout_s + 60:
-                    raise BatonError(f"no progress for {cfg.timeout_s + 60:.0f} s; stopped all ranks", field="--timeout")
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    raise type(interrupt)(f"the ranks did not finish the step and save within "
+                                          f"--timeout {cfg.timeout_s:g} s, so nothing was saved")
+                if now - last_news > cfg.timeout_s + 60:
+                    raise BatonError(f"no progress for {cfg.timeout_s + 60:.0f} s; stopped all ranks "
+                                     f"({_stuck_ranks(procs, cfg) or 'no rank is stopped'})", field="--timeout")
                 continue
             last_news = time.monotonic()
             if msg[0] == "step":
@@ -256,17 +431,37 @@ def _train_spawned(cfg: TrainConfig, world: int, on_step, per_rank=None) -> list
                     per_rank[msg[1]] = [StepStats(**s) for s in msg[2]]
             elif msg[0] == "done":
                 done.add(msg[1])
+                outcomes[msg[1]] = msg[2]
             elif msg[0] == "error":
-                raise BatonError(_first_error(msg, q))
-        return history
-    finally:
-        stop_processes(procs)
+                raise BatonError(_root_cause(_collect_errors(msg, q), procs, cfg, done))
+        except KeyboardInterrupt as exc:
+            if interrupt is not None or not cfg.save_dir:
+                raise
+            interrupt = exc
+            stop.set()
+            deadline = time.monotonic() + cfg.timeout_s
+            notice(f"{'terminated' if isinstance(exc, Terminated) else 'interrupted'}: the ranks finish this step and "
+                   f"save a checkpoint (at most {cfg.timeout_s:g} s); interrupt again to stop at once without saving")
+    if interrupt is not None:
+        o = outcomes.get(0, {})
+        if "stopped_after" in o:
+            raise type(interrupt)(f"stopped after step {o['stopped_after']}; saved {o.get('saved')}")
+        # The run reached its last step anyway: it ended normally.
+    return history
 
 
-def _first_error(msg, q) -> str:
-    """Prefer a user error (BatonError) over the knock-on failures of the other ranks."""
-    errors = [msg]
-    deadline = time.monotonic() + 1.0
+# --- which rank failed first -----------------------------------------------------------------------
+
+# Messages of ranks that only lost a peer: they name the victim, not the cause.
+_KNOCK_ON = re.compile(r"connection (reset|closed|refused)|broken pipe|timed out|timeout|waited more than|"
+                       r"socket|peer", re.IGNORECASE)
+
+
+def _collect_errors(first, q, window_s: float = 1.0) -> list:
+    """The first error and those that arrive within ``window_s`` (a peer's line may come later than the
+    knock-on failures it caused)."""
+    errors = [first]
+    deadline = time.monotonic() + window_s
     while time.monotonic() < deadline:
         try:
             m = q.get(timeout=0.1)
@@ -274,5 +469,53 @@ def _first_error(msg, q) -> str:
             continue
         if m[0] == "error":
             errors.append(m)
+    return errors
+
+
+def _describe(cfg: TrainConfig, rank: int) -> str:
+    return f"rank {rank} (device {cfg.plan.device_ids()[rank]})"
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stuck_ranks(procs, cfg: TrainConfig) -> str:
+    stopped = [r for r, p in enumerate(procs) if p.is_alive() and p.pid and process_state(p.pid) == "T"]
+    return ", ".join(f"{_describe(cfg, r)} is stopped (SIGSTOP?)" for r in stopped)
+
+
+def _root_cause(errors: list, procs, cfg: TrainConfig, done: set) -> str:
+    """One line naming the rank that failed first: a user error; else a rank that died without a word
+    (killed) or is stopped; else the first error that is not a lost connection; else the first error."""
     user = [e for e in errors if e[3]]
-    return (user or errors)[0][2]
+    if user:
+        return user[0][2]
+    reported = {e[1] for e in errors}
+    dead = [(r, p.exitcode) for r, p in enumerate(procs)
+            if r not in done and r not in reported and not p.is_alive() and p.exitcode not in (0, None)]
+    stuck = _stuck_ranks(procs, cfg)
+    if dead:
+        r, code = dead[0]
+        line = f"{_describe(cfg, r)} {_exit_reason(code)} without a report"
+        return line + (f"; {len(errors)} other rank(s) then lost their connection to it" if errors else "")
+    if stuck:
+        first = errors[0][2] if errors else ""
+        return f"{stuck} and stopped answering; " + (first or "the other ranks waited for it")
+    own = [e for e in errors if not _KNOCK_ON.search(e[2])]
+    chosen = (own or errors)[0]
+    if chosen[4]:
+        where = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.gettempdir())
+        path = where / f"baton-train-{os.getpid()}-rank{chosen[1]}.traceback.txt"
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            path.write_text(chosen[4])
+            return f"{chosen[2]} (traceback: {path})"
+        except OSError:
+            pass
+    return chosen[2]

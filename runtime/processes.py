@@ -1,5 +1,30 @@
-"""Ending the worker processes a run or a measurement spawned, whatever state they are in."""
+"""Worker processes that end with the run that started them, and leave nothing behind.
+
+* ``stop_processes`` kills and reaps what a run (or a measurement) spawned, whatever state it is in.
+* ``die_with_parent`` makes a spawned worker end when its launcher ends, however the launcher ends:
+  a SIGTERM or SIGKILL to the launcher does not reach its children, which would otherwise train to the
+  end with nobody watching (and keep writing checkpoints).
+* ``run_directory`` / ``sweep_stale_run_directories``: every run keeps its temporary files (the
+  rendezvous store) in one directory named after its pid; the run removes it, and the next run
+  removes those of launchers that were killed before they could.
+* ``terminate_as_interrupt``: SIGTERM stops a run the way Ctrl-C does.
+"""
 from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+RUN_DIR_PREFIX = "baton-run-"
 
 
 def stop_processes(procs, *, grace_s: float = 0.0) -> None:
@@ -12,3 +37,107 @@ def stop_processes(procs, *, grace_s: float = 0.0) -> None:
             p.kill()
     for p in procs:
         p.join(5)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of a process from /proc (``T``: stopped, ``Z``: zombie); None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: the state follows the last ')'.
+    return stat[stat.rfind(")") + 2:][:1] or None
+
+
+def die_with_parent(parent_pid: int, *, poll_s: float = 0.5) -> None:
+    """End this process when ``parent_pid`` ends.
+
+    Linux delivers SIGKILL the moment the parent dies (prctl PR_SET_PDEATHSIG), even while this
+    process is blocked inside a collective. SIGKILL rather than SIGTERM: a rank blocked in C++ would
+    run a Python handler only when the call returns, which may be a whole --timeout later. A thread
+    that polls the parent pid backs it up where prctl is missing (macOS) and closes the window in
+    which the parent died before prctl was called.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent is already gone (we were re-parented before prctl took effect)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="baton-parent-watchdog", daemon=True).start()
+
+
+def run_directory() -> Path:
+    """A fresh temporary directory for this run, named with our pid so a later run can tell whether
+    its owner is still alive."""
+    return Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-"))
+
+
+_RUN_DIR = re.compile(re.escape(RUN_DIR_PREFIX) + r"([0-9]+)-")
+
+
+def sweep_stale_run_directories(root: str | Path | None = None) -> int:
+    """Remove run directories whose launcher no longer exists (it was SIGKILLed before it could clean
+    up); returns how many were removed. Directories of live launchers and of other users stay."""
+    root = Path(root or tempfile.gettempdir())
+    removed = 0
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return 0
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for entry in entries:
+        m = _RUN_DIR.match(entry.name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            if not entry.is_dir() or entry.is_symlink() or (uid is not None and entry.stat().st_uid != uid):
+                continue
+        except OSError:
+            continue
+        if not pid_alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would raise KeyboardInterrupt (so every cleanup path is shared)."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Within the block, SIGTERM raises ``Terminated`` (a KeyboardInterrupt) in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -9,7 +9,9 @@ is correct; this one spreads the transfers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from baton.plan import Plan, Stage
@@ -117,15 +119,43 @@ class Topology:
         """First and last stage of each replica, which sum the tied embedding's gradient (none for one stage)."""
         return [stages[0] + stages[-1] for stages in self.ranks] if self.num_stages > 1 else []
 
-    def groups(self, pos: Position) -> "Groups":
-        """Create every group (same order on all ranks, as new_group requires) and keep this rank's."""
+    def groups(self, pos: Position, *, timeout_s: float | None = None) -> "Groups":
+        """Create every group (same order on all ranks, as new_group requires) and keep this rank's.
+
+        ``timeout_s`` bounds every collective of these groups: without it ``new_group`` keeps torch's
+        30-minute default whatever the default group was given, so a stopped peer would hang the
+        tensor-parallel all-reduces for half an hour."""
         mine = {}
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         for kind, lists in (("tp", self.tp_rank_lists()), ("dp", self.dp_rank_lists()), ("tied", self.tied_rank_lists())):
             for ranks in lists:
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout)
                 if pos.rank in ranks:
                     mine[kind] = g
         return Groups(**mine)
+
+
+    def describe(self, rank: int) -> str:
+        """'rank 3 (device n1:0)', for messages about a peer."""
+        ids = self.plan.device_ids()
+        return f"rank {rank} (device {ids[rank]})" if 0 <= rank < len(ids) else f"rank {rank}"
+
+    def recv(self, buf: torch.Tensor, src: int, *, timeout_s: float | None) -> torch.Tensor:
+        """Receive ``buf`` from ``src``, waiting at most ``timeout_s`` (None: the default group's
+        timeout); a peer that does not send in time is named in the error."""
+        work = dist.irecv(buf, src)
+        try:
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                limit = f"{timeout_s:g} s" if timeout_s is not None else "the timeout"
+                raise TimeoutError(f"waited more than {limit} for {self.describe(src)} to send "
+                                   f"(it is stopped, stuck or much slower than this rank)") from None
+            raise
+        return buf
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,233 @@
+"""Operations of ``baton train`` as real processes: what a signal to the launcher, a stopped peer and a
+damaged checkpoint do. Every test starts the CLI in a subprocess over gloo and bounds every wait.
+
+These catch: ranks that outlive their launcher (they would train on with nobody watching), a stopped
+peer noticed only after torch's 30-minute default, an error line that blames the wrong rank, temporary
+directories that pile up, and a damaged checkpoint that ends a run instead of costing a few steps."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.plan import save_plan
+from runtime.processes import process_state, sweep_stale_run_directories
+from tests.runtime_helpers import plan_of, tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _plan(tmp_path: Path) -> Path:
+    """Two pipeline stages of one device each: the smallest run with point-to-point and collectives."""
+    path = tmp_path / "plan.json"
+    save_plan(plan_of(tiny(0.0), [[1], [1]], [2, 2], [1, 1], m=2, mbs=1), path)
+    return path
+
+
+def _start(*args, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "200", **(env or {})})
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid``, oldest first."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[1]) == pid:
+            out.append((int(fields[19]), int(entry.name)))  # start time, pid
+    return [p for _, p in sorted(out)]
+
+
+def _ranks(launcher: subprocess.Popen, world: int, timeout: float = 60.0) -> list[int]:
+    """Pids of the launcher's rank processes once all exist (not its multiprocessing helpers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ranks = [p for p in _children(launcher.pid) if "spawn_main" in _cmdline(p)]
+        if len(ranks) == world:
+            return ranks
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.1)
+    raise TimeoutError("ranks did not start")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(process_state(p) in (None, "Z") for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _wait_for(path: Path, launcher: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+def _finish(launcher: subprocess.Popen, timeout: float = 60.0) -> tuple[int, str, str]:
+    try:
+        out, err = launcher.communicate(timeout=timeout)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    return launcher.returncode, out, err
+
+
+def _kill_all(pids) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_sigterm_stops_the_run_and_its_ranks(tmp_path):
+    """SIGTERM to the launcher stops it like Ctrl-C (exit 143, one line) and no rank keeps running."""
+    launcher = _start("--plan", _plan(tmp_path), "--steps", 10**6, "--timeout", 30)
+    ranks = _ranks(launcher, 2)
+    try:
+        time.sleep(2)  # inside the training loop
+        launcher.send_signal(signal.SIGTERM)
+        code, out, err = _finish(launcher, 30)
+        assert code == 143, (code, out, err)
+        assert "terminated" in err and "Traceback" not in err, err
+        assert _gone(ranks, 10), "ranks outlived the launcher"
+    finally:
+        _kill_all(ranks)
+
+
+def test_sigkill_of_the_launcher_takes_its_ranks_and_the_next_run_removes_its_directory(tmp_path):
+    """SIGKILL cannot be caught: the ranks' parent-death signal ends them, and the run directory the
+    launcher could not remove is swept by the next run."""
+    launcher = _start("--plan", _plan(tmp_path), "--steps", 10**6, "--timeout", 30)
+    ranks = _ranks(launcher, 2)
+    try:
+        run_dirs = [p for p in Path(tempfile.gettempdir()).glob(f"baton-run-{launcher.pid}-*")]
+        assert len(run_dirs) == 1
+        time.sleep(1)
+        launcher.kill()
+        _finish(launcher, 10)
+        assert _gone(ranks, 10), "ranks outlived a SIGKILLed launcher"
+        assert run_dirs[0].exists()
+        sweep_stale_run_directories()
+        assert not run_dirs[0].exists()
+    finally:
+        _kill_all(ranks)
+
+
+def test_a_stopped_peer_is_noticed_within_the_timeout_and_named(tmp_path):
+    """SIGSTOP on rank 1: rank 0's wait ends after --timeout (not torch's 30 minutes), and the line
+    names rank 1 and its device rather than the rank that noticed."""
+    launcher = _start("--plan", _plan(tmp_path), "--steps", 10**6, "--timeout", 4)
+    ranks = _ranks(launcher, 2)
+    try:
+        time.sleep(3)
+        os.kill(ranks[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        code, out, err = _finish(launcher, 60)
+        elapsed = time.monotonic() - t0
+        assert code == 2, (code, out, err)
+        assert elapsed < 4 + 15, elapsed
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1 and "rank 1 (device d0:1)" in err and "stopped" in err, err
+        assert _gone(ranks, 10)
+    finally:
+        _kill_all(ranks)
+
+
+def test_a_killed_rank_is_named_not_the_peer_that_lost_it(tmp_path):
+    """SIGKILL on rank 1: rank 0 reports 'connection closed'; the line must blame rank 1."""
+    launcher = _start("--plan", _plan(tmp_path), "--steps", 10**6, "--timeout", 30)
+    ranks = _ranks(launcher, 2)
+    try:
+        time.sleep(3)
+        os.kill(ranks[1], signal.SIGKILL)
+        code, out, err = _finish(launcher, 60)
+        assert code == 2, (code, out, err)
+        assert "rank 1 (device d0:1) was killed by SIGKILL" in err, err
+        assert len([x for x in err.splitlines() if x.strip()]) == 1, err
+    finally:
+        _kill_all(ranks)
+
+
+def test_sigterm_with_a_save_dir_saves_the_current_step(tmp_path):
+    """With --save-dir, SIGTERM lets the ranks finish the step, save it and stop; resuming continues."""
+    ck = tmp_path / "ck"
+    launcher = _start("--plan", _plan(tmp_path), "--steps", 10**6, "--timeout", 30, "--save-dir", ck,
+                      "--save-every", 5, "--keep", 1)
+    ranks = _ranks(launcher, 2)
+    try:
+        _wait_for(ck / "step-000005", launcher)
+        launcher.send_signal(signal.SIGTERM)
+        code, out, err = _finish(launcher, 60)
+        assert code == 143, (code, out, err)
+        assert "saved" in err and "Traceback" not in err, err
+        saved = sorted(p.name for p in ck.iterdir())
+        assert len(saved) == 1 and saved[0].startswith("step-"), saved  # --keep 1
+        step = int(saved[0][5:])
+        assert step >= 5
+        assert _gone(ranks, 10)
+    finally:
+        _kill_all(ranks)
+    meta = json.loads((ck / saved[0] / "meta.json").read_text())
+    assert set(meta["files"]) == {"model.safetensors", "optimizer.safetensors"}
+
+    # Resuming a run that is already there says so.
+    code, out, err = _finish(_start("--plan", _plan(tmp_path), "--steps", step, "--save-dir", ck, "--resume"), 60)
+    assert code == 2 and "already trained" in err and "--steps" in err, err
+
+
+def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path):
+    """A flipped byte in the newest checkpoint's tensors: resume says so and uses the one before;
+    with nothing intact, one line naming the file. A dead writer's .tmp-step-* is removed."""
+    ck = tmp_path / "ck"
+    plan = _plan(tmp_path)
+    code, out, err = _finish(_start("--plan", plan, "--steps", 4, "--save-dir", ck, "--save-every", 2, "--timeout", 30), 120)
+    assert code == 0, err
+    newest = ck / "step-000004" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    leftover = ck / ".tmp-step-000006-999999999-abc"
+    leftover.mkdir()
+
+    code, out, err = _finish(_start("--plan", plan, "--steps", 5, "--save-dir", ck, "--resume", "--timeout", 30), 120)
+    assert code == 0, err
+    assert "step-000004: corrupt checkpoint: model.safetensors" in err and "resuming from step-000002" in err, err
+    assert not leftover.exists()
+
+    for step in ("step-000002", "step-000005"):
+        f = ck / step / "optimizer.safetensors"
+        f.write_bytes(f.read_bytes()[:-10])
+    (ck / "step-000004").rename(ck / "step-000001")  # still corrupt, and older
+    code, out, err = _finish(_start("--plan", plan, "--steps", 8, "--save-dir", ck, "--resume", "--timeout", 30), 60)
+    assert code == 2, (code, out, err)
+    assert "no intact checkpoint" in err and "optimizer.safetensors" in err, err
+    assert len([x for x in err.splitlines() if x.strip()]) == 1, err
