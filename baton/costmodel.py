@@ -25,7 +25,7 @@ import numpy as np
 from baton.cluster import ClusterSpec, Link
 from baton.memory import RecomputeSpace, recompute_space, tensor_bytes
 from baton.model_spec import ModelSpec
-from baton.operators import EMBEDDING, HEAD, layer_operators, operator_flops
+from baton.operators import EMBEDDING, HEAD, layer_operators, operator_flops, padded_vocab
 from baton.profile import Profile, ProfileSet
 
 BLOCKS = ("attn", "mlp")
@@ -195,26 +195,55 @@ def in_flight_microbatches(stage: int, num_stages: int, num_microbatches: int) -
     return min(num_stages - stage, num_microbatches)
 
 
-def edge_param_bytes(profile: Profile, spec: ModelSpec, micro_batch: int, *, first: bool, last: bool) -> float:
-    """Embedding on the first stage, final LN on the last, and the tied LM head on a last stage that is not also first."""
-    total = 0.0
-    if first:
-        total += profile.cost(EMBEDDING, micro_batch).param_bytes
-    if last:
-        total += profile.cost(HEAD, micro_batch).param_bytes
-        if not first:
-            total += tied_embedding_bytes(spec)
-    return total
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EdgeCost:
+    """What the embedding (first stage) and the final LayerNorm, LM head and loss (last stage) cost one
+    device whose vocabulary share is ``share`` (docs/cost-model.md, section 6): the vocabulary is split
+    across a stage's ranks like its layers' units."""
+
+    fwd_ms: float
+    """Embedding/head forward per micro-batch, compute only (the stage's all-reduces are StageConstants)."""
+    bwd_ms: float
+    """Embedding/head backward per micro-batch, compute only."""
+    saved_bytes: float
+    """Activations the edge operators keep per in-flight micro-batch."""
+    param_bytes: float
+    """Embedding rows (and positions), final LayerNorm, and the tied head's own rows on a last stage that
+    is not the first."""
+
+
+NO_EDGE = EdgeCost(fwd_ms=0.0, bwd_ms=0.0, saved_bytes=0.0, param_bytes=0.0)
+"""A middle stage's devices hold neither embedding nor head."""
+
+
+def edge_cost(slot: "DeviceSlot", spec: ModelSpec, micro_batch: int, share: float) -> EdgeCost:
+    if not (slot.first or slot.last):
+        return NO_EDGE
+    return _edge_cost(slot.profile, spec, micro_batch, share, slot.first, slot.last)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _edge_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, first: bool, last: bool) -> EdgeCost:
+    emb, head = profile.cost(EMBEDDING, micro_batch, share), profile.cost(HEAD, micro_batch, share)
+    params = (emb.param_bytes if first else 0.0) + (head.param_bytes if last else 0.0)
+    if last and not first:
+        params += tied_embedding_bytes(spec) * share
+    return EdgeCost(fwd_ms=(emb.fwd_ms if first else 0.0) + (head.fwd_ms if last else 0.0),
+                    bwd_ms=(emb.bwd_ms if first else 0.0) + (head.bwd_ms if last else 0.0),
+                    saved_bytes=(emb.saved_bytes if first else 0.0) + (head.saved_bytes if last else 0.0),
+                    param_bytes=params)
 
 
 def tied_embedding_bytes(spec: ModelSpec) -> float:
-    """The token embedding (V x h), which the LM head shares: copied to a last stage that is not first."""
-    return spec.vocab_size * spec.hidden_dim * spec.dtype_bytes
+    """The token embedding (padded V x h), which the LM head shares: a last stage that is not the first
+    keeps its own copy of its rows, and the two copies' gradients are summed once per iteration."""
+    return padded_vocab(spec) * spec.hidden_dim * spec.dtype_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceSlot:
-    """What a device's position in a skeleton adds to its own layer costs (eq. 8-10)."""
+    """What a device's position in a skeleton adds to its own layer costs (eq. 8-10); what it pays for the
+    embedding and head depends on its share too (``edge_cost``)."""
 
     device_id: str = field(compare=False)
     """Cluster device id (not part of equality: devices alike in every other field are priced alike)."""
@@ -230,14 +259,6 @@ class DeviceSlot:
     """Its stage is the first (holds the embedding)."""
     last: bool
     """Its stage is the last (holds the final LN, LM head and loss)."""
-    edge_fwd_ms: float
-    """Embedding/head forward per micro-batch."""
-    edge_bwd_ms: float
-    """Embedding/head backward per micro-batch."""
-    edge_saved_bytes: float
-    """Embedding/head activations kept per in-flight micro-batch."""
-    edge_param_bytes: float
-    """Embedding/head parameters (the tied head copy included)."""
     optimizer_ms_per_byte: float
     """Eq. 10's slope: Adam step ms per byte of weights held."""
 
@@ -245,21 +266,16 @@ class DeviceSlot:
 def device_slot(cluster: ClusterSpec, profiles: ProfileSet, spec: ModelSpec, micro_batch: int, device_id: str, *,
                 stage: int, num_stages: int, num_microbatches: int) -> DeviceSlot:
     dev = cluster.device(device_id)
-    return _device_slot(device_id, profiles[dev.gpu.name], spec, micro_batch, dev.memory_bytes, dev.reserve_bytes,
+    return _device_slot(device_id, profiles[dev.gpu.name], spec, dev.memory_bytes, dev.reserve_bytes,
                         dev.gpu.memory_bandwidth_gb_per_s, stage == 0, stage == num_stages - 1,
                         in_flight_microbatches(stage, num_stages, num_microbatches))
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _device_slot(device_id, profile, spec, micro_batch, memory_bytes, reserve_bytes, bandwidth, first, last, in_flight):
-    emb, head = profile.cost(EMBEDDING, micro_batch), profile.cost(HEAD, micro_batch)
+def _device_slot(device_id, profile, spec, memory_bytes, reserve_bytes, bandwidth, first, last, in_flight):
     return DeviceSlot(
         device_id=device_id, profile=profile, memory_bytes=memory_bytes, reserve_bytes=reserve_bytes,
         in_flight=in_flight, first=first, last=last,
-        edge_fwd_ms=(emb.fwd_ms if first else 0.0) + (head.fwd_ms if last else 0.0),
-        edge_bwd_ms=(emb.bwd_ms if first else 0.0) + (head.bwd_ms if last else 0.0),
-        edge_saved_bytes=(emb.saved_bytes if first else 0.0) + (head.saved_bytes if last else 0.0),
-        edge_param_bytes=edge_param_bytes(profile, spec, micro_batch, first=first, last=last),
         optimizer_ms_per_byte=optimizer_step_ms(1.0, spec, bandwidth, profile.optimizer_sample()))
 
 
@@ -286,16 +302,17 @@ class DeviceMemory:
     """The sum; the device fits when it is at most its capacity."""
 
 
-def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes, held_bytes, transient_bytes) -> DeviceMemory:
+def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes, held_bytes, transient_bytes,
+                  edge: EdgeCost) -> DeviceMemory:
     """Eq. 7 and 8 for a device holding ``num_layers`` layers with the given per-layer figures.
 
     Plain arithmetic, so it runs element-wise on numpy arrays (every recompute set at once, or every
     layer count) with bit-for-bit the numbers it gives for one float: the planner's memory limits and
     the evaluator's "fits" are the same comparisons.
     """
-    weights = num_layers * param_bytes + slot.edge_param_bytes
+    weights = num_layers * param_bytes + edge.param_bytes
     opt = optimizer_bytes(weights, spec)
-    activ = slot.in_flight * (num_layers * held_bytes + slot.edge_saved_bytes)
+    activ = slot.in_flight * (num_layers * held_bytes + edge.saved_bytes)
     transient = transient_bytes * (np.asarray(num_layers) > 0)  # one layer's buffer, once any layer is held
     peak = 2 * weights + opt + activ + transient + slot.reserve_bytes
     return DeviceMemory(weights_bytes=weights, grads_bytes=weights, optimizer_bytes=opt, activation_bytes=activ,
@@ -306,16 +323,17 @@ def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes,
 def fitting_layers(slot: DeviceSlot, spec: ModelSpec, micro_batch: int, share: float, space: RecomputeSpace, cap: int) -> np.ndarray:
     """``max_layers_that_fit`` for the prices of (slot's GPU, micro_batch, share) over ``space``, memoised
     (read-only result): many skeletons put alike devices at alike positions."""
-    return max_layers_that_fit(slot, spec, layer_prices(slot.profile, spec, micro_batch, share, space), cap)
+    return max_layers_that_fit(slot, spec, layer_prices(slot.profile, spec, micro_batch, share, space),
+                               edge_cost(slot, spec, micro_batch, share), cap)
 
 
-def max_layers_that_fit(slot: DeviceSlot, spec: ModelSpec, prices: LayerPrices, cap: int) -> np.ndarray:
+def max_layers_that_fit(slot: DeviceSlot, spec: ModelSpec, prices: LayerPrices, edge: EdgeCost, cap: int) -> np.ndarray:
     """Per recompute set of ``prices``: the largest L in [0, cap] with ``device_memory(L)`` within capacity
     (memory grows with L), or -1 when not even L = 0 fits. Exact: every answer is checked with
     ``device_memory`` itself, the comparison the evaluator makes."""
     def peak(L):
         return device_memory(slot, spec, L, param_bytes=prices.param_bytes, held_bytes=prices.held_bytes,
-                             transient_bytes=prices.transient_bytes).peak_bytes
+                             transient_bytes=prices.transient_bytes, edge=edge).peak_bytes
 
     cap_arr = np.full(len(prices.held_bytes), cap, dtype=np.int64)
     p0, p1 = peak(np.zeros_like(cap_arr)), peak(np.ones_like(cap_arr))
@@ -352,10 +370,12 @@ class StageConstants:
 
     allreduce_ms: float
     """TP all-reduce time per layer in each direction (both all-reduces, eq. 5); 0 for one device."""
-    edge_fwd_ms: float
-    """Slowest device's embedding/head forward per micro-batch."""
-    edge_bwd_ms: float
-    """Slowest device's embedding/head backward per micro-batch."""
+    edge_fwd_comm_ms: float
+    """All-reduces of the vocabulary-parallel edges in the forward pass: the embedding's (b, s, h) sum on
+    the first stage; the loss's three (b, s) fp32 reductions (max, sum of exponentials, target logit) on
+    the last."""
+    edge_bwd_comm_ms: float
+    """The head's (b, s, h) input-gradient sum on the last stage, in the backward pass."""
 
 
 def layer_allreduce_ms(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str]) -> float:
@@ -363,10 +383,18 @@ def layer_allreduce_ms(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, 
     return tp_allreduce_ms(activation_bytes(spec, micro_batch), len(ids), cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER
 
 
-def stage_constants(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, slots: Sequence[DeviceSlot]) -> StageConstants:
-    ar = layer_allreduce_ms(cluster, spec, micro_batch, [s.device_id for s in slots])
-    return StageConstants(allreduce_ms=ar, edge_fwd_ms=max(s.edge_fwd_ms for s in slots),
-                          edge_bwd_ms=max(s.edge_bwd_ms for s in slots))
+LOSS_REDUCTIONS = 3
+"""All-reduces of the vocabulary-parallel cross-entropy's forward: row max, sum of exponentials, target logit."""
+
+
+def stage_constants(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str], *, first: bool,
+                    last: bool) -> StageConstants:
+    n, link = len(ids), cluster.slowest_link(list(ids))
+    x = tp_allreduce_ms(activation_bytes(spec, micro_batch), n, link)
+    rows = tp_allreduce_ms(micro_batch * spec.seq_len * 4, n, link)
+    return StageConstants(allreduce_ms=layer_allreduce_ms(cluster, spec, micro_batch, ids),
+                          edge_fwd_comm_ms=(x if first else 0.0) + (LOSS_REDUCTIONS * rows if last else 0.0),
+                          edge_bwd_comm_ms=x if last else 0.0)
 
 
 def stage_time_ms(num_layers: int, per_layer_ms: float, allreduce_ms_per_layer: float, edge_ms: float) -> float:

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (BLOCKS, data_parallel_sync_line, device_memory, device_slot, embedding_sync_ms, layer_cost,
+from baton.costmodel import (BLOCKS, data_parallel_sync_line, device_memory, device_slot, edge_cost, embedding_sync_ms, layer_cost,
                              layer_train_ms, model_flops_per_sample, pipeline_transfers, stage_constants, stage_time_ms)
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
@@ -143,14 +143,15 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
         for si, stage in enumerate(pipe.stages):
             ids = stage.device_ids
             slots = [device_slot(cluster, profiles, spec, mb, i, stage=si, num_stages=p, num_microbatches=m) for i in ids]
-            const = stage_constants(cluster, spec, mb, slots)
-            costs = [layer_cost(slot.profile, spec, mb, d.units / stage.units_per_layer, frozenset(d.recompute))
-                     for slot, d in zip(slots, stage.devices)]
+            const = stage_constants(cluster, spec, mb, ids, first=si == 0, last=si == p - 1)
+            shares = [d.units / stage.units_per_layer for d in stage.devices]
+            costs = [layer_cost(slot.profile, spec, mb, r, frozenset(d.recompute)) for slot, d, r in zip(slots, stage.devices, shares)]
+            edges = [edge_cost(slot, spec, mb, r) for slot, r in zip(slots, shares)]
             L = stage.num_layers
             f_layer = sum(max(c.block_fwd_ms()[k] for c in costs) for k in range(len(BLOCKS)))
             b_layer = sum(max(c.block_bwd_ms()[k] for c in costs) for k in range(len(BLOCKS)))
-            fwd.append(stage_time_ms(L, f_layer, const.allreduce_ms, const.edge_fwd_ms))
-            bwd.append(stage_time_ms(L, b_layer, const.allreduce_ms, const.edge_bwd_ms))
+            fwd.append(stage_time_ms(L, f_layer, const.allreduce_ms, max(e.fwd_ms for e in edges) + const.edge_fwd_comm_ms))
+            bwd.append(stage_time_ms(L, b_layer, const.allreduce_ms, max(e.bwd_ms for e in edges) + const.edge_bwd_comm_ms))
             nxt = pipe.stages[si + 1].device_ids if si + 1 < p else None
             send_f, send_b = pipeline_transfers(cluster, spec, mb, ids, nxt)
             if nxt is not None:
@@ -159,14 +160,14 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
             stage_reports.append(StageReport(
                 pipeline=pi, index=si, devices=ids, first_layer=stage.first_layer, num_layers=L, fwd_ms=fwd[-1], bwd_ms=bwd[-1],
                 allreduce_ms=2 * L * const.allreduce_ms, send_fwd_ms=send_f, send_bwd_ms=send_b))
-            for d, slot, lc in zip(stage.devices, slots, costs):
+            for d, slot, lc, edge in zip(stage.devices, slots, costs, edges):
                 mem = device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
-                                    transient_bytes=lc.transient_bytes)
+                                    transient_bytes=lc.transient_bytes, edge=edge)
                 dev = cluster.device(d.id)
                 device_reports.append(DeviceReport(
                     id=d.id, gpu=dev.gpu.name, pipeline=pi, stage=si, units=d.units, share=d.units / stage.units_per_layer,
                     recompute=list(d.recompute),
-                    fwd_ms=L * sum(lc.fwd_ms.values()) + slot.edge_fwd_ms, bwd_ms=L * sum(lc.bwd_ms.values()) + slot.edge_bwd_ms,
+                    fwd_ms=L * sum(lc.fwd_ms.values()) + edge.fwd_ms, bwd_ms=L * sum(lc.bwd_ms.values()) + edge.bwd_ms,
                     recompute_ms=L * sum(lc.recompute_ms.values()),
                     weights_bytes=float(mem.weights_bytes), grads_bytes=float(mem.grads_bytes),
                     optimizer_bytes=float(mem.optimizer_bytes), activation_bytes=float(mem.activation_bytes),

@@ -1,22 +1,65 @@
-"""A transformer layer as named operators and the tensors that flow between them.
+"""A transformer layer as named operators, each described once: its tensors, FLOPs, parameters and traffic.
 
-Shape legend: b micro-batch, s sequence, h hidden, a heads, f FFN width, r the tensor-parallel share
-(units held / units in the layer) of the device computing the operator, e bytes per element.
+Shape legend: b micro-batch, s sequence, h hidden, a heads, f FFN width, e bytes per element, and r the
+tensor-parallel share (units held / units in the layer) of the device computing the operator.
 
-Each operator states which tensors it reads (``inputs``), creates (``outputs``) and keeps for its
-backward pass (``saves``). The memory model in ``baton.memory`` decides from these lists which tensors
-stay alive when some operators are recomputed, so the lists mirror what ``runtime/model.py`` does.
+Each ``Operator`` states which tensors it reads (``inputs``), creates (``outputs``) and keeps for its
+backward pass (``saves``), and how much work it does at share 1 (``flops``, ``param_count``,
+``bytes_moved``). Everything else reads these descriptions: the memory model (``baton.memory``), the
+analytic tables (``baton.profile``), the cost model's FLOP count and the runtime's profiler. The lists
+mirror what ``runtime/`` does, which the runtime tests check byte for byte.
+
+Attention comes in two implementations (``ModelSpec.attention``):
+  * ``eager``: scores, softmax, dropout and the product with the values as four operators, keeping the
+    (b, a, s, s) score matrices for the backward pass;
+  * ``fused``: one operator (``torch.nn.functional.scaled_dot_product_attention``, flash-style) that keeps
+    q, k, v, its output and the fp32 log-sum-exp of every row (b, a, s), and recomputes the scores in its
+    backward pass. It applies no dropout to the attention probabilities (the CPU and GPU flash kernels
+    keep no mask; the residual dropouts stay), so it is recomputed, like any operator, as a whole.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
+from typing import Callable
 
-from baton.model_spec import ModelSpec
+from baton.model_spec import ModelSpec, unit_counts
 
 # The two all-reduces of a Megatron layer (after the row-parallel out_proj and fc2) are not operators:
 # they are never recomputed, so a recomputed consumer of their result always needs it kept.
 ALLREDUCE = "allreduce"
 LAYER_INPUT = "layer_input"
+
+LSE_BYTES_PER_ROW = 4
+"""The fused kernel keeps one fp32 log-sum-exp per (sample, head, query position)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dims:
+    """Sizes of one micro-batch of one layer, at share 1."""
+
+    b: int
+    """Samples in the micro-batch."""
+    s: int
+    """Sequence length."""
+    h: int
+    """Hidden width."""
+    a: int
+    """Attention heads."""
+    f: int
+    """FFN width."""
+    e: int
+    """Bytes per element of weights and activations."""
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+
+def dims(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) -> Dims:
+    return Dims(b=micro_batch, s=seq_len or spec.seq_len, h=spec.hidden_dim, a=spec.num_heads, f=spec.ffn_dim,
+                e=spec.dtype_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,7 +69,7 @@ class Operator:
     name: str
     """Unique within the layer; plans name recomputed operators by it."""
     kind: str
-    """matmul, bmm, norm, softmax, dropout, elementwise: picks the efficiency of the analytic profile."""
+    """matmul, bmm, attention, norm, softmax, dropout, elementwise: picks the efficiency of the analytic profile."""
     block: str
     """'attn' or 'mlp': the stretch between two all-reduces, where a TP group waits for its slowest rank."""
     tp_split: bool
@@ -37,6 +80,103 @@ class Operator:
     """Tensors created."""
     saves: tuple[str, ...]
     """Tensors its backward needs (inputs, own outputs, or private ones such as masks)."""
+    flops: Callable[[Dims], float]
+    """Forward FLOPs at share 1 (TP-split operators do share * this)."""
+    bytes_moved: Callable[[Dims], float]
+    """Forward DRAM traffic at share 1, reads and writes, weights included."""
+    param_count: Callable[[Dims], int] = lambda d: 0
+    """Parameters at share 1."""
+
+
+def _attention_ops(spec: ModelSpec, op=Operator) -> list[Operator]:
+    if spec.attention == "fused":
+        return [op(name="attn_core", kind="attention", block="attn", tp_split=True,
+                   inputs=("q", "k", "v"), outputs=("ctx",), saves=("q", "k", "v", "ctx", "attn_lse"),
+                   flops=lambda d: 4 * d.b * d.s * d.s * d.h + 5 * d.b * d.a * d.s * d.s,
+                   # Scores stay on chip: q, k, v read, the output written, the row statistics written.
+                   bytes_moved=lambda d: 4 * d.tokens * d.h * d.e + d.b * d.a * d.s * LSE_BYTES_PER_ROW)]
+    drop = spec.dropout > 0.0
+    probs = "probs_dropped" if drop else "probs"
+    ops = [
+        op(name="attn_scores", kind="bmm", block="attn", tp_split=True,
+           inputs=("q", "k"), outputs=("scores",), saves=("q", "k"),
+           flops=lambda d: 2 * d.b * d.s * d.s * d.h, bytes_moved=lambda d: 2 * d.tokens * d.h * d.e + d.b * d.a * d.s * d.s * d.e),
+        op(name="softmax", kind="softmax", block="attn", tp_split=True,
+           inputs=("scores",), outputs=("probs",), saves=("probs",),
+           flops=lambda d: 5 * d.b * d.a * d.s * d.s, bytes_moved=lambda d: 2 * d.b * d.a * d.s * d.s * d.e),
+    ]
+    if drop:
+        ops.append(op(name="attn_dropout", kind="dropout", block="attn", tp_split=True,
+                      inputs=("probs",), outputs=("probs_dropped",), saves=("attn_mask",),
+                      flops=lambda d: 2 * d.b * d.a * d.s * d.s,
+                      bytes_moved=lambda d: 2 * d.b * d.a * d.s * d.s * d.e + d.b * d.a * d.s * d.s))
+    ops.append(op(name="attn_v", kind="bmm", block="attn", tp_split=True,
+                  inputs=(probs, "v"), outputs=("ctx",), saves=(probs, "v"),
+                  flops=lambda d: 2 * d.b * d.s * d.s * d.h, bytes_moved=lambda d: d.b * d.a * d.s * d.s * d.e + 2 * d.tokens * d.h * d.e))
+    return ops
+
+
+def layer_operators(spec: ModelSpec) -> tuple[Operator, ...]:
+    """The forward pass of one layer, in execution order."""
+    drop = spec.dropout > 0.0
+    op = Operator
+    ops = [
+        op(name="ln1", kind="norm", block="attn", tp_split=False,
+           inputs=(LAYER_INPUT,), outputs=("ln1_out",), saves=(LAYER_INPUT, "ln1_stats"),
+           flops=lambda d: 5 * d.tokens * d.h, bytes_moved=lambda d: 2 * d.tokens * d.h * d.e, param_count=lambda d: 2 * d.h),
+        op(name="qkv", kind="matmul", block="attn", tp_split=True,
+           inputs=("ln1_out",), outputs=("q", "k", "v"), saves=("ln1_out",),
+           flops=lambda d: 2 * d.tokens * d.h * 3 * d.h, bytes_moved=lambda d: 3 * d.h * d.h * d.e + 4 * d.tokens * d.h * d.e,
+           param_count=lambda d: 3 * d.h * d.h + 3 * d.h),
+        *_attention_ops(spec),
+        op(name="out_proj", kind="matmul", block="attn", tp_split=True,
+           inputs=("ctx",), outputs=("attn_partial",), saves=("ctx",),
+           flops=lambda d: 2 * d.tokens * d.h * d.h, bytes_moved=lambda d: d.h * d.h * d.e + 2 * d.tokens * d.h * d.e,
+           param_count=lambda d: d.h * d.h + d.h),
+        op(name="resid1", kind="dropout" if drop else "elementwise", block="attn", tp_split=False,
+           inputs=("attn_out", LAYER_INPUT), outputs=("x_mid",), saves=("resid1_mask",) if drop else (),
+           flops=lambda d: 3 * d.tokens * d.h, bytes_moved=lambda d: 3 * d.tokens * d.h * d.e + d.tokens * d.h),
+        op(name="ln2", kind="norm", block="mlp", tp_split=False,
+           inputs=("x_mid",), outputs=("ln2_out",), saves=("x_mid", "ln2_stats"),
+           flops=lambda d: 5 * d.tokens * d.h, bytes_moved=lambda d: 2 * d.tokens * d.h * d.e, param_count=lambda d: 2 * d.h),
+        op(name="fc1", kind="matmul", block="mlp", tp_split=True,
+           inputs=("ln2_out",), outputs=("fc1_out",), saves=("ln2_out",),
+           flops=lambda d: 2 * d.tokens * d.h * d.f, bytes_moved=lambda d: d.h * d.f * d.e + d.tokens * d.h * d.e + d.tokens * d.f * d.e,
+           param_count=lambda d: d.h * d.f + d.f),
+        op(name="gelu", kind="elementwise", block="mlp", tp_split=True,
+           inputs=("fc1_out",), outputs=("gelu_out",), saves=("fc1_out",),
+           flops=lambda d: 8 * d.tokens * d.f, bytes_moved=lambda d: 2 * d.tokens * d.f * d.e),
+        op(name="fc2", kind="matmul", block="mlp", tp_split=True,
+           inputs=("gelu_out",), outputs=("mlp_partial",), saves=("gelu_out",),
+           flops=lambda d: 2 * d.tokens * d.f * d.h, bytes_moved=lambda d: d.f * d.h * d.e + d.tokens * d.h * d.e + d.tokens * d.f * d.e,
+           param_count=lambda d: d.f * d.h + d.h),
+        op(name="resid2", kind="dropout" if drop else "elementwise", block="mlp", tp_split=False,
+           inputs=("mlp_out", "x_mid"), outputs=("layer_output",), saves=("resid2_mask",) if drop else (),
+           flops=lambda d: 3 * d.tokens * d.h, bytes_moved=lambda d: 3 * d.tokens * d.h * d.e + d.tokens * d.h),
+    ]
+    return tuple(ops)
+
+
+def table_operators(spec: ModelSpec) -> tuple[Operator, ...]:
+    """Every operator a derived table carries for ``spec``: both attention implementations, so one table
+    serves a model whichever it uses (a measured table holds what was measured)."""
+    from dataclasses import replace
+
+    seen, out = set(), []
+    for attention in ("eager", "fused"):
+        for o in layer_operators(replace(spec, attention=attention)):
+            if o.name not in seen:
+                seen.add(o.name)
+                out.append(o)
+    return tuple(out)
+
+
+# The all-reduce after each row-parallel matmul turns the partial sum into the full tensor.
+ALLREDUCE_OUTPUTS = {"attn_partial": "attn_out", "mlp_partial": "mlp_out"}
+
+
+def operator_names(spec: ModelSpec) -> list[str]:
+    return [o.name for o in layer_operators(spec)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,57 +194,10 @@ class TensorSize:
         return self.bytes_at_full_share * (share if self.tp_split else 1.0)
 
 
-def layer_operators(spec: ModelSpec) -> tuple[Operator, ...]:
-    """The forward pass of one layer, in execution order."""
-    drop = spec.dropout > 0.0
-    op = Operator
-    attn_probs = "probs_dropped" if drop else "probs"
-    ops = [
-        op(name="ln1", kind="norm", block="attn", tp_split=False,
-           inputs=(LAYER_INPUT,), outputs=("ln1_out",), saves=(LAYER_INPUT, "ln1_stats")),
-        op(name="qkv", kind="matmul", block="attn", tp_split=True,
-           inputs=("ln1_out",), outputs=("q", "k", "v"), saves=("ln1_out",)),
-        op(name="attn_scores", kind="bmm", block="attn", tp_split=True,
-           inputs=("q", "k"), outputs=("scores",), saves=("q", "k")),
-        op(name="softmax", kind="softmax", block="attn", tp_split=True,
-           inputs=("scores",), outputs=("probs",), saves=("probs",)),
-    ]
-    if drop:
-        ops.append(op(name="attn_dropout", kind="dropout", block="attn", tp_split=True,
-                      inputs=("probs",), outputs=("probs_dropped",), saves=("attn_mask",)))
-    ops += [
-        op(name="attn_v", kind="bmm", block="attn", tp_split=True,
-           inputs=(attn_probs, "v"), outputs=("ctx",), saves=(attn_probs, "v")),
-        op(name="out_proj", kind="matmul", block="attn", tp_split=True,
-           inputs=("ctx",), outputs=("attn_partial",), saves=("ctx",)),
-        op(name="resid1", kind="dropout" if drop else "elementwise", block="attn", tp_split=False,
-           inputs=("attn_out", LAYER_INPUT), outputs=("x_mid",), saves=("resid1_mask",) if drop else ()),
-        op(name="ln2", kind="norm", block="mlp", tp_split=False,
-           inputs=("x_mid",), outputs=("ln2_out",), saves=("x_mid", "ln2_stats")),
-        op(name="fc1", kind="matmul", block="mlp", tp_split=True,
-           inputs=("ln2_out",), outputs=("fc1_out",), saves=("ln2_out",)),
-        op(name="gelu", kind="elementwise", block="mlp", tp_split=True,
-           inputs=("fc1_out",), outputs=("gelu_out",), saves=("fc1_out",)),
-        op(name="fc2", kind="matmul", block="mlp", tp_split=True,
-           inputs=("gelu_out",), outputs=("mlp_partial",), saves=("gelu_out",)),
-        op(name="resid2", kind="dropout" if drop else "elementwise", block="mlp", tp_split=False,
-           inputs=("mlp_out", "x_mid"), outputs=("layer_output",), saves=("resid2_mask",) if drop else ()),
-    ]
-    return tuple(ops)
-
-
-# The all-reduce after each row-parallel matmul turns the partial sum into the full tensor.
-ALLREDUCE_OUTPUTS = {"attn_partial": "attn_out", "mlp_partial": "mlp_out"}
-
-
-def operator_names(spec: ModelSpec) -> list[str]:
-    return [o.name for o in layer_operators(spec)]
-
-
 def tensor_sizes(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) -> dict[str, TensorSize]:
     """Analytic sizes of every tensor of one layer for one micro-batch."""
-    b, s = micro_batch, seq_len or spec.seq_len
-    h, a, f, e = spec.hidden_dim, spec.num_heads, spec.ffn_dim, spec.dtype_bytes
+    d = dims(spec, micro_batch, seq_len)
+    b, s, h, a, f, e = d.b, d.s, d.h, d.a, d.f, d.e
     bsh = b * s * h * e
     bass = b * a * s * s * e
     t = TensorSize
@@ -119,6 +212,7 @@ def tensor_sizes(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) 
         t(name="probs", bytes_at_full_share=bass, tp_split=True),
         t(name="attn_mask", bytes_at_full_share=b * a * s * s, tp_split=True),
         t(name="probs_dropped", bytes_at_full_share=bass, tp_split=True),
+        t(name="attn_lse", bytes_at_full_share=b * a * s * LSE_BYTES_PER_ROW, tp_split=True),
         t(name="ctx", bytes_at_full_share=bsh, tp_split=True),
         t(name="attn_partial", bytes_at_full_share=bsh, tp_split=False),
         t(name="attn_out", bytes_at_full_share=bsh, tp_split=False),
@@ -138,31 +232,17 @@ def tensor_sizes(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) 
 
 def operator_flops(spec: ModelSpec, op: Operator, micro_batch: int, seq_len: int | None = None) -> float:
     """Forward FLOPs of one operator at share 1 (multiply by the share for TP-split operators)."""
-    b, s = micro_batch, seq_len or spec.seq_len
-    h, a, f = spec.hidden_dim, spec.num_heads, spec.ffn_dim
-    tokens = b * s
-    return {
-        "ln1": 5 * tokens * h,
-        "qkv": 2 * tokens * h * 3 * h,
-        "attn_scores": 2 * b * s * s * h,
-        "softmax": 5 * b * a * s * s,
-        "attn_dropout": 2 * b * a * s * s,
-        "attn_v": 2 * b * s * s * h,
-        "out_proj": 2 * tokens * h * h,
-        "resid1": 3 * tokens * h,
-        "ln2": 5 * tokens * h,
-        "fc1": 2 * tokens * h * f,
-        "gelu": 8 * tokens * f,
-        "fc2": 2 * tokens * f * h,
-        "resid2": 3 * tokens * h,
-    }[op.name]
+    return op.flops(dims(spec, micro_batch, seq_len))
+
+
+def operator_bytes_moved(spec: ModelSpec, op: Operator, micro_batch: int, seq_len: int | None = None) -> float:
+    """Forward DRAM traffic of one operator at share 1."""
+    return op.bytes_moved(dims(spec, micro_batch, seq_len))
 
 
 def operator_param_count(spec: ModelSpec, op: Operator) -> int:
     """Parameters of one operator at share 1 (TP-split operators hold share * this)."""
-    h, f = spec.hidden_dim, spec.ffn_dim
-    return {"ln1": 2 * h, "ln2": 2 * h, "qkv": 3 * h * h + 3 * h, "out_proj": h * h + h,
-            "fc1": h * f + f, "fc2": f * h + h}.get(op.name, 0)
+    return op.param_count(dims(spec, 1))
 
 
 # Operators that belong to one stage only: the token+position embedding on the first stage and the
@@ -170,3 +250,29 @@ def operator_param_count(spec: ModelSpec, op: Operator) -> int:
 EMBEDDING = "embedding"
 HEAD = "head"
 EDGE_OPERATORS = (EMBEDDING, HEAD)
+
+
+def vocab_split_granularity(spec: ModelSpec) -> int:
+    """The least common multiple of every partition granularity U the model allows (divisors of both the
+    head count and the FFN width): a vocabulary padded to a multiple of it splits into u/U shares of
+    whole rows for every (U, u) a plan can choose."""
+    lcm = 1
+    for u in unit_counts(spec):
+        lcm = lcm * u // math.gcd(lcm, u)
+    return lcm
+
+
+@functools.lru_cache(maxsize=256)
+def padded_vocab(spec: ModelSpec) -> int:
+    """Rows of the embedding and LM head as the runtime holds them: the vocabulary rounded up to a multiple
+    of ``vocab_split_granularity``. The extra rows are never looked up and their logits are masked out of
+    the loss, so they change no number of the model; they make every rank's vocabulary share exact."""
+    g = vocab_split_granularity(spec)
+    return -(-spec.vocab_size // g) * g
+
+
+def vocab_rows(spec: ModelSpec, units_before: int, units: int, units_per_layer: int) -> range:
+    """The rows of the padded vocabulary a rank holds: share units / units_per_layer, after the ranks
+    holding ``units_before`` units."""
+    per_unit = padded_vocab(spec) // units_per_layer
+    return range(units_before * per_unit, (units_before + units) * per_unit)

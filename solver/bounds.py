@@ -14,17 +14,19 @@ They let the outer search skip candidates without building their MILP. Each boun
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (device_slot, embedding_sync_ms, layer_allreduce_ms, layer_cost, layer_limits, layer_prices,
+from baton.costmodel import (device_slot, edge_cost, embedding_sync_ms, stage_constants, layer_allreduce_ms, layer_cost, layer_limits, layer_prices,
                              layer_train_ms, fitting_layers, pipeline_transfers)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
 
 from solver.options import valid_unit_counts
-from solver.space import Skeleton
+from solver.space import Skeleton, replica_pattern
 
 
 def _layer_ms(profile, spec, mb, share, part="fb") -> float:
@@ -65,12 +67,26 @@ def _slot(spec, cluster, profiles, mb, device_id, s, p, m):
     return device_slot(cluster, profiles, spec, mb, device_id, stage=s, num_stages=p, num_microbatches=m)
 
 
+def possible_shares(spec, n: int, tied: bool) -> list[float]:
+    """Every share a rank of an n-device group can get (only the equal one when the stage is tied)."""
+    Umax = max(valid_unit_counts(spec))
+    return [1.0 / n] if tied else [k / Umax for k in range(1, Umax - n + 2)]
+
+
+def edge_lower_bounds(spec, slot, mb, shares) -> tuple[float, float, float]:
+    """(fwd + bwd, bwd, parameter bytes) of a device's embedding/head, each the least over its possible
+    shares: the vocabulary is split like the units, so a smaller share costs less."""
+    edges = [edge_cost(slot, spec, mb, r) for r in shares]
+    if not edges:  # more ranks than units: the group cannot exist
+        return math.inf, math.inf, math.inf
+    return (min(e.fwd_ms + e.bwd_ms for e in edges), min(e.bwd_ms for e in edges), min(e.param_bytes for e in edges))
+
+
 def stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space: RecomputeSpace, N: int, tied: bool) -> int:
     """Upper bound on the layers stage s can hold: every device at its least memory-hungry recompute set,
     maximised over the shares it may get (only the equal share when the stage is tied, see instance.py)."""
-    Umax = max(valid_unit_counts(spec))
     n = len(ids)
-    shares = [1.0 / n] if tied else [k / Umax for k in range(1, Umax - n + 2)]
+    shares = possible_shares(spec, n, tied)
     if not shares:
         return -1
     cap = N
@@ -88,6 +104,8 @@ class BoundCache:
         self.tau: dict = {}
         self.cap: dict = {}
         self.per_layer: dict = {}
+        self.replica: dict = {}
+        self.stage: dict = {}
 
 
 def _group_key(cluster, ids):
@@ -100,6 +118,11 @@ def _group_key(cluster, ids):
 def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, mb: int,
                           global_batch: int, space: RecomputeSpace, cache: BoundCache | None = None,
                           monotone: dict | None = None) -> float:
+    """A lower bound on every plan of the candidate: the slowest replica's pipeline bound, the tied
+    embedding sync, and the least optimizer step of any device.
+
+    A replica is bounded once per ``replica_pattern`` (the same replica on other nodes of the same kinds
+    costs the same), here and across candidates: large clusters repeat one replica hundreds of times."""
     cache = cache or BoundCache()
     r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
     m = global_batch // (mb * r)
@@ -108,51 +131,72 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
     lo, _ = layer_limits(N, p)
     if sum(lo) > N:
         return float("inf")
-    best = 0.0
+    best, opt = 0.0, 0.0
     for pipe in skeleton.pipelines:
-        tau, tau_b, edge, edge_b, cap, per_fb, per_b = [], [], [], [], [], [], []
-        for s, ids in enumerate(pipe):
-            gk = _group_key(cluster, ids)
-            if (mb, gk) not in cache.tau:
-                cache.tau[mb, gk] = (stage_layer_lower_bound(spec, cluster, profiles, mb, ids),
-                                     stage_layer_lower_bound(spec, cluster, profiles, mb, ids, "b"))
-            tau.append(cache.tau[mb, gk][0])
-            tau_b.append(cache.tau[mb, gk][1])
-            slots = [_slot(spec, cluster, profiles, mb, i, s, p, m) for i in ids]
-            edge.append(max(x.edge_fwd_ms + x.edge_bwd_ms for x in slots))
-            edge_b.append(max(x.edge_bwd_ms for x in slots))
-            Umax = max(valid_unit_counts(spec))
-            tied = (len(gk[0]) == 1 or len(set(gk[0])) == 1) and Umax % len(ids) == 0 and bool(monotone and monotone.get(gk[0][0][0]))
-            ck = (mb, gk[0], s == 0, s == p - 1, slots[0].in_flight, tied)
-            if ck not in cache.cap:
-                cache.cap[ck] = stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space, N, tied)
-            cap.append(cache.cap[ck])
-            if tied:
-                pk = ck + (gk[1],)  # the per-layer time includes the group's all-reduces: its link matters
-                if pk not in cache.per_layer:
-                    cache.per_layer[pk] = tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N)
-                fb, bb = cache.per_layer[pk]
-                per_fb.append(np.maximum(fb, tau[-1]))
-                per_b.append(np.maximum(bb, tau_b[-1]))
-            else:
-                per_fb.append(np.full(N + 1, tau[-1]))
-                per_b.append(np.full(N + 1, tau_b[-1]))
-        tau, edge, cap, lo_a = np.array(tau), np.array(edge), np.array(cap), np.array(lo)
-        tau_b, edge_b = np.array(tau_b), np.array(edge_b)
-        if np.any(cap < lo_a) or cap.sum() < N or not np.all(np.isfinite(tau)):
+        key = (mb, m, replica_pattern(cluster, pipe), bool(monotone))
+        if key not in cache.replica:
+            links = sum(sum(pipeline_transfers(cluster, spec, mb, pipe[s], pipe[s + 1])) for s in range(p - 1))
+            cache.replica[key] = _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache, monotone)
+        rb, ro = cache.replica[key]
+        if not math.isfinite(rb):
             return float("inf")
-        Ls = np.arange(N + 1)
-        with np.errstate(invalid="ignore"):
-            c = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_fb), 0.0) + edge[:, None]
-            cb = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_b), 0.0) + edge_b[:, None]
-        links = sum(sum(pipeline_transfers(cluster, spec, mb, pipe[s], pipe[s + 1])) for s in range(p - 1))
-        best = max(best, _pipeline_bound(c, tau, edge, cap, lo_a, N, m, p), _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p) + links)
-    emb = embedding_sync_ms(cluster, spec, skeleton.pipelines)
+        best, opt = max(best, rb), max(opt, ro)
+    return best + embedding_sync_ms(cluster, spec, skeleton.pipelines) + opt
+
+
+def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache, monotone) -> tuple[float, float]:
+    """(pipeline bound, least optimizer step of its devices) of one replica."""
+    p, N = len(pipe), spec.num_layers
+    rows = []
+    for s, ids in enumerate(pipe):
+        # A stage's figures depend on its group up to interchangeable nodes and on its position only.
+        key = (mb, s == 0, s == p - 1, min(p - s, m), replica_pattern(cluster, (ids,)), bool(monotone))
+        if key not in cache.stage:
+            cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone)
+        rows.append(cache.stage[key])
+    tau, tau_b, edge, edge_b, cap, per_fb, per_b, opts = (list(x) for x in zip(*rows))
+    tau, edge, cap, lo_a = np.array(tau), np.array(edge), np.array(cap), np.array(lo)
+    tau_b, edge_b = np.array(tau_b), np.array(edge_b)
+    if np.any(cap < lo_a) or cap.sum() < N or not np.all(np.isfinite(tau)):
+        return float("inf"), 0.0
+    Ls = np.arange(N + 1)
+    with np.errstate(invalid="ignore"):
+        c = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_fb), 0.0) + edge[:, None]
+        cb = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_b), 0.0) + edge_b[:, None]
+    bound = max(_pipeline_bound(c, tau, edge, cap, lo_a, N, m, p), _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p) + links)
+    return bound, max(opts)
+
+
+def _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone):
+    """(tau, tau_b, edge F+B, edge B, layer cap, per-layer F+B by L, per-layer B by L, least optimizer step)
+    of one stage at its position."""
+    N = spec.num_layers
+    gk = _group_key(cluster, ids)
+    if (mb, gk) not in cache.tau:
+        cache.tau[mb, gk] = (stage_layer_lower_bound(spec, cluster, profiles, mb, ids),
+                             stage_layer_lower_bound(spec, cluster, profiles, mb, ids, "b"))
+    tau, tau_b = cache.tau[mb, gk]
+    slots = [_slot(spec, cluster, profiles, mb, i, s, p, m) for i in ids]
+    Umax = max(valid_unit_counts(spec))
+    tied = (len(gk[0]) == 1 or len(set(gk[0])) == 1) and Umax % len(ids) == 0 and bool(monotone and monotone.get(gk[0][0][0]))
+    const = stage_constants(cluster, spec, mb, ids, first=s == 0, last=s == p - 1)
+    low = [edge_lower_bounds(spec, x, mb, possible_shares(spec, len(ids), tied)) for x in slots]
+    edge = max(x[0] for x in low) + const.edge_fwd_comm_ms + const.edge_bwd_comm_ms
+    edge_b = max(x[1] for x in low) + const.edge_bwd_comm_ms
     # Every device steps at least its embedding/head weights (eq. 10).
-    opt = max(x.optimizer_ms_per_byte * x.edge_param_bytes
-              for pipe in skeleton.pipelines for s, ids in enumerate(pipe)
-              for x in (_slot(spec, cluster, profiles, mb, i, s, p, m) for i in ids))
-    return best + emb + opt
+    opt = max(x.optimizer_ms_per_byte * lo_[2] for x, lo_ in zip(slots, low))
+    ck = (mb, gk[0], s == 0, s == p - 1, slots[0].in_flight, tied)
+    if ck not in cache.cap:
+        cache.cap[ck] = stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space, N, tied)
+    if tied:
+        pk = ck + (gk[1],)  # the per-layer time includes the group's all-reduces: its link matters
+        if pk not in cache.per_layer:
+            cache.per_layer[pk] = tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N)
+        fb, bb = cache.per_layer[pk]
+        per_fb, per_b = np.maximum(fb, tau), np.maximum(bb, tau_b)
+    else:
+        per_fb, per_b = np.full(N + 1, tau), np.full(N + 1, tau_b)
+    return tau, tau_b, edge, edge_b, cache.cap[ck], per_fb, per_b, opt
 
 
 def _fill_cost(tau, edge, caps, lo, N):

@@ -50,7 +50,8 @@ def _shares(inst: Instance, s: int) -> list[tuple[int, int]] | None:
 
 
 def _per_layer(inst: Instance, s: int, shares, L: int):
-    """Per replica: (F + B per layer incl. all-reduces, chosen Choice per group) for L layers, or None."""
+    """Per replica: (F + B per layer incl. all-reduces, chosen Choice per group, embedding/head F + B) for L
+    layers, or None."""
     out = []
     for rho in range(inst.modelled_replicas):
         stage = inst.stages[rho][s]
@@ -61,7 +62,9 @@ def _per_layer(inst: Instance, s: int, shares, L: int):
                 return None
             picked.append(min(cs, key=lambda c: (sum(c.bwd), len(c.recompute))))
         t = sum(max(c.fwd[k] for c in picked) + max(c.bwd[k] for c in picked) for k in range(2)) + 2 * stage.allreduce_ms
-        out.append((t, picked))
+        edge = (max(c.edge_fwd_ms for c in picked) + max(c.edge_bwd_ms for c in picked)
+                + stage.edge_fwd_comm_ms + stage.edge_bwd_comm_ms)
+        out.append((t, picked, edge))
     return out
 
 
@@ -76,8 +79,7 @@ def greedy_plan(inst: Instance) -> Plan | None:
         got = _per_layer(inst, s, shares[s], L)
         if got is None:
             return math.inf
-        edge = max(st.edge_fwd_ms + st.edge_bwd_ms for st in (inst.stages[rho][s] for rho in range(inst.modelled_replicas)))
-        return max(L * t for t, _ in got) + edge
+        return max(L * t + edge for t, _, edge in got)
 
     cost = [[stage_cost(s, L) if inst.min_layers[s] <= L <= inst.max_layers[s] else math.inf for L in range(N + 1)]
             for s in range(p)]
@@ -107,7 +109,7 @@ def greedy_plan(inst: Instance) -> Plan | None:
         src = rho if inst.modelled_replicas > 1 else 0
         stages, first = [], 0
         for s, ids in enumerate(pipe):
-            _, picked = _per_layer(inst, s, shares[s], layers[s])[src]
+            _, picked, _ = _per_layer(inst, s, shares[s], layers[s])[src]
             devs = []
             for k, dev_id in enumerate(ids):
                 c = picked[0 if inst.stages[src][s].tied else k]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (data_parallel_sync_line, device_slot, embedding_sync_ms, layer_limits,
+from baton.costmodel import (data_parallel_sync_line, device_slot, edge_cost, embedding_sync_ms, layer_limits,
                              pipeline_transfers, stage_constants)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
@@ -39,12 +39,7 @@ class Group:
     choices: dict
     """(U, u) -> list[Choice]."""
     slots: list
-    """DeviceSlot of each device of the group (edge terms, memory, eq. 10's optimizer slope)."""
-
-    @property
-    def edge_param_gb(self) -> float:
-        """Embedding / head parameters each device holds (GB)."""
-        return self.slots[0].edge_param_bytes / GB
+    """DeviceSlot of each device of the group (position, memory, eq. 10's optimizer slope)."""
 
     @property
     def opt_ms_per_gb(self) -> list[float]:
@@ -59,9 +54,10 @@ class StageData:
     ids: list[str]
     allreduce_ms: float
     """TP all-reduce ms per layer per direction (both all-reduces, eq. 5)."""
-    edge_fwd_ms: float
-    """Slowest device's embedding/head forward (eq. 9)."""
-    edge_bwd_ms: float
+    edge_fwd_comm_ms: float
+    """All-reduces of the vocabulary-parallel embedding/loss in the forward (StageConstants)."""
+    edge_bwd_comm_ms: float
+    """The head's input-gradient all-reduce in the backward."""
     send_fwd_ms: float
     """Activation transfer to the next stage (eq. 6); 0 for the last."""
     send_bwd_ms: float
@@ -155,7 +151,7 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
         for s, ids in enumerate(pipe):
             ids = list(ids)
             slots = slots_of(pipe, s)
-            const = stage_constants(cluster, spec, micro_batch, slots)
+            const = stage_constants(cluster, spec, micro_batch, ids, first=s == 0, last=s == p - 1)
             sf, sb = pipeline_transfers(cluster, spec, micro_batch, ids, pipe[s + 1] if s + 1 < p else None)
             members = [list(range(len(ids)))] if tied[s] else [[k] for k in range(len(ids))]
             groups = []
@@ -167,8 +163,10 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
                                            cap=max_layers[s], prune=prune)
                     if allowed is not None and allowed.get("recompute") is not None:
                         found = [f for f in found if f[0] in allowed["recompute"]]
+                    edge = edge_cost(slot, spec, micro_batch, u / U)
                     lst = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
-                                  max_layers=L, param_bytes=lc.param_bytes) for rset, lc, L in found]
+                                  max_layers=L, param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms, edge_bwd_ms=edge.bwd_ms,
+                                  edge_param_bytes=edge.param_bytes) for rset, lc, L in found]
                     if lst:
                         choices[(U, u)] = lst
                 groups.append(Group(ids=[ids[j] for j in member], rank=None if tied[s] else k, choices=choices,
@@ -176,8 +174,8 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
             if any(not g.choices for g in groups):
                 bad = next(g for g in groups if not g.choices)
                 return _infeasible(spec, skeleton, micro_batch, m, f"device {bad.ids[0]} cannot hold stage {s} under any share and recompute set")
-            row.append(StageData(replica=rho, index=s, ids=ids, allreduce_ms=const.allreduce_ms, edge_fwd_ms=const.edge_fwd_ms,
-                                 edge_bwd_ms=const.edge_bwd_ms, send_fwd_ms=sf, send_bwd_ms=sb, groups=groups, tied=tied[s]))
+            row.append(StageData(replica=rho, index=s, ids=ids, allreduce_ms=const.allreduce_ms,
+                                 edge_fwd_comm_ms=const.edge_fwd_comm_ms, edge_bwd_comm_ms=const.edge_bwd_comm_ms, send_fwd_ms=sf, send_bwd_ms=sb, groups=groups, tied=tied[s]))
         stages.append(row)
 
     emb = embedding_sync_ms(cluster, spec, skeleton.pipelines)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from baton.costmodel import device_memory, device_slot, layer_cost_of, layer_limits, layer_prices
+from baton.costmodel import device_memory, device_slot, edge_cost, layer_cost_of, layer_limits, layer_prices
 from baton.memory import RecomputeSpace
 from baton.plan import DeviceShare, Pipeline, Plan, Stage
 
@@ -33,15 +33,15 @@ def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: i
             slot = device_slot(cluster, profiles, spec, micro_batch, dev.id, stage=s, num_stages=p, num_microbatches=m)
             t = layer_prices(slot.profile, spec, micro_batch, u / U, space)
             i = int(np.lexsort((t.transient_bytes, t.held_bytes))[0])
-            rows.append((dev, u, space.recompute_set(i), layer_cost_of(t, i), slot))
+            rows.append((dev, u, space.recompute_set(i), layer_cost_of(t, i), slot, edge_cost(slot, spec, micro_batch, u / U)))
         stage_devs.append(rows)
 
     lo, _ = layer_limits(N, p)
 
     def over(s, L):
         return max(device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
-                                 transient_bytes=lc.transient_bytes).peak_bytes - slot.memory_bytes
-                   for _, _, _, lc, slot in stage_devs[s])
+                                 transient_bytes=lc.transient_bytes, edge=edge).peak_bytes - slot.memory_bytes
+                   for _, _, _, lc, slot, edge in stage_devs[s])
 
     def split(theta):
         caps = []
@@ -72,7 +72,7 @@ def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: i
     stages, first = [], 0
     for s, rows in enumerate(stage_devs):
         stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
-            DeviceShare(id=dev.id, units=u, recompute=tuple(o for o in space.ops if o in rset)) for dev, u, rset, _, _ in rows)))
+            DeviceShare(id=dev.id, units=u, recompute=tuple(o for o in space.ops if o in rset)) for dev, u, rset, _, _, _ in rows)))
         first += layers[s]
     return Plan(model=spec, cluster=cluster.name, micro_batch_size=micro_batch, num_microbatches=m,
                 pipelines=(Pipeline(stages=tuple(stages)),))

@@ -114,6 +114,8 @@ class InnerModel:
         m.TF = pyo.Var([(rho, s, b) for rho, s in rs for b in range(2)], domain=pyo.NonNegativeReals)
         m.TB = pyo.Var([(rho, s, b) for rho, s in rs for b in range(2)], domain=pyo.NonNegativeReals)
         m.F = pyo.Var(rs, domain=pyo.NonNegativeReals)
+        m.EF = pyo.Var(rs, domain=pyo.NonNegativeReals)
+        m.EB = pyo.Var(rs, domain=pyo.NonNegativeReals)
         m.B = pyo.Var(rs, domain=pyo.NonNegativeReals)
         m.qF = pyo.Var([(rho, s, j) for rho, s in rs for j in range(self.nbits)], domain=pyo.NonNegativeReals)
         m.qB = pyo.Var([(rho, s, j) for rho, s in rs for j in range(self.nbits)], domain=pyo.NonNegativeReals)
@@ -171,7 +173,8 @@ class InnerModel:
         m.layers.add(sum(m.L[s] for s in range(self.p)) == inst.spec.num_layers)
 
     def block_time_is_slowest_device(self) -> None:
-        """Eq. 2 / eq. 9: per layer, a TP group waits for its slowest rank in each block (attn, mlp)."""
+        """Eq. 2 / eq. 9: per layer, a TP group waits for its slowest rank in each block (attn, mlp); the
+        embedding/head (vocabulary split by share) waits for its slowest rank too."""
         m = self.m
         m.block = pyo.ConstraintList()
         for (rho, s, g) in self.groups:
@@ -179,6 +182,8 @@ class InnerModel:
             for b in range(2):
                 m.block.add(m.TF[rho, s, b] >= sum(self._choice(k).fwd[b] * m.x[k] for k in keys))
                 m.block.add(m.TB[rho, s, b] >= sum(self._choice(k).bwd[b] * m.x[k] for k in keys))
+            m.block.add(m.EF[rho, s] >= sum(self._choice(k).edge_fwd_ms * m.x[k] for k in keys))
+            m.block.add(m.EB[rho, s] >= sum(self._choice(k).edge_bwd_ms * m.x[k] for k in keys))
 
     def _layer_time_bound(self, rho: int, s: int, which: int) -> float:
         st = self.inst.stages[rho][s]
@@ -197,7 +202,8 @@ class InnerModel:
         for rho in range(self.R):
             for s in range(self.p):
                 st = inst.stages[rho][s]
-                for which, (T, q, Fv, edge) in enumerate(((m.TF, m.qF, m.F, st.edge_fwd_ms), (m.TB, m.qB, m.B, st.edge_bwd_ms))):
+                for which, (T, q, Fv, edge) in enumerate(((m.TF, m.qF, m.F, m.EF[rho, s] + st.edge_fwd_comm_ms),
+                                                          (m.TB, m.qB, m.B, m.EB[rho, s] + st.edge_bwd_comm_ms))):
                     per_layer = T[rho, s, 0] + T[rho, s, 1] + st.allreduce_ms
                     M = self._layer_time_bound(rho, s, which)
                     for j in range(self.nbits):
@@ -252,11 +258,11 @@ class InnerModel:
                 cs = grp.choices.get(opt)
                 if not cs:
                     continue
-                param = cs[0].param_bytes / GB
+                param, edge = cs[0].param_bytes / GB, cs[0].edge_param_bytes / GB
                 if grp.rank is None:
-                    m.weights.add(m.W[rho, s, g] >= param * m.L[s] + grp.edge_param_gb)
+                    m.weights.add(m.W[rho, s, g] >= param * m.L[s] + edge)
                 else:
-                    m.weights.add(m.W[rho, s, g] >= param * m.L[s] + grp.edge_param_gb - param * N * (1 - m.v[s, grp.rank, o]))
+                    m.weights.add(m.W[rho, s, g] >= param * m.L[s] + edge - (param * N + edge) * (1 - m.v[s, grp.rank, o]))
 
     def optimizer_step_is_slowest_device(self) -> None:
         """Eq. 10: every device runs its Adam step; the iteration waits for the slowest."""

@@ -12,19 +12,22 @@ same plan with the other set is as fast and fits too. Nothing else of the plan d
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from baton.costmodel import DeviceSlot, LayerCost, fitting_layers, layer_cost_of, layer_prices
 from baton.memory import RecomputeSpace
-from baton.model_spec import ModelSpec
+from baton.model_spec import ModelSpec, unit_counts
 from baton.profile import Profile
 
 
-def valid_unit_counts(spec: ModelSpec) -> list[int]:
-    """Partition granularities U: divide both the head count and the FFN width."""
-    return [u for u in range(1, spec.num_heads + 1) if spec.num_heads % u == 0 and spec.ffn_dim % u == 0]
+@functools.lru_cache(maxsize=256)
+def valid_unit_counts(spec: ModelSpec) -> tuple[int, ...]:
+    """Partition granularities U (the rule is ``baton.model_spec.splits_into``, which plans are checked by);
+    memoised, the search asks for them once per stage of every candidate."""
+    return tuple(unit_counts(spec))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +48,12 @@ class Choice:
     """Largest layer count of its stage that fits this device's memory (eq. 8)."""
     param_bytes: float
     """Parameter bytes per layer."""
+    edge_fwd_ms: float = 0.0
+    """Its embedding/head forward at this share (first/last stage; compute only)."""
+    edge_bwd_ms: float = 0.0
+    """Its embedding/head backward at this share."""
+    edge_param_bytes: float = 0.0
+    """Embedding/head parameters it holds at this share."""
 
 
 def device_choices(slot: DeviceSlot, spec: ModelSpec, mb: int, share: float, space: RecomputeSpace, *, min_layers: int,

@@ -153,15 +153,49 @@ class NodeKind:
 
 
 def node_kinds(cluster: ClusterSpec) -> list[NodeKind]:
+    """Nodes grouped by everything the cost model sees of them: their devices, intra-node link and NIC.
+    Nodes of one kind are interchangeable: swapping two maps every plan to one priced the same."""
     per_node: dict[str, list] = {}
     for d in cluster.devices:
         per_node.setdefault(d.node, []).append((d.gpu.name, d.memory_bytes, d.reserve_bytes))
     kinds: dict[tuple, list[str]] = {}
     for node, devs in per_node.items():
-        link = cluster.intra_links[node]
+        link = (cluster.intra_links[node], cluster.nics.get(node, cluster.inter_link))
         layout = tuple(sorted(Counter(devs).items()))
         kinds.setdefault((layout, link), []).append(node)
     return [NodeKind(nodes=tuple(v), layout=tuple((g, mem, res, n) for (g, mem, res), n in k[0])) for k, v in kinds.items()]
+
+
+def replica_pattern(cluster: ClusterSpec, pipe) -> tuple:
+    """A replica up to interchangeable nodes: per device in stage and rank order, (its node relabelled by
+    first appearance, the node's kind, the device's GPU, memory and reserve). Two replicas with one
+    pattern are the same replica on other nodes of the same kinds, so every cost of theirs is equal."""
+    info = _device_info(cluster)
+    label: dict[str, int] = {}
+    out = []
+    for stage in pipe:
+        row = []
+        for i in stage:
+            node, rest = info[i]
+            row.append((label.setdefault(node, len(label)), rest))
+        out.append(tuple(row))
+    return tuple(out)
+
+
+_KINDS: dict[int, tuple[ClusterSpec, dict[str, tuple]]] = {}
+
+
+def _device_info(cluster: ClusterSpec) -> dict[str, tuple]:
+    """Device id -> (node, (node kind, GPU, memory, reserve)), memoised per cluster object (the spec holds
+    dicts, so it has no hash)."""
+    hit = _KINDS.get(id(cluster))
+    if hit is None or hit[0] is not cluster:
+        if len(_KINDS) >= 32:
+            _KINDS.clear()
+        kind = {n: k for k, nk in enumerate(node_kinds(cluster)) for n in nk.nodes}
+        hit = _KINDS[id(cluster)] = (cluster, {d.id: (d.node, (kind[d.node], d.gpu.name, d.memory_bytes, d.reserve_bytes))
+                                               for d in cluster.devices})
+    return hit[1]
 
 
 def structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -> list[Skeleton]:

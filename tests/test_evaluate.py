@@ -11,7 +11,7 @@ from baton.costmodel import activation_bytes, allreduce_ms, layer_cost
 from baton.evaluate import evaluate, ideal_tokens_per_s
 from baton.profile import ProfileSet
 from baton.model_spec import PRESETS
-from baton.operators import EMBEDDING, HEAD
+from baton.operators import padded_vocab, EMBEDDING, HEAD
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
 from baton.plan import simple_plan
 
@@ -43,11 +43,13 @@ def test_stage_times_follow_the_equations(cluster, profiles):
     act = activation_bytes(SPEC, 1)
     ar_a = allreduce_ms(act, 2, cluster.link("a100:0", "a100:1"))
     lc = layer_cost(a100, SPEC, 1, 0.5)
-    f0 = 16 * (sum(lc.fwd_ms.values()) + 2 * ar_a) + a100.cost(EMBEDDING, 1).fwd_ms
+    # The embedding's vocabulary is split like the units (share 0.5), then summed by one all-reduce.
+    f0 = 16 * (sum(lc.fwd_ms.values()) + 2 * ar_a) + a100.cost(EMBEDDING, 1, 0.5).fwd_ms + ar_a
     assert rep.stages[0].fwd_ms == pytest.approx(f0, rel=1e-12)
     lt = layer_cost(t4, SPEC, 1, 0.5, frozenset(ATTN))
     ar_t = allreduce_ms(act, 2, cluster.link("t4:0", "t4:1"))
-    b1 = 8 * (sum(lt.bwd_ms.values()) + sum(lt.recompute_ms.values()) + 2 * ar_t) + t4.cost(HEAD, 1).bwd_ms
+    # The head's input gradient is a partial sum over vocabulary shares: one all-reduce in the backward.
+    b1 = 8 * (sum(lt.bwd_ms.values()) + sum(lt.recompute_ms.values()) + 2 * ar_t) + t4.cost(HEAD, 1, 0.5).bwd_ms + ar_t
     assert rep.stages[1].bwd_ms == pytest.approx(b1, rel=1e-12)
     # 25 GbE between the nodes: the activation of one micro-batch (8 MiB) takes 3 ms.
     link = cluster.link("a100:0", "t4:0")
@@ -56,7 +58,7 @@ def test_stage_times_follow_the_equations(cluster, profiles):
                             send_fwd_ms=(rep.stages[0].send_fwd_ms,), send_bwd_ms=(rep.stages[0].send_bwd_ms,))
     assert rep.pipeline_ms == pytest.approx(iteration_time_1f1b(timing, 16))
     assert rep.iteration_time_ms == pytest.approx(rep.pipeline_ms + rep.embedding_sync_ms + rep.optimizer_ms)
-    tied = SPEC.vocab_size * SPEC.hidden_dim * 2
+    tied = padded_vocab(SPEC) * SPEC.hidden_dim * 2
     assert rep.embedding_sync_ms == pytest.approx(allreduce_ms(tied, 4, cluster.slowest_link(["a100:0", "a100:1", "t4:0", "t4:1"])))
 
 

@@ -18,7 +18,7 @@ import random
 import pyomo.environ as pyo
 import pytest
 
-from baton.costmodel import device_memory, device_slot, layer_cost, layer_cost_of, layer_prices, max_layers_that_fit
+from baton.costmodel import device_memory, device_slot, edge_cost, layer_cost, layer_cost_of, layer_prices, max_layers_that_fit
 from baton.evaluate import evaluate
 from baton.memory import is_held, is_rematerialised, layer_order, recompute_space, tensor_roles
 from baton.model_spec import PRESETS
@@ -28,7 +28,7 @@ from solver.baselines import exhaustive
 from solver.instance import build_instance
 from solver.milp import InnerModel, highs_solve
 from solver.options import valid_unit_counts
-from solver.search import NoPlanFits, check_profiles, search
+from solver.search import NoPlanFits, check_profiles, micro_batch_candidates, search
 from solver.space import Skeleton
 from tests.test_solver_helpers import random_instance
 
@@ -70,12 +70,13 @@ def test_memory_limit_is_the_evaluators_fits():
     for stage in (0, 1):
         slot = device_slot(inst.cluster, inst.profiles, spec, 1, dev.id, stage=stage, num_stages=2, num_microbatches=4)
         prices = layer_prices(slot.profile, spec, 1, 0.5, space)
-        fit = max_layers_that_fit(slot, spec, prices, spec.num_layers)
+        edge = edge_cost(slot, spec, 1, 0.5)
+        fit = max_layers_that_fit(slot, spec, prices, edge, spec.num_layers)
         for i in range(0, len(space), 37):
             lc = layer_cost_of(prices, i)
             for L in range(spec.num_layers + 1):
                 peak = device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
-                                     transient_bytes=lc.transient_bytes).peak_bytes
+                                     transient_bytes=lc.transient_bytes, edge=edge).peak_bytes
                 assert (peak <= slot.memory_bytes) == (L <= fit[i]), (i, L)
 
 
@@ -165,12 +166,15 @@ def test_milp_and_evaluator_agree_term_by_term(seed):
         for s, stage in enumerate(pipe.stages):
             sd, sr = built.stages[rho][s], next(x for x in rep.stages if x.pipeline == rho and x.index == s)
             assert math.isclose(2 * stage.num_layers * sd.allreduce_ms, sr.allreduce_ms, rel_tol=1e-12, abs_tol=1e-12)
+            edges = [next(c for c in sd.groups[g].choices[(stage.units_per_layer, d.units)]) for g, d in enumerate(stage.devices)]
+            assert math.isclose(stage.num_layers * (sum(max(c.fwd[k] for c in edges) for k in range(2)) + sd.allreduce_ms)
+                                + max(c.edge_fwd_ms for c in edges) + sd.edge_fwd_comm_ms, sr.fwd_ms, rel_tol=1e-12)
             assert (sd.send_fwd_ms, sd.send_bwd_ms) == (sr.send_fwd_ms, sr.send_bwd_ms)
             for g, d in enumerate(stage.devices):
                 dr = next(x for x in rep.devices if x.id == d.id)
                 c = next(c for c in sd.groups[g].choices[(stage.units_per_layer, d.units)] if c.recompute == frozenset(d.recompute))
-                assert math.isclose(stage.num_layers * sum(c.fwd) + sd.groups[g].slots[0].edge_fwd_ms, dr.fwd_ms, rel_tol=1e-12)
-                assert math.isclose(stage.num_layers * sum(c.bwd) + sd.groups[g].slots[0].edge_bwd_ms,
+                assert math.isclose(stage.num_layers * sum(c.fwd) + c.edge_fwd_ms, dr.fwd_ms, rel_tol=1e-12)
+                assert math.isclose(stage.num_layers * sum(c.bwd) + c.edge_bwd_ms,
                                     dr.bwd_ms + dr.recompute_ms, rel_tol=1e-12)
                 assert (stage.num_layers <= c.max_layers) == dr.fits
                 alpha, beta = built.dp_ms_per_gb[s][g]
@@ -206,9 +210,10 @@ def test_full_power_set_oracle_single_device(seed, between):
     assert 0 < len(chosen) < len(operator_names(spec)), "memory should make a partial recompute set the best"
 
 
-def _neighbours(plan: Plan):
+def _neighbours(plan: Plan, micro_batches=()):
     """Plans one local move away: a layer between adjacent stages, a unit between ranks, one operator
-    added to or dropped from a device's recompute set, the micro-batch size halved or doubled."""
+    added to or dropped from a device's recompute set, the micro-batch size halved or doubled (among
+    ``micro_batches``, the sizes the tables hold: the planner does not extrapolate beyond them)."""
     names = operator_names(plan.model)
     pipes = [list(p.stages) for p in plan.pipelines]
 
@@ -253,7 +258,7 @@ def _neighbours(plan: Plan):
                     yield rebuild(new)
     gb = plan.global_batch
     for mb in (plan.micro_batch_size // 2, plan.micro_batch_size * 2):
-        if mb >= 1 and gb % (mb * len(pipes)) == 0:
+        if mb in micro_batches and gb % (mb * len(pipes)) == 0:
             yield rebuild(pipes, micro_batch_size=mb, num_microbatches=gb // (mb * len(pipes)))
 
 
@@ -267,7 +272,8 @@ def test_local_moves_never_improve_a_returned_plan(seed):
         pytest.skip("nothing fits this instance")
     best = got.objective_ms
     tried = 0
-    for cand in _neighbours(got.plan):
+    sizes = micro_batch_candidates(inst.spec, inst.cluster, inst.profiles, 4, None)
+    for cand in _neighbours(got.plan, sizes):
         try:
             cand = validate(cand)
         except Exception:  # noqa: BLE001 - a move that leaves the plan invalid is no neighbour

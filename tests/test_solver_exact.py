@@ -31,10 +31,10 @@ CASES = [
     (3, 2, 5, 4, 4, 4, True, (0.25, 1.1)),
     (7, 3, 3, 2, 3, 4, False, (0.25, 1.1)),
     (11, 3, 4, 2, 2, 2, True, (0.25, 1.1)),
-    (18, 2, 6, 4, 5, 2, False, (0.15, 0.6)),
+    (18, 2, 6, 4, 5, 2, False, (0.35, 0.9)),
     (21, 3, 3, 2, 3, 4, False, (0.25, 1.1)),
     (25, 3, 3, 4, 2, 2, True, (0.3, 0.9)),
-    (33, 2, 6, 4, 5, 2, True, (0.15, 0.6)),
+    (33, 2, 6, 4, 5, 2, True, (0.3, 0.7)),
     (5, 4, 2, 2, 2, 2, True, (0.25, 1.1)),
 ]
 
@@ -85,7 +85,9 @@ def test_cheap_bound_never_exceeds_a_candidates_optimum(seed):
     mono = check_profiles(inst.spec, inst.cluster, inst.profiles)
     _, skeletons = skeleton_family(inst.spec, inst.cluster)
     checked = 0
-    for sk in list(skeletons)[:40]:
+    for sk in skeletons:
+        if checked >= 25:
+            break
         if inst.global_batch % sk.num_replicas:
             continue
         for b in (1, 2):
