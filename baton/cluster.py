@@ -13,6 +13,7 @@ from pathlib import Path
 from baton.catalog import GIB, GpuType, gpu_type
 from baton.errors import BatonError
 from baton.fields import Fields, load_yaml
+from baton.plan import MAX_DEVICES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,7 +115,17 @@ class ClusterSpec:
 
     def slowest_link(self, ids: list[str]) -> Link | None:
         """The lowest-bandwidth link among all pairs of ``ids`` (None for fewer than two devices)."""
-        links = [self.link(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
+        # Every pair's link is its node's intra link or the slower end of two nodes' NICs, and the slower
+        # end is taken figure by figure, so the slowest over all pairs needs each node only once: the
+        # intra links of nodes holding two or more of ``ids``, and the NICs of all nodes once two differ.
+        # Linear in len(ids): data-parallel peer sets span hundreds of nodes.
+        per_node: dict[str, int] = {}
+        for i in ids:
+            node = self.device(i).node
+            per_node[node] = per_node.get(node, 0) + 1
+        links = [self.intra_links[n] for n, k in per_node.items() if k >= 2]
+        if len(per_node) >= 2:
+            links += [self.nic(n) for n in per_node]
         if not links:
             return None
         return slower_end(*links)
@@ -217,6 +228,9 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
         total = sum(c for _, c, _, _ in parsed)
         if total > 1 and link is None:
             raise node.error("intra_node_link", "missing required field (the node has more than one device)")
+        if len(devices) + copies * total > MAX_DEVICES:  # counted before any is built: counts multiply
+            raise node.error("count" if copies > 1 else "gpus", f"the cluster would have {len(devices) + copies * total} devices "
+                                                                f"up to here, more than the {MAX_DEVICES} Baton plans for")
         for c in range(copies):
             name = base_name if copies == 1 else f"{base_name}-{c}"
             if name in node_names:

@@ -13,14 +13,16 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from baton.catalog import CATALOG, GIB, gpu_type
-from baton.cli_support import console, guarded, say
+from baton.cli_support import check_output_path, console, guarded, say
 from baton.cluster import load_cluster
 from baton.errors import BatonError
+from baton.fields import MAX_FILE_BYTES, excerpt
 from baton.evaluate import PlanReport, evaluate
 from baton.profile import ProfileSet
-from baton.model_spec import PRESETS, load_model
+from baton.model_spec import PRESETS, load_model, split_profile_name
 from baton.plan import load_plan
 from baton.profile import DEFAULT_MICRO_BATCHES, calibrate, calibration_summary, derive_table, profiles_dir, read_table, table_filename, write_table
 
@@ -30,12 +32,17 @@ def _gib(x: float) -> str:
 
 
 def render_report(report: PlanReport, *, title: str) -> None:
-    """Rich tables of stages and devices, then the headline figures."""
-    stages = Table(title=title, show_lines=False)
+    """Rich tables of stages and devices, then the headline figures.
+
+    Device ids, cluster and model names come from the user's files: every such cell and the title are
+    ``Text`` (printed literally), so a node named ``n[red]`` shows as written and ``[/x]`` cannot crash
+    the printer. Only our own fixed strings carry markup.
+    """
+    stages = Table(title=Text(title), show_lines=False)
     for col in ("replica", "stage", "devices", "layers", "F ms", "B ms", "TP all-reduce ms", "send ms"):
         stages.add_column(col, justify="right" if "ms" in col or col in ("replica", "stage") else "left")
     for s in report.stages:
-        stages.add_row(str(s.pipeline), str(s.index), " ".join(s.devices),
+        stages.add_row(str(s.pipeline), str(s.index), Text(" ".join(s.devices)),
                        f"{s.first_layer}-{s.first_layer + s.num_layers - 1}" if s.num_layers else "-",
                        f"{s.fwd_ms:.2f}", f"{s.bwd_ms:.2f}", f"{s.allreduce_ms:.2f}", f"{s.send_fwd_ms:.2f}")
     console.print(stages)
@@ -47,7 +54,8 @@ def render_report(report: PlanReport, *, title: str) -> None:
     multi = len({d.pipeline for d in report.devices}) > 1
     for d in report.devices:
         static = d.weights_bytes + d.grads_bytes + d.optimizer_bytes
-        devs.add_row(d.id, d.gpu, f"r{d.pipeline}.s{d.stage}" if multi else str(d.stage), str(d.units), ",".join(d.recompute) or "-",
+        devs.add_row(Text(d.id), Text(d.gpu), f"r{d.pipeline}.s{d.stage}" if multi else str(d.stage), str(d.units),
+                     Text(",".join(d.recompute) or "-"),
                      f"{d.fwd_ms:.2f}", f"{d.bwd_ms:.2f}", f"{d.recompute_ms:.2f}", _gib(static),
                      _gib(d.activation_bytes + d.transient_bytes), f"{_gib(d.peak_memory_bytes)} / {_gib(d.capacity_bytes)}",
                      "[green]yes[/]" if d.fits else "[bold red]NO[/]")
@@ -109,15 +117,18 @@ def register(app: typer.Typer) -> None:
         plan: Annotated[Path, typer.Argument(help="Plan JSON (from 'baton solve --out' or written by hand).")],
         cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster spec YAML.")],
         model: Annotated[Optional[str], typer.Option("--model", "-m", help="Preset or model YAML; must match the plan's model.")] = None,
-        profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: the shipped profiles/).")] = None,
+        profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: yours, then the shipped ones).")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     ) -> None:
         """Predict iteration time, throughput and per-device memory of a plan, independently of any solver."""
         p = load_plan(plan)
         if model is not None:
             spec = load_model(model)
-            if spec.to_dict() != p.model.to_dict():
-                raise BatonError(f"the plan was made for model '{p.model.name}', not '{spec.name}'", source=str(plan), field="model")
+            mine, planned = spec.to_dict(), p.model.to_dict()
+            if mine != planned:
+                differ = ", ".join(f"{k} {excerpt(planned.get(k))} vs {excerpt(mine.get(k))}" for k in mine if mine[k] != planned.get(k))
+                raise BatonError(f"the plan was made for model '{p.model.name}', not '{spec.name}' ({differ})",
+                                 source=str(plan), field="model")
         c = load_cluster(cluster)
         report = evaluate(p, c, ProfileSet(p.model, directory=profiles), plan_source=str(plan))
         if as_json:
@@ -145,7 +156,8 @@ def register(app: typer.Typer) -> None:
         concurrent: Annotated[int, typer.Option(help="Profile on this many cores (CPU, with BATON_PIN_CPUS=1) or GPUs at once, "
                                                      "as training loads them; times are the median over them.")] = 1,
         calibrate_from: Annotated[Optional[Path], typer.Option(help="With --analytic: scale by a measured table of a similar device.")] = None,
-        out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: profiles/<derived|measured>/<gpu>__<model>__s<seq>.csv).")] = None,
+        out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: <derived|measured>/<gpu>__<model>__s<seq>.csv in your "
+                                                         "profile directory: $BATON_PROFILES, else e.g. ~/.local/share/baton/profiles).")] = None,
     ) -> None:
         """Write operator-level profile tables: derived from the catalog, or measured on this machine."""
         if analytic == (device is not None):
@@ -160,6 +172,11 @@ def register(app: typer.Typer) -> None:
         else:
             if _measure_profile is None:
                 raise BatonError("measuring needs Baton's runtime, which has not registered its commands", field="--device")
+            if model != "all" and load_model(model).tf32:
+                # The profiler times matmuls as PyTorch does by default (no TF32); its table would be filed
+                # under the model's plain name and then never be found for this model.
+                raise BatonError(f"model '{load_model(model).name}' sets tf32: true, which the profiler does not apply; measure it "
+                                 "with tf32: false, or derive its tables with --analytic", field="--model")
             _measure_profile(MeasureRequest(model=model, device=device, gpu=gpu, seq_len=seq_len, micro_batches=mbs,
                                             tp_shares=tp_shares, warmup=warmup, reps=reps, threads=threads, comm=comm,
                                             comm_ranks=comm_ranks, concurrent=concurrent, out=out))
@@ -167,10 +184,16 @@ def register(app: typer.Typer) -> None:
     @app.command("show")
     @guarded
     def show_cmd(
-        what: Annotated[str, typer.Argument(help="'gpus', 'models', a cluster YAML, or a model preset/YAML.")],
+        what: Annotated[str, typer.Argument(help="'gpus', 'models', a cluster YAML, a model preset/YAML, or a plan JSON.")],
+        cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="With a plan: the cluster spec YAML it runs on.")] = None,
+        profiles: Annotated[Optional[Path], typer.Option(help="With a plan: directory of profile tables.")] = None,
+        timeline: Annotated[Optional[Path], typer.Option(help="With a plan: draw its predicted 1F1B timeline into this PNG.")] = None,
+        memory: Annotated[Optional[Path], typer.Option(help="With a plan: draw its predicted memory per device into this PNG.")] = None,
     ) -> None:
-        """Show the GPU catalog, the model presets, a cluster or a model."""
-        if what == "gpus":
+        """Show the GPU catalog, the model presets, a cluster, a model, or a plan (with pictures)."""
+        if what.endswith(".json") or timeline is not None or memory is not None:
+            _show_plan(Path(what), cluster, profiles, timeline, memory)
+        elif what == "gpus":
             t = Table(title="GPU catalog")
             for col in ("type", "memory GiB", "fp16 TFLOPS", "bf16 TFLOPS", "fp32 TFLOPS", "GB/s", "source"):
                 t.add_column(col)
@@ -188,17 +211,55 @@ def register(app: typer.Typer) -> None:
                 t.add_row(m.name, str(m.num_layers), str(m.hidden_dim), str(m.num_heads), str(m.ffn_dim), str(m.seq_len),
                           str(m.vocab_size), m.dtype, f"{m.num_params() / 1e6:,.1f}M")
             console.print(t)
-        elif what.endswith((".yaml", ".yml")) and Path(what).is_file() and b"nodes" in Path(what).read_bytes()[:1 << 24]:
+        elif what.endswith((".yaml", ".yml")) and _mentions_nodes(Path(what)):
             c = load_cluster(what)
-            t = Table(title=f"cluster {c.name} ({len(c.devices)} devices)")
+            t = Table(title=Text(f"cluster {c.name} ({len(c.devices)} devices)"))
             for col in ("device", "gpu", "memory GiB", "reserve GiB"):
                 t.add_column(col)
             for d in c.devices:
-                t.add_row(d.id, d.gpu.name, f"{d.memory_bytes / GIB:g}", f"{d.reserve_bytes / GIB:g}")
+                t.add_row(Text(d.id), d.gpu.name, f"{d.memory_bytes / GIB:g}", f"{d.reserve_bytes / GIB:g}")
             console.print(t)
         else:
             m = load_model(what)
             console.print_json(json.dumps({**m.to_dict(), "num_params": m.num_params()}))
+
+
+def _show_plan(plan_path: Path, cluster: Path | None, profiles: Path | None, timeline: Path | None, memory: Path | None) -> None:
+    """The plan's prediction as tables, and as pictures when asked (baton/pictures.py)."""
+    if not plan_path.name.endswith(".json"):
+        raise BatonError("--timeline and --memory draw a plan: give a plan JSON", source=str(plan_path), field="--timeline"
+                         if timeline is not None else "--memory")
+    if cluster is None:
+        raise BatonError("showing a plan needs --cluster (the cluster YAML it runs on)", field="--cluster")
+    for path, flag in ((timeline, "--timeline"), (memory, "--memory")):
+        if path is not None:
+            check_output_path(path, flag)
+    p = load_plan(plan_path)
+    c = load_cluster(cluster)
+    report = evaluate(p, c, ProfileSet(p.model, directory=profiles), plan_source=str(plan_path))
+    title = f"{p.model.name} on {c.name}: {p.global_batch} samples x {p.model.seq_len} tokens"
+    render_report(report, title=title)
+    if timeline is None and memory is None:
+        return
+    from baton import pictures  # matplotlib only when a picture is asked for
+
+    where = f"{plan_path.name} on {c.name}"
+    if timeline is not None:
+        pictures.save_figure(pictures.timeline_figure(report, p.num_microbatches, title=f"predicted 1F1B timeline: {where}, "
+                             f"{p.num_microbatches} micro-batch(es) of {p.micro_batch_size}"), timeline)
+        say(f"wrote {timeline}")
+    if memory is not None:
+        pictures.save_figure(pictures.memory_figure(report, title=f"predicted memory per device: {where}"), memory)
+        say(f"wrote {memory}")
+
+
+def _mentions_nodes(path: Path) -> bool:
+    """Whether ``path`` is a file that looks like a cluster spec (reads at most the size a spec may have,
+    whatever the file's size; the loader then names the file for anything wrong with it)."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as fh:
+        return b"nodes" in fh.read(MAX_FILE_BYTES + 1)
 
 
 def _show_achievable() -> None:
@@ -230,9 +291,14 @@ def _derive(model, gpu, seq_len, mbs, calibrate_from, out) -> None:
     specs = list(PRESETS.values()) if model == "all" else [load_model(model)]
     if out is not None and len(gpus) * len(specs) > 1:
         raise BatonError("--out names one file; use it with one GPU and one model", field="--out")
-    measured = None
+    if out is not None:
+        check_output_path(out, "--out")
+    measured = measured_tf32 = None
     if calibrate_from is not None:
         measured = read_table(calibrate_from)
+        measured_names = {split_profile_name(m) for m in set(measured["model"])}
+        measured_tf32 = next(iter(measured_names))[1] if len(measured_names) == 1 else None
+    target_dir = profiles_dir() / "derived"
     written = 0
     for spec in specs:
         for g in gpus:
@@ -242,17 +308,20 @@ def _derive(model, gpu, seq_len, mbs, calibrate_from, out) -> None:
             s = seq_len or spec.seq_len
             df = derive_table(spec, gt, micro_batches=mbs, seq_len=s)
             if measured is not None:
-                if set(measured["model"]) != {spec.name} or set(measured["seq_len"]) != {s}:
+                if measured_names != {(spec.name, measured_tf32)} or set(measured["seq_len"]) != {s}:
                     raise BatonError(f"measured for model {sorted(set(measured['model']))}, not '{spec.name}' at seq_len {s}",
                                      source=str(calibrate_from), field="model")
                 src_gpu = gpu_type(str(measured["gpu"].iloc[0]), source=str(calibrate_from), field="gpu")
+                # The measured device's derivation takes the measurement's own TF32 setting (its model column),
+                # so the ratios compare like with like; the target keeps the spec's.
                 df = calibrate(df, measured, derive_table(spec, src_gpu, micro_batches=tuple(sorted(set(measured["micro_batch"]))),
-                                                          shares=tuple(sorted(set(measured["tp_share"]))), seq_len=s))
+                                                          shares=tuple(sorted(set(measured["tp_share"]))), seq_len=s,
+                                                          tf32=measured_tf32))
                 say(f"{g}: {calibration_summary(df)}")
-            path = out or profiles_dir() / "derived" / table_filename(g, spec.name, s)
+            path = out or target_dir / table_filename(g, spec.profile_name, s)
             write_table(df, path)
             written += 1
             if len(gpus) * len(specs) == 1:
                 say(f"wrote {len(df)} rows to {path}")  # the user's path, printed literally
     if written > 1:
-        console.print(f"wrote {written} tables under {profiles_dir() / 'derived'}")
+        say(f"wrote {written} tables under {target_dir}")  # a path of the user's, printed literally

@@ -434,3 +434,13 @@ def model_flops_per_sample(spec: ModelSpec, seq_len: int | None = None) -> float
     per_layer = sum(operator_flops(spec, o, 1, s) for o in layer_operators(spec))
     head = 2 * s * spec.hidden_dim * spec.vocab_size
     return 3 * (spec.num_layers * per_layer + head)
+
+
+def model_flops_per_s(spec: ModelSpec, global_batch: int, iteration_ms: float) -> float:
+    """Model FLOPs per second of an iteration (recomputation not counted): MFU's numerator."""
+    return global_batch * model_flops_per_sample(spec) / (iteration_ms / 1e3) if iteration_ms > 0 else 0.0
+
+
+def peak_flops(gpus, spec: ModelSpec) -> float:
+    """MFU's denominator: the sum of the catalog peaks of ``gpus`` (GpuType) for the model's dtype, FLOP/s."""
+    return sum(g.peak_tflops(spec.dtype) for g in gpus) * 1e12

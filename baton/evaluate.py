@@ -6,7 +6,7 @@ from pathlib import Path
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import (BLOCKS, data_parallel_sync_line, device_memory, device_slot, edge_cost, embedding_sync_ms, layer_cost,
-                             layer_train_ms, model_flops_per_sample, pipeline_transfers, stage_constants, stage_time_ms)
+                             layer_train_ms, model_flops_per_s, peak_flops, pipeline_transfers, stage_constants, stage_time_ms)
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD
@@ -193,8 +193,7 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     tokens = plan.global_batch * spec.seq_len
     tokens_per_s = tokens / (total / 1e3)
     used = [cluster.device(i) for i in plan.device_ids()]
-    peak_flops = sum(d.gpu.peak_tflops(spec.dtype) for d in used) * 1e12
-    mfu = plan.global_batch * model_flops_per_sample(spec) / (total / 1e3) / peak_flops
+    mfu = model_flops_per_s(spec, plan.global_batch, total) / peak_flops([d.gpu for d in used], spec)
     ideal = ideal_tokens_per_s(spec, [d.gpu.name for d in used], profiles, mb)
     return PlanReport(
         iteration_time_ms=total, pipeline_ms=max(pipeline_times), embedding_sync_ms=emb_sync, dp_sync_ms=dp_sync,

@@ -35,8 +35,8 @@ LIMITS: dict[str, float] = {
     "count": 1024,                      # GPUs of one kind in a node entry; copies of a node entry
     "memory_gib": 65536,                # per device
     "memory_reserve_gib": 65536,
-    # 10^9 GB/s: the value `baton profile --comm` writes when its fit finds no bandwidth term (a flat
-    # line: the size does not matter); anything above it is a typo. Every *_bandwidth_gb_per_s field.
+    # 10^9 GB/s, a million times any link built today: anything above it is a typo. Every
+    # *_bandwidth_gb_per_s field.
     "bandwidth_gb_per_s": 1e9,
     "latency_us": 1e7,                  # 10 s; every *_latency_us field
 }
@@ -64,7 +64,7 @@ def excerpt(value: Any) -> str:
 
 def _read_text(path: Path) -> str:
     if not path.is_file():
-        raise BatonError("file not found", source=str(path))
+        raise BatonError("not a regular file" if path.exists() else "file not found", source=str(path))
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:
         raise BatonError(f"file has {size} bytes, more than the {MAX_FILE_BYTES // (1024 * 1024)} MiB a spec may have",
@@ -272,6 +272,14 @@ class Fields:
         maximum = maximum if maximum is not None else _limit(key)
         if maximum is not None and value > maximum:
             raise self.error(key, f"must be <= {maximum:g}, got {value:g}")
+        return value
+
+    def boolean(self, key: str, default: Any = ...) -> bool:
+        value = self.raw(key, default)
+        if value is default and default is not ...:
+            return value
+        if not isinstance(value, bool):  # YAML's true/false; 'yes', 1 or "false" are typos here, not truths
+            raise self.error(key, f"expected true or false, got {excerpt(value)}")
         return value
 
     def mapping(self, key: str, default: Any = ...) -> "Fields":

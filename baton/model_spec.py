@@ -8,6 +8,11 @@ from baton.errors import BatonError
 from baton.fields import Fields, excerpt, load_yaml
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+TF32_MARK = "+tf32"
+"""Appended to a model's name in its profile tables when its fp32 matmuls may use TF32."""
+ATTENTION = ("eager", "fused")
+DEFAULT_ATTENTION = "eager"
+"""Attention implementations (baton/operators.py)."""
 
 # Upper bounds of every size (documented in the README, "Errors"): far above any model trained today,
 # low enough that no size makes a table, a plan search or a parameter count exhaust the machine.
@@ -36,7 +41,15 @@ class ModelSpec:
     dtype: str = "fp16"
     """Training precision of weights and activations: fp16, bf16 or fp32 (optimizer state is fp32)."""
     dropout: float = 0.1
-    """Dropout probability on attention probabilities and both residual branches."""
+    """Dropout probability on attention probabilities (eager attention only) and both residual branches."""
+    attention: str = DEFAULT_ATTENTION
+    """'eager' (scores, softmax, dropout, product with values as four operators, keeping the s x s
+    matrices) or 'fused' (one flash-style kernel keeping q, k, v, its output and row statistics; no
+    dropout on the attention probabilities). See baton/operators.py."""
+    tf32: bool = False
+    """Whether fp32 matmuls may run on TF32 tensor cores (Ampere and later): the runtime sets PyTorch's
+    ``allow_tf32`` flags to it on CUDA, and derived tables follow it. False is PyTorch's default. Tables
+    of the two settings never mix: see ``profile_name``."""
 
     @property
     def head_dim(self) -> int:
@@ -60,6 +73,13 @@ class ModelSpec:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def profile_name(self) -> str:
+        """The name its profile tables carry, in their file name and ``model`` column: the model's name,
+        with ``+tf32`` when fp32 matmuls may use TF32, so a table of one setting is never found for the
+        other (``split_profile_name`` reads it back)."""
+        return f"{self.name}{TF32_MARK}" if self.tf32 else self.name
+
 
 def validate(spec: ModelSpec, *, source: str) -> ModelSpec:
     """Check sizes are positive and consistent; return the spec unchanged."""
@@ -75,11 +95,37 @@ def validate(spec: ModelSpec, *, source: str) -> ModelSpec:
         )
     if spec.dtype not in DTYPE_BYTES:
         raise BatonError(f"unknown dtype {excerpt(spec.dtype)} (expected fp16, bf16 or fp32)", source=source, field="dtype")
+    if spec.attention not in ATTENTION:
+        raise BatonError(f"unknown attention {excerpt(spec.attention)} (expected {' or '.join(ATTENTION)})", source=source,
+                         field="attention")
     if isinstance(spec.dropout, bool) or not isinstance(spec.dropout, (int, float)) or not 0.0 <= spec.dropout < 1.0:
         raise BatonError(f"must be in [0, 1), got {excerpt(spec.dropout)}", source=source, field="dropout")
-    if not isinstance(spec.name, str) or not spec.name or len(spec.name) > 100 or any(c in spec.name for c in "/\\\0\n"):
-        raise BatonError(f"must be a short name without path separators, got {excerpt(spec.name)}", source=source, field="name")
+    if not isinstance(spec.tf32, bool):
+        raise BatonError(f"must be true or false, got {excerpt(spec.tf32)}", source=source, field="tf32")
+    # '+' is reserved for the marks of ``profile_name``: a model named 'x+tf32' would take x's TF32 tables.
+    if not isinstance(spec.name, str) or not spec.name or len(spec.name) > 100 or any(c in spec.name for c in "/\\\0\n+"):
+        raise BatonError(f"must be a short name without path separators or '+', got {excerpt(spec.name)}", source=source,
+                         field="name")
     return spec
+
+
+def split_profile_name(table_model: str) -> tuple[str, bool]:
+    """(model name, tf32) of a profile table's ``model`` column: ``ModelSpec.profile_name`` read back."""
+    if table_model.endswith(TF32_MARK):
+        return table_model[: -len(TF32_MARK)], True
+    return table_model, False
+
+
+def splits_into(spec: ModelSpec, units: int) -> bool:
+    """Whether a layer of ``spec`` can be cut into ``units`` units (the partition granularity U of a
+    stage): each unit holds whole heads and as many FFN columns as every other, so U divides both the
+    head count and the FFN width (docs/cost-model.md, symbol table)."""
+    return units >= 1 and spec.num_heads % units == 0 and spec.ffn_dim % units == 0
+
+
+def unit_counts(spec: ModelSpec) -> list[int]:
+    """Every partition granularity a layer of ``spec`` allows, ascending."""
+    return [u for u in range(1, spec.num_heads + 1) if splits_into(spec, u)]
 
 
 def _gpt(name, layers, hidden, heads, seq=2048, vocab=50257, ffn=None):
@@ -111,7 +157,7 @@ PRESETS: dict[str, ModelSpec] = {
     ]
 }
 
-_FIELDS = {"name", "num_layers", "hidden_dim", "num_heads", "ffn_dim", "seq_len", "vocab_size", "dtype", "dropout", "base"}
+_FIELDS = {"name", "num_layers", "hidden_dim", "num_heads", "ffn_dim", "seq_len", "vocab_size", "dtype", "dropout", "attention", "tf32", "base"}
 
 
 def from_mapping(data, *, source: str) -> ModelSpec:
@@ -137,6 +183,8 @@ def from_mapping(data, *, source: str) -> ModelSpec:
         vocab_size=pick("vocab_size", f.integer),
         dtype=f.string("dtype", default=base.dtype if base else "fp16"),
         dropout=f.number("dropout", default=base.dropout if base else 0.1, allow_zero=True),
+        attention=f.string("attention", default=base.attention if base else DEFAULT_ATTENTION),
+        tf32=f.boolean("tf32", default=base.tf32 if base else False),
     )
     return validate(spec, source=source)
 

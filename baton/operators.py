@@ -85,7 +85,9 @@ class Operator:
     bytes_moved: Callable[[Dims], float]
     """Forward DRAM traffic at share 1, reads and writes, weights included."""
     param_count: Callable[[Dims], int] = lambda d: 0
-    """Parameters at share 1."""
+    """Parameters at share 1 that a TP-split operator divides by the share (for others: all of them)."""
+    replicated_param_count: Callable[[Dims], int] = lambda d: 0
+    """Parameters every rank holds whole: the bias of a row-parallel matmul, added once after the all-reduce."""
 
 
 def _attention_ops(spec: ModelSpec, op=Operator) -> list[Operator]:
@@ -132,7 +134,7 @@ def layer_operators(spec: ModelSpec) -> tuple[Operator, ...]:
         op(name="out_proj", kind="matmul", block="attn", tp_split=True,
            inputs=("ctx",), outputs=("attn_partial",), saves=("ctx",),
            flops=lambda d: 2 * d.tokens * d.h * d.h, bytes_moved=lambda d: d.h * d.h * d.e + 2 * d.tokens * d.h * d.e,
-           param_count=lambda d: d.h * d.h + d.h),
+           param_count=lambda d: d.h * d.h, replicated_param_count=lambda d: d.h),
         op(name="resid1", kind="dropout" if drop else "elementwise", block="attn", tp_split=False,
            inputs=("attn_out", LAYER_INPUT), outputs=("x_mid",), saves=("resid1_mask",) if drop else (),
            flops=lambda d: 3 * d.tokens * d.h, bytes_moved=lambda d: 3 * d.tokens * d.h * d.e + d.tokens * d.h),
@@ -149,7 +151,7 @@ def layer_operators(spec: ModelSpec) -> tuple[Operator, ...]:
         op(name="fc2", kind="matmul", block="mlp", tp_split=True,
            inputs=("gelu_out",), outputs=("mlp_partial",), saves=("gelu_out",),
            flops=lambda d: 2 * d.tokens * d.f * d.h, bytes_moved=lambda d: d.f * d.h * d.e + d.tokens * d.h * d.e + d.tokens * d.f * d.e,
-           param_count=lambda d: d.f * d.h + d.h),
+           param_count=lambda d: d.f * d.h, replicated_param_count=lambda d: d.h),
         op(name="resid2", kind="dropout" if drop else "elementwise", block="mlp", tp_split=False,
            inputs=("mlp_out", "x_mid"), outputs=("layer_output",), saves=("resid2_mask",) if drop else (),
            flops=lambda d: 3 * d.tokens * d.h, bytes_moved=lambda d: 3 * d.tokens * d.h * d.e + d.tokens * d.h),
@@ -241,8 +243,17 @@ def operator_bytes_moved(spec: ModelSpec, op: Operator, micro_batch: int, seq_le
 
 
 def operator_param_count(spec: ModelSpec, op: Operator) -> int:
-    """Parameters of one operator at share 1 (TP-split operators hold share * this)."""
-    return op.param_count(dims(spec, 1))
+    """Parameters of one operator at share 1 (the whole operator)."""
+    d = dims(spec, 1)
+    return op.param_count(d) + op.replicated_param_count(d)
+
+
+def operator_param_bytes(spec: ModelSpec, op: Operator, share: float) -> float:
+    """Parameter bytes a rank at ``share`` holds of one operator: the split part times the share (all of it
+    for an operator that is not split) and the replicated part whole."""
+    d = dims(spec, 1)
+    r = share if op.tp_split else 1.0
+    return (op.param_count(d) * r + op.replicated_param_count(d)) * spec.dtype_bytes
 
 
 # Operators that belong to one stage only: the token+position embedding on the first stage and the

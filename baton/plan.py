@@ -14,7 +14,7 @@ from pathlib import Path
 from baton.atomic import write_atomically
 from baton.errors import BatonError
 from baton.fields import Fields, excerpt, load_json
-from baton.model_spec import ModelSpec, from_mapping as model_from_mapping
+from baton.model_spec import ModelSpec, from_mapping as model_from_mapping, splits_into
 from baton.operators import operator_names
 
 FORMAT = "baton-plan/1"
@@ -190,7 +190,7 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
                 raise err(f"{where}.num_layers", "only the first or last stage may hold no transformer layer")
             next_layer += stage.num_layers
             U = stage.units_per_layer
-            if spec.num_heads % U or spec.ffn_dim % U:
+            if not splits_into(spec, U):
                 raise err(f"{where}.units_per_layer",
                           f"{U} units do not divide the {spec.num_heads} heads and {spec.ffn_dim} FFN columns evenly")
             if len(stage.devices) > U:

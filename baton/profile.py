@@ -10,7 +10,8 @@ import bisect
 import functools
 import math
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,9 @@ import pandas as pd
 from baton.atomic import write_atomically
 from baton.catalog import GpuType, gpu_type
 from baton.errors import BatonError
-from baton.model_spec import ModelSpec
-from baton.operators import (EMBEDDING, HEAD, Operator, layer_operators, operator_flops, operator_param_count,
-                             tensor_sizes)
+from baton.model_spec import PRESETS, ModelSpec, split_profile_name
+from baton.operators import (EMBEDDING, HEAD, Operator, layer_operators, operator_bytes_moved, operator_flops,
+                             operator_param_bytes, operator_param_count, padded_vocab, table_operators, tensor_sizes)
 
 COLUMNS = [
     "gpu", "model", "op", "micro_batch", "seq_len", "tp_share",
@@ -55,12 +56,31 @@ class OpCost:
     """Parameter bytes the device holds for this operator (one layer)."""
 
 
+PROFILES_ENV = "BATON_PROFILES"
+"""Environment variable naming the user's profile directory."""
+
+
 def profiles_dir() -> Path:
-    """Where shipped and user tables live: $BATON_PROFILES, else the checkout's profiles/, else (an
-    installed wheel) the copy shipped inside the package."""
-    env = os.environ.get("BATON_PROFILES")
+    """The user's tables: where ``baton profile`` writes (``derived/``, ``measured/``), searched ahead of
+    the shipped tables. $BATON_PROFILES, else the platform's user data directory: on Windows
+    %LOCALAPPDATA%\\baton\\profiles, on macOS ~/Library/Application Support/baton/profiles, elsewhere
+    $XDG_DATA_HOME/baton/profiles (~/.local/share/baton/profiles). Never inside the package or the
+    checkout, so a new table cannot overwrite a shipped one."""
+    env = os.environ.get(PROFILES_ENV)
     if env:
-        return Path(env)
+        return Path(env).expanduser()
+    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
+        root = Path(os.environ["LOCALAPPDATA"])
+    elif sys.platform == "darwin":
+        root = Path.home() / "Library" / "Application Support"
+    else:
+        root = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return root / "baton" / "profiles"
+
+
+def shipped_profiles_dir() -> Path:
+    """The tables that come with Baton: the checkout's profiles/, else (an installed wheel) the copy
+    shipped inside the package. Read only."""
     checkout = Path(__file__).resolve().parent.parent / "profiles"
     return checkout if checkout.is_dir() else Path(__file__).resolve().parent / "shipped" / "profiles"
 
@@ -220,21 +240,32 @@ class Profile:
 
 
 def load_profile(gpu: str, spec: ModelSpec, *, directory: str | Path | None = None, seq_len: int | None = None) -> Profile:
-    """Find the table for (gpu, model, seq_len): measured tables win over derived ones."""
-    directory = Path(directory) if directory else profiles_dir()
+    """Find the table for (gpu, model, seq_len) in ``directory``, or else in the user's directory
+    (``profiles_dir``) and then the shipped tables; within each, measured tables win over derived ones.
+
+    Tables are named by ``spec.profile_name``, so a TF32 model finds only TF32 tables; a table whose own
+    ``model`` column says the other setting (a file renamed by hand) is refused.
+    """
+    roots = [Path(directory)] if directory else [profiles_dir(), shipped_profiles_dir()]
     seq = seq_len or spec.seq_len
-    name = table_filename(gpu, spec.name, seq)
-    candidates = [directory / "measured" / name, directory / name, directory / "derived" / name]
-    for path in candidates:
+    name = table_filename(gpu, spec.profile_name, seq)
+    for path in (p for root in roots for p in (root / "measured" / name, root / name, root / "derived" / name)):
         if path.is_file():
             prof = Profile(read_table(path), source=str(path))
+            _, table_tf32 = split_profile_name(prof.model)
+            if table_tf32 != spec.tf32:
+                raise BatonError(f"made for tf32: {str(table_tf32).lower()} (model column '{prof.model}'), but model "
+                                 f"'{spec.name}' has tf32: {str(spec.tf32).lower()}; derive a table for this setting",
+                                 source=str(path), field="model")
             prof.check_model(spec)
             return prof
+    preset = PRESETS.get(spec.name)
+    model_arg = spec.name if preset is not None and replace(preset, seq_len=seq) == replace(spec, seq_len=seq) else "<model YAML>"
     raise BatonError(
-        f"no profile for GPU '{gpu}', model '{spec.name}', seq_len {seq} "
-        f"(looked for {name} in {directory}/measured, {directory}, {directory}/derived); "
-        f"create it with: baton profile --analytic --gpu {gpu} --model {spec.name} --seq-len {seq}",
-        source=str(directory), field="profile",
+        f"no profile for GPU '{gpu}', model '{spec.profile_name}', seq_len {seq} "
+        f"(looked for {name} in measured/, ./ and derived/ of {' and then '.join(map(str, roots))}); "
+        f"create it with: baton profile --analytic --gpu {gpu} --model {model_arg} --seq-len {seq}",
+        source=str(roots[0]), field="profile",
     )
 
 
@@ -247,12 +278,12 @@ def load_profile(gpu: str, spec: ModelSpec, *, directory: str | Path | None = No
 # kernels reach on that GPU; these say how far the layer's own shapes fall short of them (thin GEMMs
 # of one micro-batch, batched per-head attention GEMMs, reductions). They are the same on every GPU;
 # everything that differs between GPUs lives in the catalog, with its source.
-COMPUTE_EFFICIENCY = {"matmul": 0.75, "bmm": 0.55, "norm": 0.3, "softmax": 0.3, "dropout": 0.3, "elementwise": 0.3, "embedding": 0.3, "head": 0.75}
-MEMORY_EFFICIENCY = {"matmul": 0.95, "bmm": 0.95, "norm": 0.85, "softmax": 0.85, "dropout": 0.85, "elementwise": 0.9, "embedding": 0.7, "head": 0.85}
-BACKWARD_FACTOR = {"matmul": 2.0, "bmm": 2.0, "norm": 2.0, "softmax": 1.5, "dropout": 1.0, "elementwise": 1.5, "embedding": 1.5, "head": 2.0}
+COMPUTE_EFFICIENCY = {"matmul": 0.75, "bmm": 0.55, "attention": 0.55, "norm": 0.3, "softmax": 0.3, "dropout": 0.3, "elementwise": 0.3, "embedding": 0.3, "head": 0.75}
+MEMORY_EFFICIENCY = {"matmul": 0.95, "bmm": 0.95, "attention": 0.95, "norm": 0.85, "softmax": 0.85, "dropout": 0.85, "elementwise": 0.9, "embedding": 0.7, "head": 0.85}
+BACKWARD_FACTOR = {"matmul": 2.0, "bmm": 2.0, "attention": 2.5, "norm": 2.0, "softmax": 1.5, "dropout": 1.0, "elementwise": 1.5, "embedding": 1.5, "head": 2.0}
 SMALL_OP_KINDS = ("norm", "softmax")
 """Kinds whose kernels never take less than the generation's ``small_op_us`` (row reductions)."""
-MATRIX_KINDS = ("matmul", "bmm", "head")
+MATRIX_KINDS = ("matmul", "bmm", "attention", "head")
 DEFAULT_TF32 = False
 """Whether fp32 matmuls run on TF32 tensor cores when a run does not say: PyTorch's default
 (``torch.backends.cuda.matmul.allow_tf32`` is False since 1.12)."""
@@ -270,25 +301,6 @@ class ProfileSet:
         if gpu not in self._tables:
             self._tables[gpu] = load_profile(gpu, self.spec, directory=self.directory)
         return self._tables[gpu]
-
-
-def _bytes_moved(spec: ModelSpec, op: str, b: int, s: int) -> float:
-    """DRAM traffic of one operator's forward at share 1 (reads + writes, weights included)."""
-    h, a, f, e = spec.hidden_dim, spec.num_heads, spec.ffn_dim, spec.dtype_bytes
-    tsh, ass = b * s * h * e, b * a * s * s * e
-    return {
-        "ln1": 2 * tsh, "ln2": 2 * tsh,
-        "qkv": 3 * h * h * e + 4 * tsh,
-        "attn_scores": 2 * tsh + ass,
-        "softmax": 2 * ass,
-        "attn_dropout": 2 * ass + ass / e,
-        "attn_v": ass + 2 * tsh,
-        "out_proj": h * h * e + 2 * tsh,
-        "resid1": 3 * tsh + tsh / e, "resid2": 3 * tsh + tsh / e,
-        "fc1": h * f * e + tsh + b * s * f * e,
-        "gelu": 2 * b * s * f * e,
-        "fc2": f * h * e + tsh + b * s * f * e,
-    }[op]
 
 
 def _time_ms(flops: float, bytes_moved: float, kind: str, gpu: GpuType, dtype: str, tf32: bool = DEFAULT_TF32) -> float:
@@ -311,63 +323,85 @@ def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch
     s = seq_len or spec.seq_len
     r = share if op.tp_split else 1.0
     flops = operator_flops(spec, op, micro_batch, s) * r
-    moved = _bytes_moved(spec, op.name, micro_batch, s) * r
+    moved = operator_bytes_moved(spec, op, micro_batch, s) * r
     fwd = _time_ms(flops, moved, op.kind, gpu, spec.dtype, tf32) + launch_ms(gpu)
     bwd = _time_ms(flops * BACKWARD_FACTOR[op.kind], moved * BACKWARD_FACTOR[op.kind], op.kind, gpu, spec.dtype, tf32) + launch_ms(gpu)
     sizes = tensor_sizes(spec, micro_batch, s)
     saved = sum(sizes[t].bytes(share) for t in op.saves)
     out = sum(sizes[t].bytes(share) for t in op.outputs)
-    params = operator_param_count(spec, op) * r * spec.dtype_bytes
+    params = operator_param_bytes(spec, op, share)
     return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=out, param_bytes=params)
 
 
 def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: int, seq_len: int | None = None,
-                       *, tf32: bool = DEFAULT_TF32) -> OpCost:
-    """Embedding (first stage) or final LayerNorm + LM head + cross-entropy (last stage).
+                       *, share: float = 1.0, tf32: bool = DEFAULT_TF32) -> OpCost:
+    """Embedding (first stage) or final LayerNorm + LM head + cross-entropy (last stage) on a rank that
+    holds ``share`` of the padded vocabulary (its share of the stage's units; the runtime's
+    ``runtime/vocab_parallel.py``). Bytes are exactly what that code keeps and holds:
 
-    The head's parameter bytes hold only the final LayerNorm: the tied embedding matrix is charged to
-    the embedding row, and the evaluator charges it again on a last stage that is not the first.
+    * embedding: its rows of the token embedding (``V_pad * share`` x h) and the whole position embedding
+      (s x h) as parameters; it keeps the (b, s) int64 local token indices. Forward writes the full
+      (b, s, h) output (zeros for tokens other ranks hold); backward writes the dense gradient of its
+      rows and adds it into the gradient buffer.
+    * head: the final LayerNorm (replicated) as parameters; its rows of the tied matrix are charged by
+      the evaluator (to the embedding row on the first stage, again on a last stage that is not the
+      first). It keeps the LayerNorm's input, statistics and output, the fp32 softmax of its logits
+      shard (b, s, V_pad * share) and the (b, s) int64 local targets.
+
+    The all-reduces (one of (b, s, h) in the embedding's forward, three of (b, s) fp32 in the loss's
+    forward and one of (b, s, h) in the head's backward) are not part of these times: the cost model
+    prices them on the stage's links.
     """
     s = seq_len or spec.seq_len
-    b, h, V, e = micro_batch, spec.hidden_dim, spec.vocab_size, spec.dtype_bytes
+    b, h, e = micro_batch, spec.hidden_dim, spec.dtype_bytes
+    vd = padded_vocab(spec) * share  # vocabulary rows this rank holds
     tokens = b * s
+    index_bytes = tokens * 8  # int64 per token: the local token indices, or the local targets
     if name == EMBEDDING:
         moved = 3 * tokens * h * e
+        grad_rows = 4 * vd * h * e  # zero-filled, rows added in, then accumulated into the gradient buffer
         fwd = _time_ms(tokens * h, moved, "embedding", gpu, spec.dtype) + launch_ms(gpu)
-        bwd = _time_ms(tokens * h, moved * BACKWARD_FACTOR["embedding"], "embedding", gpu, spec.dtype) + launch_ms(gpu)
-        return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=tokens * 8, output_bytes=tokens * h * e,
-                      param_bytes=(V * h + s * h) * e)
+        bwd = _time_ms(tokens * h, moved * BACKWARD_FACTOR["embedding"] + grad_rows, "embedding", gpu, spec.dtype) + launch_ms(gpu)
+        return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=index_bytes, output_bytes=tokens * h * e,
+                      param_bytes=(vd * h + s * h) * e)
     if name == HEAD:
-        flops = 2 * tokens * h * V + 5 * tokens * h + 5 * tokens * V
-        moved = V * h * e + 2 * tokens * h * e + tokens * V * (e + 8)
+        flops = 2 * tokens * h * vd + 5 * tokens * h + 5 * tokens * vd
+        moved = vd * h * e + 2 * tokens * h * e + tokens * vd * (e + 8)
         fwd = _time_ms(flops, moved, "head", gpu, spec.dtype, tf32) + 3 * launch_ms(gpu)
         bwd = _time_ms(2 * flops, 2 * moved, "head", gpu, spec.dtype, tf32) + 3 * launch_ms(gpu)
-        # Saved: final-LN input and output, and the fp32 log-probabilities cross-entropy keeps.
-        saved = 2 * tokens * h * e + tokens * 2 * 4 + tokens * V * 4
-        return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=tokens * V * e, param_bytes=2 * h * e)
+        sizes = tensor_sizes(spec, micro_batch, s)  # the final LayerNorm keeps what a layer's ln1 keeps
+        ln = sizes["layer_input"].bytes(1.0) + sizes["ln1_stats"].bytes(1.0) + sizes["ln1_out"].bytes(1.0)
+        saved = ln + tokens * vd * 4 + index_bytes
+        return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=tokens * vd * e, param_bytes=2 * h * e)
     raise ValueError(name)
 
 
 def derive_table(spec: ModelSpec, gpu: GpuType | str, *, micro_batches=DEFAULT_MICRO_BATCHES, shares=DEFAULT_SHARES,
-                 seq_len: int | None = None, tf32: bool = DEFAULT_TF32) -> pd.DataFrame:
+                 seq_len: int | None = None, tf32: bool | None = None) -> pd.DataFrame:
     """The analytic table of one GPU type for one model: every operator at every (micro-batch, share).
 
-    ``tf32``: whether the run lets fp32 matmuls use TF32 tensor cores (ignored for fp16/bf16 models and
-    for GPUs without TF32). It is a parameter here because the model spec has no field for it yet.
+    Whether fp32 matmuls use TF32 tensor cores follows ``spec.tf32`` (it changes nothing for fp16/bf16
+    models or GPUs without TF32); ``tf32`` derives for the spec with that setting instead. Either way the
+    table's ``model`` column is the derived-for spec's ``profile_name``, so the table says its setting.
     """
+    if tf32 is not None and tf32 != spec.tf32:
+        spec = spec.with_overrides(tf32=tf32)
+    tf32 = spec.tf32
     gpu = gpu_type(gpu) if isinstance(gpu, str) else gpu
     gpu.peak_tflops(spec.dtype)  # rejects bf16 on GPUs without it before we build anything
     s = seq_len or spec.seq_len
     rows = []
     for mb in micro_batches:
-        for op in layer_operators(spec):
+        for op in table_operators(spec):
             for share in (shares if op.tp_split else (1.0,)):
                 c = analytic_layer_cost(spec, gpu, op, mb, share, s, tf32=tf32)
                 rows.append((gpu.name, spec.name, op.name, mb, s, share, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes, "derived"))
-        for name in (EMBEDDING, HEAD):
-            c = analytic_edge_cost(spec, gpu, name, mb, s, tf32=tf32)
-            rows.append((gpu.name, spec.name, name, mb, s, 1.0, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes, "derived"))
-    return validate_table(pd.DataFrame(rows, columns=COLUMNS), source=f"<derived {gpu.name}/{spec.name}>")
+        for name in (EMBEDDING, HEAD):  # at the vocabulary share of a rank of the first / last stage
+            for share in shares:
+                c = analytic_edge_cost(spec, gpu, name, mb, s, share=share, tf32=tf32)
+                rows.append((gpu.name, spec.name, name, mb, s, share, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes,
+                             "derived"))
+    return validate_table(pd.DataFrame(rows, columns=COLUMNS).assign(model=spec.profile_name), source=f"<derived {gpu.name}/{spec.name}>")
 
 
 def calibrate(target: pd.DataFrame, measured: pd.DataFrame, measured_as_derived: pd.DataFrame) -> pd.DataFrame:

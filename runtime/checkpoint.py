@@ -2,10 +2,13 @@
 
 A checkpoint is a directory ``<save-dir>/step-000123/`` holding
 
-* ``model.safetensors``: every parameter as a full tensor under its ``runtime.model`` name;
+* ``model.safetensors``: every parameter as a full fp32 tensor under its ``runtime.model`` name (in
+  fp16/bf16 training, the fp32 master weights: a checkpoint loses no precision and resumes under any
+  dtype);
 * ``optimizer.safetensors``: ``exp_avg.<name>`` and ``exp_avg_sq.<name>`` (AdamW moments, full tensors);
-* ``meta.json``: format, model spec, step, samples consumed, seed, optimizer settings, data source, and
-  the size and SHA-256 of every other file (``files``).
+* ``meta.json``: format, model spec, step, samples consumed, seed, optimizer settings, the fp16 loss
+  scale (``loss_scale``: scale, clean steps, skipped steps; fp16 runs only), data source, and the size
+  and SHA-256 of every other file (``files``).
 
 Rank 0 gathers the slices point-to-point (any split sizes, gloo or NCCL), writes into a temporary
 directory beside the final one and renames it, so a partly written checkpoint never has the final name.
@@ -207,8 +210,8 @@ def _local_shape(shape, where):
 
 
 def _local_state(engine, name: str) -> torch.Tensor:
-    """(3, *local shape): the parameter and its two AdamW moments (zeros before the first step)."""
-    p = dict(engine.model.named_parameters())[name]
+    """(3, *local shape), fp32: the (master) parameter and its two AdamW moments (zeros before the first step)."""
+    p = engine.master_parameters()[name]
     st = engine.optimizer.state.get(p, {})
     m = st.get("exp_avg", torch.zeros_like(p))
     v = st.get("exp_avg_sq", torch.zeros_like(p))
@@ -250,6 +253,8 @@ def save_checkpoint(engine, save_dir: str | Path, *, step: int, samples_seen: in
                 "seed": engine.seed, "optimizer": {"name": "adamw", "step": _optimizer_step_count(engine), "lr": g["lr"],
                                                    "betas": list(g["betas"]), "eps": g["eps"],
                                                    "weight_decay": g["weight_decay"]}, **extra}
+        if engine.precision.scaler is not None:
+            meta["loss_scale"] = engine.precision.scaler.state_dict()
 
         def write(tmp: Path) -> None:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
@@ -326,14 +331,21 @@ class CheckpointReader:
         return self._get("model.safetensors", name)
 
     def load_into(self, engine) -> None:
-        """Set this rank's parameters and AdamW state from the checkpoint's full tensors."""
-        engine.model.load_full(self.parameter)
+        """Set this rank's parameters (and fp32 master weights), AdamW state and fp16 loss scale from the
+        checkpoint's full tensors."""
+        engine.load_full(self.parameter)
+        scale = self.meta.get("loss_scale")
+        if engine.precision.scaler is not None and isinstance(scale, dict):
+            try:
+                engine.precision.scaler.load_state_dict(scale)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise BatonError(f"malformed loss_scale in meta.json: {exc}", source=str(self.path)) from None
         steps = int(self.meta.get("optimizer", {}).get("step", 0))
         if steps == 0:
             return
         file = "optimizer.safetensors"
         with self._open(file) as fh:
-            for name, p in engine.model.named_parameters():
+            for name, p in engine.master_parameters().items():
                 where = parameter_slice(self.spec, name, engine.pos.heads, engine.pos.ffn_cols)
                 engine.optimizer.state[p] = {
                     "step": torch.tensor(float(steps)),

@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from baton.errors import BatonError
-from baton.model_spec import ModelSpec
+from baton.model_spec import ModelSpec, splits_into
 from runtime.affinity import pin_rank
-from runtime.processes import stop_processes
+from runtime.processes import die_with_parent, stop_processes
 
 DEFAULT_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 BATCH = 4
@@ -86,16 +86,34 @@ class LinkFit:
         return asdict(self)
 
 
+MIN_SIZE_SHARE = 0.1
+"""Below this share of the largest message's time, a fitted per-byte term is within the noise of the
+latency (a few percent between repetitions), not a bandwidth the measurement resolved."""
+
+
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(intercept ms, slope ms/byte) of a line fitted to relative error, intercept clamped at 0.
 
     Relative weighting keeps the small messages (which fix the latency) from being drowned by the large
-    ones (which fix the bandwidth).
+    ones (which fix the bandwidth). Where the times do not grow measurably with the size (a slope of at
+    most ``MIN_SIZE_SHARE`` of the largest message's time, or none: messages too small for the link, or
+    noise), the fit has no bandwidth term and would imply an unbounded bandwidth. The slope is then the
+    fastest rate actually measured (the smallest ms per byte of any point: a lower bound of the link's
+    bandwidth, since every point's time includes its latency) and the intercept the one that then fits
+    best, so the link block holds only figures the measurement supports.
     """
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
-    slope, intercept = np.polyfit(x, y, 1, w=1.0 / np.maximum(y, 1e-9))
-    return max(float(intercept), 0.0), max(float(slope), 1e-15)
+    slope, intercept = (float(v) for v in np.polyfit(x, y, 1, w=1.0 / np.maximum(y, 1e-9)))
+    if slope * x.max() <= MIN_SIZE_SHARE * y[x.argmax()]:
+        timed = (x > 0) & (y > 0)
+        if not timed.any():
+            raise BatonError("every message took no measurable time: no link figures can be fitted; measure larger "
+                             "messages or more repetitions", field="--comm")
+        slope = float(np.min(y[timed] / x[timed]))
+        w = 1.0 / np.maximum(y, 1e-9) ** 2  # the intercept that fits best to relative error, given that slope
+        intercept = float(np.sum(w * (y - slope * x)) / np.sum(w))
+    return max(intercept, 0.0), slope
 
 
 def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, reps: int) -> list[tuple[int, float]]:
@@ -147,7 +165,9 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
 
 
 def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: int, out_dir: str, spec=None,
-            micro_batches=()) -> None:
+            micro_batches=(), parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        die_with_parent(parent_pid)  # a killed `baton profile --comm` must not leave ranks behind
     try:
         torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -209,7 +229,7 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
     With ``spec`` (a fp32 model whose heads and FFN columns split evenly over the ranks, gloo only),
     all-reduces at its activation sizes are timed inside its tensor-parallel layer.
     """
-    if spec is not None and (backend != "gloo" or spec.dtype != "fp32" or spec.num_heads % world_size or spec.ffn_dim % world_size):
+    if spec is not None and (backend != "gloo" or spec.dtype != "fp32" or not splits_into(spec, world_size)):
         spec = None  # NCCL calls return before the GPU runs them: the microbenchmark (synchronised) is the measure there
     if world_size < 2:
         raise BatonError("needs at least 2 ranks", field="--comm-ranks")
@@ -217,7 +237,8 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
         raise BatonError(f"nccl needs {world_size} GPUs, this machine has {torch.cuda.device_count()}", field="--device")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(_worker, args=(world_size, backend, init_file, tuple(sizes), reps, tmp, spec, tuple(micro_batches)),
+        ctx = mp.start_processes(_worker, args=(world_size, backend, init_file, tuple(sizes), reps, tmp, spec, tuple(micro_batches),
+                                                os.getpid()),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

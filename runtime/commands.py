@@ -8,6 +8,10 @@ every machine with one process per plan device; ranks follow ``plan.device_ids()
         --rdzv-endpoint=<host of node 0>:29500 -m cli train --plan plan.json --save-dir /shared/ckpt
 
 (checkpoints are written by rank 0 and read by every rank: use a directory all machines see).
+
+Before any rank starts, the plan's predicted peak memory per device is checked against the devices the
+ranks will use (``runtime.devices``). At the end it prints the average tokens/s and MFU (and, for fp16,
+the steps skipped for overflowing gradients); ``--report`` adds them to the report.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from runtime import profile_command
 
 def register(app: typer.Typer) -> None:
     profile_command.register()  # `baton profile --device` measures with the runtime's layer
+    __import__("runtime.data_export_commands").data_export_commands.register(app)  # data prepare, export, generate
 
     @app.command("train")
     @guarded
@@ -41,19 +46,23 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Initialisation, data order and dropout masks."),
         lr: float = typer.Option(3e-4, "--lr", help="AdamW learning rate (constant)."),
         weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
-        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (cuda: an error without a GPU per plan device)."),
+        gpus: Optional[str] = typer.Option(None, "--gpus", help="CUDA devices of the ranks in rank order, e.g. 0,1 (implies --device cuda)."),
         timeout: float = typer.Option(300.0, "--timeout", help="Seconds a rank may wait on a peer (any collective or receive) before failing."),
         report: Optional[Path] = typer.Option(None, "--report", help="Write measured vs predicted times and memory (JSON)."),
-        cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster YAML the plan was made for (with --report)."),
-        profiles: Optional[Path] = typer.Option(None, "--profiles", help="Profile tables for the prediction (with --report)."),
+        cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster YAML the plan was made for: the pre-flight memory check and MFU use it (default: the shipped spec of the plan's cluster); --report needs it."),
+        profiles: Optional[Path] = typer.Option(None, "--profiles", help="Profile tables for the predictions (default: the shipped ones)."),
     ) -> None:
         """Train the plan's model with exactly the plan's pipeline, tensor splits and recomputation.
 
         Ctrl-C or SIGTERM with --save-dir: the ranks finish the current step and save a checkpoint (a second
         one stops at once); without --save-dir they stop at once."""
+        from runtime.devices import parse_gpus
         from runtime.launch import TrainConfig, train as run
+        from runtime.meters import throughput
 
         the_plan = load_plan(plan)
+        gpu_list = parse_gpus(gpus)
         if report is not None:
             check_output_path(report, "--report")  # before training, not after it
         predict = None
@@ -73,8 +82,10 @@ def register(app: typer.Typer) -> None:
                           save_dir=str(save_dir) if save_dir else None, save_every=save_every, keep=keep, resume=resume,
                           allow_other_data=allow_other_data,
                           init_from=str(init_from) if init_from else None, seed=seed, lr=lr,
-                          weight_decay=weight_decay, device=device, timeout_s=timeout,
+                          weight_decay=weight_decay, device=device, gpus=gpu_list, timeout_s=timeout,
+                          cluster_path=str(cluster) if cluster else None, profiles_dir=str(profiles) if profiles else None,
                           collect_all_ranks=report is not None)
+        checked: dict = {}
         per_rank: dict = {}
         show = os.environ.get("RANK", "0") == "0"
         with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -86,22 +97,31 @@ def register(app: typer.Typer) -> None:
                 progress.update(task, completed=s.step + 1,
                                 info=f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  stage ms [{per_stage}]")
 
-            history = run(cfg, on_step=on_step, per_rank=per_rank, on_notice=lambda line: say(f"note: {line}", err=True))
+            history = run(cfg, on_step=on_step, per_rank=per_rank, on_notice=lambda line: say(f"note: {line}", err=True),
+                          checked=checked)
+        pre = checked.get("preflight")
+        speed = throughput(history, the_plan.model, the_plan.global_batch, pre.peak_flops if pre else None) if history else None
         if show and history:
             last = history[-1]
             where = f", checkpoint in {save_dir}" if save_dir else ""
-            say(f"step {last.step + 1}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s{where}")
+            say(f"step {last.step + 1}: loss {last.loss:.4f}{where}")
+            mfu = (f", MFU {speed.mfu:.2%} of {speed.peak_tflops:,.1f} TFLOP/s ({the_plan.model.dtype} catalog peak of the plan's "
+                   "devices)") if speed.mfu is not None else ""
+            say(f"throughput: {speed.tokens_per_s:,.0f} tokens/s averaged over {speed.steps} step(s){mfu}")
+            if the_plan.model.dtype == "fp16":
+                say(f"fp16 loss scale {history[-1].loss_scale:g}; {speed.skipped_steps} step(s) skipped for inf/NaN gradients")
         if report is not None and show and per_rank:
             from rich.table import Table
+            from rich.text import Text
 
             from runtime.report import build_report, summary_rows, write_report
 
-            rep = build_report(the_plan, predict[0], predict[1], per_rank)
+            rep = build_report(the_plan, predict[0], predict[1], per_rank, speed=speed)
             write_report(rep, report)
             table = Table(title=f"measured vs predicted ({rep['steps_measured']} steps)")
             for col in ("", "measured", "predicted", "prediction error"):
                 table.add_column(col, justify="left" if not col else "right")
             for row in summary_rows(rep):
-                table.add_row(*row)
+                table.add_row(*(Text(cell) for cell in row))  # device ids are the user's text: never markup
             console.print(table)
             say(f"wrote {report}")

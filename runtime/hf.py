@@ -2,7 +2,9 @@
 
 GPT-2's ``Conv1D`` stores weights as (in, out); ours are ``nn.Linear`` (out, in), so they are
 transposed. Its LM head is tied to ``wte``; the causal-mask buffers are ignored. ``.bin`` files are
-read with ``torch.load(weights_only=True)`` (no arbitrary pickle).
+read with ``torch.load(weights_only=True)`` (no arbitrary pickle). The tensors are full and unpadded
+(``wte.weight`` has ``vocab_size`` rows); vocabulary-parallel stages take their rows of it and fill the
+rows past the vocabulary with zeros (``runtime/slicing.py``).
 """
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ def _check_config(config: dict, spec: ModelSpec, source: str) -> None:
     if config.get("n_positions", 0) < spec.seq_len:
         raise BatonError(f"is {config.get('n_positions')}, shorter than the plan's seq_len {spec.seq_len}",
                          source=source, field="n_positions")
-    need("activation_function", "gelu_new", config.get("activation_function", "gelu_new"))
+    # gelu_pytorch_tanh is the same tanh approximation as gelu_new, computed by PyTorch's kernel.
+    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise BatonError(f"is {config.get('activation_function')}, Baton's GPT uses the tanh GELU (gelu_new or "
+                         "gelu_pytorch_tanh)", source=source, field="activation_function")
+    # resid_pdrop, embd_pdrop, attn_pdrop are training choices, not weights: the plan's model's dropout applies.
     need("layer_norm_epsilon", 1e-5, config.get("layer_norm_epsilon", 1e-5))
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         need(flag, False, bool(config.get(flag, False)))
@@ -54,6 +60,8 @@ def load_gpt2(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
     _check_config(config, spec, str(cfg_file))
     if (root / "model.safetensors").is_file():
         raw = load_file(str(root / "model.safetensors"))
+    elif (root / "model.safetensors.index.json").is_file():
+        raw = _load_sharded(root / "model.safetensors.index.json")
     elif (root / "pytorch_model.bin").is_file():
         try:
             raw = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -62,6 +70,7 @@ def load_gpt2(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
     else:
         raise BatonError("neither model.safetensors nor pytorch_model.bin found", source=str(root), field="--init-from")
     raw = {k.removeprefix("transformer."): v for k, v in raw.items()}
+    _refuse_untied_head(raw, config, root)
     out = {}
     for name, shape in parameter_shapes(spec).items():
         if name not in raw:
@@ -75,3 +84,32 @@ def load_gpt2(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
             raise BatonError(f"tensor '{name}' has shape {tuple(t.shape)}, expected {shape}", source=str(root))
         out[name] = t.contiguous()
     return out
+
+
+def _load_sharded(index_file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded safetensors checkpoint (``weight_map``: tensor name -> shard file)."""
+    try:
+        weight_map = json.loads(index_file.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise BatonError("malformed index: expected a 'weight_map' of tensor name -> file", source=str(index_file), field="weight_map")
+    raw: dict[str, torch.Tensor] = {}
+    for name in sorted(set(weight_map.values())):
+        shard = index_file.parent / name
+        if Path(name).name != name or not shard.is_file():
+            raise BatonError(f"shard '{name}' is missing", source=str(index_file), field="weight_map")
+        raw.update(load_file(str(shard)))
+    return raw
+
+
+def _refuse_untied_head(raw: dict[str, torch.Tensor], config: dict, root: Path) -> None:
+    """Baton's GPT ties its LM head to ``wte``: a checkpoint whose own ``lm_head.weight`` differs would give
+    other logits (by up to 4.5 in a random GPT-2), so it is refused rather than silently dropped."""
+    head, wte = raw.get("lm_head.weight"), raw.get("wte.weight")
+    if head is not None and wte is not None and not (head.shape == wte.shape and torch.equal(head, wte)):
+        raise BatonError("the LM head is not tied to the token embedding (lm_head.weight differs from wte.weight); "
+                         "Baton's GPT ties them", source=str(root), field="lm_head.weight")
+    if head is None and config.get("tie_word_embeddings", True) is False:
+        raise BatonError("tie_word_embeddings is false but the weights have no lm_head.weight; Baton's GPT ties the LM head "
+                         "to the token embedding", source=str(root / "config.json"), field="tie_word_embeddings")

@@ -4,7 +4,9 @@ Locally, ``train`` spawns the processes itself: NCCL on CUDA when the machine ha
 otherwise gloo on CPU processes that stand in for the plan's GPUs. Under torchrun (RANK, WORLD_SIZE,
 LOCAL_RANK in the environment) the current process is one rank and rank 0 reports progress.
 
-User errors are ``BatonError``s. Checks that need no process run in the parent before anything starts;
+User errors are ``BatonError``s. Checks that need no process run in the parent before anything starts,
+the pre-flight memory check among them (``runtime.devices``: every device's predicted peak against the
+memory of the GPU, or the share of RAM, its rank will get);
 a rank that fails reports one line (a ``BatonError``'s message, or the exception with the path of its
 traceback), and the parent kills the other ranks and raises the line of the rank that failed first
 (a rank that died or was stopped is blamed before the peers that lost their connection to it).
@@ -45,6 +47,7 @@ from baton.plan import Plan
 from runtime.affinity import pin_rank, pinning_requested
 from runtime.checkpoint import CheckpointReader, find_resumable, remove_stale_temporaries, save_checkpoint
 from runtime.data import TokenSource, check_data_file
+from runtime.devices import Preflight, RunDevices, capacities, choose_devices, cpu_capacity, cuda_capacity, preflight
 from runtime.engine import Engine, StepStats
 from runtime.processes import (Terminated, die_with_parent, process_state, run_directory, stop_processes,
                                sweep_stale_run_directories, terminate_as_interrupt)
@@ -85,6 +88,12 @@ class TrainConfig:
     """AdamW decoupled weight decay."""
     device: str = "auto"
     """auto, cpu or cuda."""
+    gpus: tuple[int, ...] | None = None
+    """CUDA device of every rank, in rank order (``--gpus``); None: GPUs 0..n-1 (under torchrun: by LOCAL_RANK)."""
+    cluster_path: str | None = None
+    """Cluster spec the plan was made for, for the pre-flight prediction (None: the shipped one of that name)."""
+    profiles_dir: str | None = None
+    """Profile tables for the pre-flight prediction (None: the shipped ones)."""
     timeout_s: float = 300.0
     """Longest wait of a rank on a peer (every collective and receive); a rank stuck longer fails."""
     log_dir: str | None = None
@@ -203,12 +212,9 @@ def prepare(cfg: TrainConfig, on_notice=None) -> TrainConfig:
     return cfg
 
 
-def _choose_device(cfg: TrainConfig, world: int) -> str:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.device == "cuda" and gpus < world:
-        raise BatonError(f"the plan has {world} devices but this machine has {gpus} CUDA GPUs; "
-                         "start one process per GPU with torchrun on each machine, or use --device cpu", field="--device")
-    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and gpus >= world) else "cpu"
+def check_before_start(cfg: TrainConfig, devices: RunDevices, world: int) -> Preflight:
+    """The pre-flight check of a run started here: every rank's predicted peak against its device."""
+    return preflight(cfg.plan, capacities(devices, world), cluster_path=cfg.cluster_path, profiles_dir=cfg.profiles_dir)
 
 
 # --- one rank --------------------------------------------------------------------------------------
@@ -231,6 +237,8 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None, sto
     checkpoint's path) and ``stopped_after`` (the step count at a requested stop)."""
     plan = cfg.plan
     spec = plan.model
+    if device.type == "cuda":  # the model's TF32 setting, which its derived tables assumed (baton.model_spec)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = spec.tf32
     outcome = {} if outcome is None else outcome
     full = None
     reader = None
@@ -275,7 +283,7 @@ def _init_group(backend: str, rank: int, world: int, init_method: str, timeout_s
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _worker(rank: int, world: int, cfg: TrainConfig, device_kind: str, init_method: str, q, stop, parent_pid: int) -> None:
+def _worker(rank: int, world: int, cfg: TrainConfig, devices: RunDevices, init_method: str, q, stop, parent_pid: int) -> None:
     """Entry point of a spawned rank: never raises; reports ('error', rank, line, is_user_error,
     traceback) or ('done', rank, outcome)."""
     die_with_parent(parent_pid)
@@ -284,7 +292,7 @@ def _worker(rank: int, world: int, cfg: TrainConfig, device_kind: str, init_meth
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1 if pinning_requested() else max(1, (os.cpu_count() or 1) // world))
     try:
-        device = torch.device(f"cuda:{rank}") if device_kind == "cuda" else torch.device("cpu")
+        device = torch.device(f"cuda:{devices.gpus[rank]}") if devices.kind == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init_group("nccl" if device.type == "cuda" else "gloo", rank, world, init_method, cfg.timeout_s)
@@ -318,31 +326,65 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def train(cfg: TrainConfig, on_step=None, per_rank: dict | None = None, on_notice=None) -> list[StepStats]:
+def train(cfg: TrainConfig, on_step=None, per_rank: dict | None = None, on_notice=None,
+          checked: dict | None = None) -> list[StepStats]:
     """Run ``cfg`` to the end; ``on_step(stats)`` sees every step's rank-0 stats. Returns them.
 
     With ``cfg.collect_all_ranks`` and a ``per_rank`` dict, it is filled with rank -> that rank's
     StepStats of every step (under torchrun, on rank 0 only). ``on_notice(line)`` hears what is worth
-    saying but is no error. An interrupted run raises KeyboardInterrupt (``Terminated`` for SIGTERM)
-    whose message says what was saved.
+    saying but is no error. ``checked``, when given, receives ``preflight``: the pre-flight check's
+    ``Preflight`` (prediction, capacities, peak FLOP/s for MFU). An interrupted run raises
+    KeyboardInterrupt (``Terminated`` for SIGTERM) whose message says what was saved.
     """
     cfg = prepare(cfg, on_notice)
     world = len(cfg.plan.device_ids())
+    checked = {} if checked is None else checked
     if under_torchrun():
-        return _train_torchrun(cfg, world, on_step, per_rank)
-    return _train_spawned(cfg, world, on_step, per_rank, on_notice or (lambda line: None))
+        return _train_torchrun(cfg, world, on_step, per_rank, checked)
+    devices = choose_devices(cfg.device, cfg.gpus, world)
+    if devices.kind == "cpu" and cfg.device == "auto" and torch.cuda.is_available() and on_notice:
+        on_notice(f"the plan has {world} devices and this machine {torch.cuda.device_count()} CUDA GPU(s): "
+                  "running CPU processes (--device cuda --gpus to choose GPUs)")
+    checked["preflight"] = check_before_start(cfg, devices, world)
+    return _train_spawned(cfg, world, devices, on_step, per_rank, on_notice or (lambda line: None))
 
 
-def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None) -> list[StepStats]:
+def _torchrun_device(cfg: TrainConfig, local: int, local_world: int) -> torch.device:
+    """This rank's device under torchrun: GPU ``--gpus[LOCAL_RANK]`` (else LOCAL_RANK) when CUDA is asked
+    for or present; asking for CUDA without a GPU for this rank is an error, not a CPU fallback."""
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.gpus is not None and cfg.device == "cpu":
+        raise BatonError("--gpus chooses CUDA devices; it cannot go with --device cpu", field="--gpus")
+    use_cuda = cfg.device == "cuda" or cfg.gpus is not None or (cfg.device == "auto" and available > 0)
+    if not use_cuda:
+        return torch.device("cpu")
+    if cfg.gpus is not None and local >= len(cfg.gpus):
+        raise BatonError(f"lists {len(cfg.gpus)} GPU(s) but this machine runs {local_world} ranks (LOCAL_RANK={local})",
+                         field="--gpus")
+    index = cfg.gpus[local] if cfg.gpus is not None else local
+    if index >= available:
+        raise BatonError(f"rank with LOCAL_RANK={local} needs GPU {index} but this machine has {available} CUDA GPU(s)",
+                         field="--gpus" if cfg.gpus is not None else "--device")
+    return torch.device(f"cuda:{index}")
+
+
+def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None, checked: dict | None = None) -> list[StepStats]:
     env_world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if env_world != world:
         raise BatonError(f"the plan has {world} devices but {env_world} processes were started "
                          f"(WORLD_SIZE={env_world}); start exactly one process per plan device", field="WORLD_SIZE")
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = _torchrun_device(cfg, local, local_world)
+    use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
+    # Pre-flight, before joining the group: each rank checks its own device (torchrun then stops the others).
+    caps = [None] * world
+    caps[rank] = cuda_capacity(device.index) if use_cuda else cpu_capacity(local_world)
+    result = preflight(cfg.plan, caps, cluster_path=cfg.cluster_path, profiles_dir=cfg.profiles_dir, ranks=[rank])
+    if checked is not None:
+        checked["preflight"] = result
     # torchrun forwards SIGINT/SIGTERM to every rank: with a save directory, the ranks finish the step,
     # agree, save and stop (a second signal stops at once); without one the default applies.
     signalled: list[int] = []
@@ -374,10 +416,9 @@ def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None) -> lis
         dist.destroy_process_group()
 
 
-def _train_spawned(cfg: TrainConfig, world: int, on_step, per_rank, notice) -> list[StepStats]:
+def _train_spawned(cfg: TrainConfig, world: int, devices: RunDevices, on_step, per_rank, notice) -> list[StepStats]:
     import torch.multiprocessing as mp
 
-    device_kind = _choose_device(cfg, world)
     sweep_stale_run_directories()
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
@@ -386,7 +427,7 @@ def _train_spawned(cfg: TrainConfig, world: int, on_step, per_rank, notice) -> l
     try:
         with terminate_as_interrupt():
             for r in range(world):
-                procs.append(ctx.Process(target=_worker, args=(r, world, cfg, device_kind, f"file://{run_dir}/store", q, stop,
+                procs.append(ctx.Process(target=_worker, args=(r, world, cfg, devices, f"file://{run_dir}/store", q, stop,
                                                                os.getpid()), daemon=True))
                 procs[-1].start()
             return _supervise(cfg, world, procs, q, stop, on_step, per_rank, notice)

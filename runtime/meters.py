@@ -1,7 +1,9 @@
-"""What a stage measures about itself while it trains: operator calls, recompute time, saved bytes.
+"""What a run measures about itself: operator calls, recompute time, saved bytes, and throughput.
 
 The planner charges every recomputed operator and every kept activation; these counters let the
-tests and ``baton train --report`` check that the runtime does exactly what was charged.
+tests and ``baton train --report`` check that the runtime does exactly what was charged. ``throughput``
+turns a run's steps into tokens/s and MFU (model FLOPs of ``baton.costmodel.model_flops_per_s``
+over the catalog peaks of the devices used, as the evaluator's MFU).
 """
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from baton.costmodel import model_flops_per_s
+from baton.model_spec import ModelSpec
 
 
 @dataclass
@@ -70,3 +75,33 @@ class SavedBytes:
 
     def total(self) -> int:
         return sum(sum(d.values()) for d in self.live.values())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Throughput:
+    """A run's average speed."""
+
+    steps: int
+    """Steps averaged: all but the first when there are several (the first pays for warm-up)."""
+    tokens_per_s: float
+    """Tokens of those steps over their wall time."""
+    model_tflops_per_s: float
+    """Model FLOPs (no recomputation counted) per second, 10^12."""
+    peak_tflops: float | None
+    """Sum of the catalog matrix peaks of the devices used, for the model's dtype (None: unknown)."""
+    mfu: float | None
+    """model_tflops_per_s / peak_tflops."""
+    skipped_steps: int
+    """Steps of the whole run whose update was skipped (fp16 overflow)."""
+
+
+def throughput(history, spec: ModelSpec, global_batch: int, peak_flops: float | None) -> Throughput:
+    """Average tokens/s and MFU over ``history`` (StepStats of one rank, in order)."""
+    timed = history[1:] if len(history) > 1 else history
+    seconds = sum(s.iteration_ms for s in timed) / 1e3
+    tokens = sum(s.tokens for s in timed)
+    flops = model_flops_per_s(spec, global_batch, seconds * 1e3 / len(timed)) if timed else 0.0
+    return Throughput(steps=len(timed), tokens_per_s=tokens / seconds if seconds > 0 else 0.0, model_tflops_per_s=flops / 1e12,
+                      peak_tflops=peak_flops / 1e12 if peak_flops else None,
+                      mfu=flops / peak_flops if peak_flops else None,
+                      skipped_steps=sum(1 for s in history if s.skipped))

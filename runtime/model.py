@@ -1,14 +1,17 @@
 """The single-device GPT every parallel run is compared against (nanoGPT style).
 
 Pre-LayerNorm decoder, learned positions, GELU (tanh) MLP, LM head tied to the token embedding,
-dropout on attention probabilities and on both residual branches. Parameter names follow GPT-2
-(``wte.weight``, ``h.3.attn.c_attn.weight``, ...) with ``nn.Linear`` layouts (out, in); checkpoints
-store exactly these full tensors, whatever plan wrote them.
+dropout on both residual branches and (eager attention only) on the attention probabilities. Parameter
+names follow GPT-2 (``wte.weight``, ``h.3.attn.c_attn.weight``, ...) with ``nn.Linear`` layouts (out, in);
+checkpoints store exactly these full tensors (``wte.weight`` with ``vocab_size`` rows), whatever plan
+wrote them.
 
 Each layer is written as the operators of ``baton.operators.layer_operators`` in that order (ln1, qkv,
-attn_scores, softmax, attn_dropout, attn_v, out_proj, resid1, ln2, fc1, gelu, fc2, resid2), with explicit
-attention (no fused kernel) so the planner's per-operator tables describe this code. Dropout masks come
-from ``runtime.rng`` (functions of seed, step, layer, operator, sample, head), never from the global RNG.
+attention, out_proj, resid1, ln2, fc1, gelu, fc2, resid2), so the planner's per-operator tables describe
+this code. Attention follows ``spec.attention``: ``eager`` spells it out (attn_scores, softmax,
+attn_dropout, attn_v), ``fused`` is one ``scaled_dot_product_attention`` call (attn_core, no dropout on
+the probabilities). Dropout masks come from ``runtime.rng`` (functions of seed, step, layer, operator,
+sample, head), never from the global RNG.
 
 Shape legend: B batch, T sequence, C hidden, nh heads, hs head size, F FFN width, V vocabulary.
 """
@@ -93,25 +96,30 @@ class Block(nn.Module):
         # qkv: (B, T, 3C) -> three (B, nh, T, hs)
         q, k, v = self.attn.c_attn(a).split(C, dim=2)
         q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))
-        # attn_scores: (B, nh, T, T)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
-        # softmax (causal)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        att = F.softmax(att.masked_fill(causal, float("-inf")), dim=-1)
-        # attn_dropout
-        if drop:
-            att = att * attention_mask(key, samples, range(nh), T, p, device=x.device)
-        # attn_v: (B, nh, T, hs) -> (B, T, C)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        if spec.attention == "fused":
+            # attn_core: the whole causal attention in one kernel, (B, nh, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.0)
+        else:
+            # attn_scores: (B, nh, T, T)
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
+            # softmax (causal)
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            att = F.softmax(att.masked_fill(causal, float("-inf")), dim=-1)
+            # attn_dropout
+            if drop:
+                att = att * attention_mask(key, samples, range(nh), T, p, device=x.device, dtype=att.dtype)
+            # attn_v: (B, nh, T, hs)
+            y = att @ v
+        y = y.transpose(1, 2).reshape(B, T, C)
         # out_proj, then resid1 (dropout on the branch, add)
         y = self.attn.c_proj(y)
         if drop:
-            y = y * residual_mask(key, "resid1", samples, T, C, p, device=x.device)
+            y = y * residual_mask(key, "resid1", samples, T, C, p, device=x.device, dtype=y.dtype)
         x = x + y
         # ln2, fc1, gelu, fc2 (B, T, F) -> (B, T, C), resid2
         y = self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
         if drop:
-            y = y * residual_mask(key, "resid2", samples, T, C, p, device=x.device)
+            y = y * residual_mask(key, "resid2", samples, T, C, p, device=x.device, dtype=y.dtype)
         return x + y
 
 

@@ -10,27 +10,26 @@ The table also holds one timed AdamW step (row ``optimizer``), which eq. 10 scal
 """
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
-from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, layer_operators, operator_param_count
-from baton.catalog import CATALOG
-from baton.profile import COLUMNS, OPTIMIZER, analytic_edge_cost, validate_table
+from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, layer_operators, operator_param_bytes
+from baton.profile import COLUMNS, OPTIMIZER, validate_table
 from runtime.affinity import pin_rank
-from runtime.processes import stop_processes
+from runtime.precision import MasterWeights, compute_dtype
+from runtime.processes import die_with_parent, stop_processes
 from runtime.stage import StageModel
 from runtime.tp_layer import MicroBatch, ParallelBlock
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,7 +153,7 @@ def _init(module: torch.nn.Module, seed: int) -> None:
 def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share: float, *, warmup: int, reps: int,
                   seed: int = 0, backward_overhead_ms: float = 0.0) -> dict[str, Measurement]:
     """Measure every operator of one layer at one (micro-batch, share)."""
-    dtype = TORCH_DTYPES[spec.dtype]
+    dtype = compute_dtype(spec.dtype)
     nh, nf = local_sizes(spec, share)
     block = ParallelBlock(spec, 0, heads=range(nh), ffn_cols=range(nf))
     _init(block, seed)
@@ -203,29 +202,29 @@ def _in_context(results: dict[str, Measurement], block: ParallelBlock, mb: Micro
             for name, m in results.items()}
 
 
-def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, *, warmup: int, reps: int, seed: int = 0,
-                  backward_overhead_ms: float = 0.0) -> dict[str, Measurement]:
-    """The embedding of the first stage and the head (final LayerNorm, tied LM head, loss) of the last."""
-    dtype = TORCH_DTYPES[spec.dtype]
+def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, share: float = 1.0, *, warmup: int, reps: int,
+                  seed: int = 0, backward_overhead_ms: float = 0.0) -> dict[str, tuple[Measurement, int]]:
+    """The embedding of the first stage and the head (final LayerNorm, tied LM head, loss) of the last, at a
+    rank's ``share`` of the (vocabulary-parallel) rows, each with the parameter bytes it holds (the head's
+    without the tied embedding, which the cost model charges apart)."""
+    dtype = compute_dtype(spec.dtype)
     g = _seeded(seed + 2)
     tokens = torch.randint(spec.vocab_size, (micro_batch, spec.seq_len), generator=g).to(device)
-    first = StageModel(spec, layers=range(0), heads=range(0), ffn_cols=range(0), first=True, last=False)
-    last = StageModel(spec, layers=range(0), heads=range(0), ffn_cols=range(0), first=False, last=True)
+    nh, nf = local_sizes(spec, share)
+    first = StageModel(spec, layers=range(0), heads=range(nh), ffn_cols=range(nf), first=True, last=False)
+    last = StageModel(spec, layers=range(0), heads=range(nh), ffn_cols=range(nf), first=False, last=True)
     for m in (first, last):
         _init(m, seed)
         m.to(device=device, dtype=dtype).train()
     mb = MicroBatch(seed=seed, step=0, samples=torch.arange(micro_batch))
     x = torch.randn(micro_batch, spec.seq_len, spec.hidden_dim, generator=g).to(device=device, dtype=dtype)
-
-    def head(xs):
-        logits = last(xs[0], mb)
-        return F.cross_entropy(logits.float().reshape(-1, spec.vocab_size), tokens.reshape(-1))
-
+    e = spec.dtype_bytes
+    head_params = sum(p.numel() for n, p in last.named_parameters() if not n.startswith("wte.")) * e
     return {
-        EMBEDDING: measure(lambda xs: first(tokens, mb), lambda: [], list(first.parameters()), device, warmup=warmup, reps=reps,
-                           backward_overhead_ms=backward_overhead_ms),
-        HEAD: measure(head, lambda: [x.detach().requires_grad_()], list(last.parameters()), device, warmup=warmup, reps=reps,
-                      backward_overhead_ms=backward_overhead_ms),
+        EMBEDDING: (measure(lambda xs: first(tokens, mb), lambda: [], list(first.parameters()), device, warmup=warmup, reps=reps,
+                            backward_overhead_ms=backward_overhead_ms), sum(p.numel() for p in first.parameters()) * e),
+        HEAD: (measure(lambda xs: last(xs[0], mb, targets=tokens), lambda: [x.detach().requires_grad_()], list(last.parameters()),
+                       device, warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms), head_params),
     }
 
 
@@ -239,29 +238,30 @@ def profile_optimizer(spec: ModelSpec, device: torch.device, *, warmup: int, rep
 
     The step streams every weight, gradient and moment once, so its time scales with the bytes held
     (eq. 10); timing it over many layers' tensors, not one layer's, keeps the state out of cache and
-    counts the per-tensor cost of the unfused CPU implementation as a stage pays them. The runtime
-    keeps weights and Adam state in fp32 whatever the model's dtype, so the step is timed in fp32;
-    the bytes returned are counted in the model's dtype, as eq. 10's W_d is.
+    counts the per-tensor cost of the unfused CPU implementation as a stage pays them. The step is the
+    runtime's own (``runtime.precision.MasterWeights``): in fp32 AdamW over the weights; in fp16/bf16
+    the gradients in the model's dtype unscaled into fp32 a chunk at a time, AdamW over the fp32 master
+    weights, and the weights rounded back from them. The bytes returned are counted in the model's
+    dtype, as eq. 10's W_d is.
     """
     from runtime.engine import ADAM_BETAS, ADAM_EPS
 
-    dtype = torch.float32
     block = ParallelBlock(spec, 0, heads=range(spec.num_heads), ffn_cols=range(spec.ffn_dim))
     _init(block, seed)
     shapes = [p.shape for p in block.parameters()]
     layer_bytes = sum(p.numel() for p in block.parameters()) * spec.dtype_bytes
     copies = max(1, min(spec.num_layers, OPTIMIZER_MAX_BYTES // max(layer_bytes, 1)))
     g = _seeded(seed + 3)
-    params = []
+    weights = torch.nn.ParameterList()
     for _ in range(copies):
         for shape in shapes:
-            p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(device=device, dtype=dtype))
-            p.grad = (torch.randn(shape, generator=g) * 1e-3).to(device=device, dtype=dtype)
-            params.append(p)
-    opt = torch.optim.AdamW(params, lr=3e-4, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
+            weights.append(torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(device=device)))
+    step = MasterWeights(weights.to(device), spec.dtype, lr=3e-4, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
+    for p in step.params:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(device=device, dtype=compute_dtype(spec.dtype))
     timer = _Timer(device)
-    times = [timer(opt.step) for _ in range(warmup + reps)][warmup:]
-    return sum(p.numel() for p in params) * spec.dtype_bytes, statistics.median(times)
+    times = [timer(step.step) for _ in range(warmup + reps)][warmup:]
+    return sum(p.numel() for p in step.params) * spec.dtype_bytes, statistics.median(times)
 
 
 def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2), shares=(1.0,), warmup: int = 2, reps: int = 5,
@@ -300,6 +300,10 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
 
 def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync) -> pd.DataFrame:
     ops = {o.name: o for o in layer_operators(spec)}
+    # One table serves a model whichever attention it uses (as derived tables do): the other
+    # implementation's attention operators are measured in a layer of their own, in context there.
+    other = replace(spec, attention="fused" if spec.attention == "eager" else "eager")
+    other_ops = {o.name: o for o in layer_operators(other) if o.name not in ops}
     sync()
     overhead = backward_call_overhead_ms(dev)
     opt_bytes, opt_ms = profile_optimizer(spec, dev, warmup=warmup, reps=reps)
@@ -309,20 +313,26 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync)
     for b in sorted(micro_batches):
         for share in sorted(shares):
             sync()
-            for op_name, m in profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead).items():
-                op = ops[op_name]
+            measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead)
+            if other_ops:
+                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead)
+                measured.update({n: layer[n] for n in other_ops})
+            for op_name, m in measured.items():
+                op = ops.get(op_name) or other_ops[op_name]
                 if not op.tp_split and share != max(shares):
                     continue  # replicated operators are the same at every share: one row at share 1
                 row_share = share if op.tp_split else 1.0
-                params = operator_param_count(spec, op) * (share if op.tp_split else 1.0) * spec.dtype_bytes
+                params = operator_param_bytes(spec, op, share)
                 rows.append((name, spec.name, op_name, b, spec.seq_len, row_share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params, "measured"))
             done += 1
             if progress:
                 progress(done, total)
         sync()
-        for op_name, m in profile_edges(spec, dev, b, warmup=warmup, reps=reps, backward_overhead_ms=overhead).items():
-            params = analytic_edge_cost(spec, CATALOG["cpu"], op_name, b).param_bytes  # structural, not measured
-            rows.append((name, spec.name, op_name, b, spec.seq_len, 1.0, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params, "measured"))
+        for share in sorted(shares):  # the vocabulary is split like the units
+            for op_name, (m, params) in profile_edges(spec, dev, b, share, warmup=warmup, reps=reps,
+                                                      backward_overhead_ms=overhead).items():
+                rows.append((name, spec.name, op_name, b, spec.seq_len, share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes,
+                             params, "measured"))
         rows.append((name, spec.name, OPTIMIZER, b, spec.seq_len, 1.0, opt_ms, 0.0, 0, 0, opt_bytes, "measured"))
         done += 1
         if progress:
@@ -330,7 +340,9 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync)
     return validate_table(pd.DataFrame(rows, columns=COLUMNS), source=f"<measured {name}/{spec.name}>")
 
 
-def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, warmup, reps, barrier, results, progress_q) -> None:
+def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, warmup, reps, barrier, results, progress_q,
+                       parent_pid) -> None:
+    die_with_parent(parent_pid)  # a killed `baton profile` must not leave profilers holding the cores
     try:
         torch.set_num_threads(1)
         pin_rank(rank)
@@ -355,7 +367,7 @@ def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, prog
     ctx = mp.get_context("spawn")
     barrier, results, progress_q = ctx.Barrier(n), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_concurrent_worker, args=(r, spec, dev.type, name, tuple(micro_batches), tuple(shares), warmup, reps,
-                                                          barrier, results, progress_q), daemon=True) for r in range(n)]
+                                                          barrier, results, progress_q, os.getpid()), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     tables: dict[int, pd.DataFrame] = {}

@@ -1,5 +1,9 @@
 """``baton profile --device``: measured operator tables (and with ``--comm`` a link fit) on this machine.
 
+Tables are measured in the model's dtype, as ``baton train`` runs it (``runtime.precision``): bf16 runs on
+CPUs and GPUs, fp16 on GPUs only (CPUs do not train in it), and the optimizer row times the runtime's
+own step (fp32 master weights for fp16/bf16).
+
 The ``profile`` command itself belongs to the planning core, which derives tables from the catalog
 (``--analytic``); measuring runs the runtime's own layer, so the runtime hands the core this branch
 when it registers its commands (``register``), and ``baton/`` never imports the runtime.
@@ -56,7 +60,7 @@ def measure(req: MeasureRequest) -> None:
     path = req.out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)
     write_table(df, path)
     console.print(f"wrote {len(df)} measured rows to {path} "
-                  f"(torch {torch.__version__}, "
+                  f"({spec.dtype} as the model trains, torch {torch.__version__}, "
                   + (f"{req.concurrent} profilers at once, one thread each" if req.concurrent > 1
                      else f"{torch.get_num_threads()} threads")
                   + f", median of {req.reps} after {req.warmup} warm-up)")

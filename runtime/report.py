@@ -6,6 +6,11 @@ of activations kept for backward; per stage: compute time of one micro-batch (TP
 backward, all-reduces included); the iteration time, and its phases (1F1B pipeline, gradient
 all-reduces, optimizer step). Predicted figures are the evaluator's for
 the same plan, cluster and profiles (docs/cost-model.md).
+
+Memory per device besides activations (eq. 7/8), measured from the rank's tensors after its last step:
+weights and gradients in the compute dtype, and the optimizer state (fp32 master weights in fp16/bf16,
+AdamW's two fp32 moments). Throughput: the run's average tokens/s and MFU (``runtime.meters``), next
+to the evaluator's; for fp16, the final loss scale and the steps skipped for overflowing gradients.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ from baton.evaluate import evaluate
 from baton.profile import ProfileSet
 from baton.atomic import write_atomically
 from baton.plan import Plan
+from baton.costmodel import peak_flops
 from runtime.engine import StepStats
+from runtime.meters import Throughput, throughput
 from runtime.topology import Topology
 
 
@@ -25,8 +32,10 @@ def _rel(measured: float, predicted: float) -> float | None:
     return (predicted - measured) / measured if measured else None
 
 
-def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_rank: dict[int, list[StepStats]]) -> dict:
-    """The report as one JSON-ready dict."""
+def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_rank: dict[int, list[StepStats]],
+                 speed: Throughput | None = None) -> dict:
+    """The report as one JSON-ready dict; ``speed`` is the run's throughput (computed from rank 0's
+    steps against the catalog peaks of ``cluster`` when None)."""
     pred = evaluate(plan, cluster, profiles)
     ids = plan.device_ids()
     m = plan.num_microbatches
@@ -42,13 +51,20 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
         rec = statistics.median(statistics.mean(s.recompute_ms) for s in hist) if hist else None
         saved = max(s.peak_saved_bytes for s in hist) if hist else None
         alloc = max(s.peak_allocated_bytes for s in hist) if hist else 0
+        last = per_rank[rank][-1] if per_rank.get(rank) else None
+        state = {"weights_bytes": last.weights_bytes, "grads_bytes": last.grads_bytes,
+                 "optimizer_bytes": last.master_bytes + last.moments_bytes,
+                 "master_bytes": last.master_bytes, "moments_bytes": last.moments_bytes} if last else {}
         devices.append({
             "id": dev_id, "rank": rank, "pipeline": p.pipeline, "stage": p.stage,
             "measured": {"fwd_ms": fwd, "bwd_ms": bwd, "recompute_ms": rec, "peak_saved_bytes": saved,
-                         "peak_allocated_bytes": alloc},
+                         "peak_allocated_bytes": alloc, **state},
             "predicted": {"fwd_ms": p.fwd_ms, "bwd_ms": p.bwd_ms + p.recompute_ms, "recompute_ms": p.recompute_ms,
-                          "activation_bytes": p.activation_bytes, "peak_memory_bytes": p.peak_memory_bytes},
+                          "activation_bytes": p.activation_bytes, "peak_memory_bytes": p.peak_memory_bytes,
+                          "weights_bytes": p.weights_bytes, "grads_bytes": p.grads_bytes, "optimizer_bytes": p.optimizer_bytes},
             "activation_rel_error": _rel(saved, p.activation_bytes) if saved else None,
+            "state_rel_error": {k: _rel(state[k], getattr(p, k)) for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")}
+            if state else None,
         })
     stages = []
     for s in pred.stages:
@@ -80,6 +96,10 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
     }
     for v in phases.values():
         v["rel_error"] = _rel(v["measured"], v["predicted"])
+    if speed is None:
+        peak = peak_flops([cluster.device(i).gpu for i in ids], plan.model)
+        speed = throughput(per_rank[0], plan.model, plan.global_batch, peak)
+    last0 = per_rank[0][-1]
     return {
         "plan": {"model": plan.model.name, "cluster": plan.cluster, "global_batch": plan.global_batch,
                  "micro_batch_size": plan.micro_batch_size, "num_microbatches": m, "devices": ids},
@@ -88,6 +108,9 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
                               "rel_error": _rel(measured_iter, pred.iteration_time_ms)},
         "tokens_per_s": {"measured": plan.global_batch * plan.model.seq_len / measured_iter * 1e3,
                          "predicted": pred.tokens_per_s},
+        "throughput": {"steps": speed.steps, "tokens_per_s": speed.tokens_per_s, "model_tflops_per_s": speed.model_tflops_per_s,
+                       "peak_tflops": speed.peak_tflops, "mfu": {"measured": speed.mfu, "predicted": pred.mfu}},
+        "precision": {"dtype": plan.model.dtype, "loss_scale": last0.loss_scale, "skipped_steps": speed.skipped_steps},
         "phases": phases,
         "stages": stages,
         "devices": devices,
@@ -123,8 +146,20 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
         rows.append((f"  {name.removesuffix('_ms').replace('_', ' ')} ms", f"{v['measured']:.1f}", f"{v['predicted']:.1f}", pct(v["rel_error"])))
     for s in report["stages"]:
         rows.append((f"stage {s['index']} ms / micro-batch", f"{s['measured_ms']:.2f}", f"{s['predicted_ms']:.2f}", pct(s["rel_error"])))
+    tp = report.get("throughput")
+    if tp:
+        rows.append(("tokens/s (average)", f"{tp['tokens_per_s']:,.0f}", f"{report['tokens_per_s']['predicted']:,.0f}",
+                     pct(_rel(tp["tokens_per_s"], report["tokens_per_s"]["predicted"]))))
+        mfu = tp["mfu"]
+        if mfu["measured"] is not None:
+            rows.append(("MFU", f"{mfu['measured']:.2%}", f"{mfu['predicted']:.2%}", pct(_rel(mfu["measured"], mfu["predicted"]))))
     for d in report["devices"]:
         if d["measured"]["peak_saved_bytes"] is not None:
             rows.append((f"{d['id']} activations MiB", f"{d['measured']['peak_saved_bytes'] / 2**20:.2f}",
                          f"{d['predicted']['activation_bytes'] / 2**20:.2f}", pct(d["activation_rel_error"])))
+        if d.get("state_rel_error"):
+            m, p = d["measured"], d["predicted"]
+            got = m["weights_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
+            want = p["weights_bytes"] + p["grads_bytes"] + p["optimizer_bytes"]
+            rows.append((f"{d['id']} weights+grads+optimizer MiB", f"{got / 2**20:.2f}", f"{want / 2**20:.2f}", pct(_rel(got, want))))
     return rows

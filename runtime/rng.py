@@ -11,6 +11,9 @@ integer tensor ops on the tensor's own device. Consequences:
 
 The hash is the 32-bit MurmurHash3 finaliser, evaluated in int64 and masked to 32 bits after each
 multiply (int64 multiplication wraps, and the low 32 bits of a wrapped product are exact).
+
+``dropout`` applies a mask in the activation's dtype and keeps only the boolean mask for backward (one
+byte per element, as ``baton.operators`` counts it).
 """
 from __future__ import annotations
 
@@ -71,17 +74,54 @@ def _uniform(base: int, samples: torch.Tensor, rows: torch.Tensor, cols: int, de
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def attention_mask(key: DropoutKey, samples: torch.Tensor, heads: range, seq_len: int, p: float,
+def attention_keep(key: DropoutKey, samples: torch.Tensor, heads: range, seq_len: int, p: float,
                    device=None) -> torch.Tensor:
-    """Scaled keep-mask (B, len(heads), T, T) for attention dropout on heads ``heads`` of the layer."""
+    """Boolean keep-mask (B, len(heads), T, T) for attention dropout on heads ``heads`` of the layer."""
     rows = (torch.arange(heads.start, heads.stop)[:, None] * seq_len + torch.arange(seq_len)[None, :]).reshape(-1)
     u = _uniform(key.base("attn_dropout"), samples, rows, seq_len, device)
-    keep = (u >= p).to(torch.float32) * (1.0 / (1.0 - p))
-    return keep.view(len(samples), len(heads), seq_len, seq_len)
+    return (u >= p).view(len(samples), len(heads), seq_len, seq_len)
+
+
+def residual_keep(key: DropoutKey, op: str, samples: torch.Tensor, seq_len: int, hidden: int, p: float,
+                  device=None) -> torch.Tensor:
+    """Boolean keep-mask (B, T, h) for the dropout on a residual branch (``resid1`` or ``resid2``)."""
+    return _uniform(key.base(op), samples, torch.arange(seq_len), hidden, device) >= p
+
+
+def scaled(keep: torch.Tensor, p: float, dtype=torch.float32) -> torch.Tensor:
+    """The multiplier a keep-mask stands for: 1 / (1 - p) where kept, 0 elsewhere, in ``dtype`` (the
+    activation's, so a bf16 tensor stays bf16)."""
+    return keep.to(dtype) * (1.0 / (1.0 - p))
+
+
+def attention_mask(key: DropoutKey, samples: torch.Tensor, heads: range, seq_len: int, p: float,
+                   device=None, dtype=torch.float32) -> torch.Tensor:
+    """Scaled keep-mask (B, len(heads), T, T) for attention dropout on heads ``heads`` of the layer."""
+    return scaled(attention_keep(key, samples, heads, seq_len, p, device), p, dtype)
 
 
 def residual_mask(key: DropoutKey, op: str, samples: torch.Tensor, seq_len: int, hidden: int, p: float,
-                  device=None) -> torch.Tensor:
+                  device=None, dtype=torch.float32) -> torch.Tensor:
     """Scaled keep-mask (B, T, h) for the dropout on a residual branch (``resid1`` or ``resid2``)."""
-    u = _uniform(key.base(op), samples, torch.arange(seq_len), hidden, device)
-    return (u >= p).to(torch.float32) * (1.0 / (1.0 - p))
+    return scaled(residual_keep(key, op, samples, seq_len, hidden, p, device), p, dtype)
+
+
+class _Dropout(torch.autograd.Function):
+    """x * scaled(keep): the product with the scaled mask, keeping only the boolean mask (1 byte per
+    element, as baton.operators counts the masks) for backward instead of the scaled one."""
+
+    @staticmethod
+    def forward(ctx, x, keep, p):
+        ctx.save_for_backward(keep)
+        ctx.p = p
+        return x * scaled(keep, p, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * scaled(keep, ctx.p, grad.dtype), None, None
+
+
+def dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout with a given keep-mask: the same numbers as ``x * scaled(keep, p, x.dtype)``."""
+    return _Dropout.apply(x, keep, p)

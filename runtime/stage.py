@@ -3,31 +3,43 @@
 The layers are ``ParallelBlock``s (``tp_layer.py``); the stage adds what only the pipeline's ends hold,
 loads its slice of full parameters (``slicing.py``) and shares one ``Meter`` (``meters.py``) among its
 layers.
+
+The embedding and the tied LM head are vocabulary-parallel (``vocab_parallel.py``): each rank of the first
+and last stage holds the rows ``vocab_range(spec, heads)`` of the padded vocabulary, the share of its
+units. The position embedding and the final LayerNorm are replicated. On the first stage the token
+embedding takes one all-reduce in forward; on the last the cross-entropy takes three small ones in
+forward and the head's input gradient one in backward (``copy_to_tp``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from baton.model_spec import ModelSpec
+from baton.operators import padded_vocab
 from runtime.meters import Meter
 from runtime.model import LN_EPS, parameter_shapes
-from runtime.slicing import parameter_slice, take_slice
+from runtime.slicing import parameter_slice, take_slice, vocab_range
+from runtime.tensor_parallel import copy_to_tp, reduce_from_tp
 from runtime.tp_layer import MicroBatch, ParallelBlock
+from runtime.vocab_parallel import sum_tied_gradient, vocab_embedding, vocab_parallel_cross_entropy
 
 
 class StageModel(nn.Module):
     """Layers ``layers`` of the model at this rank's share; the embedding if ``first``, the final
-    LayerNorm and tied head if ``last`` (parameter names as in ``runtime.model.GPT``)."""
+    LayerNorm and tied head if ``last`` (parameter names as in ``runtime.model.GPT``; ``wte.weight``
+    holds this rank's rows of the padded vocabulary)."""
 
     def __init__(self, spec: ModelSpec, *, layers: range, heads: range, ffn_cols: range, first: bool, last: bool,
                  recompute=frozenset(), tp_group=None):
         super().__init__()
-        self.spec, self.first, self.last = spec, first, last
+        self.spec, self.first, self.last, self.tp_group = spec, first, last, tp_group
         self.heads, self.ffn_cols = heads, ffn_cols
+        self.vocab = vocab_range(spec, heads)
         self.meter = Meter()
         if first or last:
-            self.wte = nn.Embedding(spec.vocab_size, spec.hidden_dim)
+            self.wte = nn.Embedding(len(self.vocab), spec.hidden_dim)
         if first:
             self.wpe = nn.Embedding(spec.seq_len, spec.hidden_dim)
         self.h = nn.ModuleDict({str(i): ParallelBlock(spec, i, heads=heads, ffn_cols=ffn_cols, recompute=recompute,
@@ -49,13 +61,28 @@ class StageModel(nn.Module):
                 raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(t.shape)}")
             p.copy_(take_slice(t, parameter_slice(self.spec, name, self.heads, self.ffn_cols)))
 
-    def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """Tokens (B, T) on the first stage, else the activation (B, T, C); returns (B, T, C), or the
-        logits (B, T, V) on the last stage."""
+    def forward(self, x: torch.Tensor, mb: MicroBatch, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (B, T) on the first stage, else the activation (B, T, C). Returns (B, T, C); on the
+        last stage the sum over the micro-batch's tokens of the cross-entropy against ``targets`` (B, T)
+        (an fp32 scalar, the same on every rank of the stage), or without targets this rank's logits
+        (B, T, V_d) for its vocabulary rows."""
         if self.first:
-            x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
+            T = x.size(1)
+            x = reduce_from_tp(vocab_embedding(self.wte.weight, x, self.vocab.start), self.tp_group)
+            # The position rows as a slice of the weight: its backward keeps nothing (a lookup would
+            # keep a (T,) index tensor).
+            x = x + self.wpe.weight[:T]
         for block in self.h.values():
             x = block(x, mb)
-        if self.last:
-            x = self.ln_f(x) @ self.wte.weight.t()
-        return x
+        if not self.last:
+            return x
+        logits = F.linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)  # (B, T, V_d)
+        if targets is None:
+            return logits
+        valid = max(0, min(self.vocab.stop, self.spec.vocab_size) - self.vocab.start)
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab.start, valid, self.tp_group)
+
+    def sum_tied_gradient(self, group) -> None:
+        """Add the other end's gradient of the tied embedding to this rank's rows (``group``: the ranks
+        of the first and the last stage; every one of them calls this)."""
+        sum_tied_gradient(self.wte.weight.grad, self.vocab, padded_vocab(self.spec), group)

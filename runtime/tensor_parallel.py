@@ -2,8 +2,9 @@
 
 Column-parallel -> row-parallel needs only full-size all-reduces, so the layer itself uses just the dual
 pair ``copy_to_tp`` (identity forward, all-reduce backward) and ``reduce_from_tp`` (all-reduce forward,
-identity backward). ``gather_uneven`` assembles shards of different sizes; gloo has no uneven
-all_gather, so there shards are padded to the largest one.
+identity backward); the vocabulary-parallel embedding and cross-entropy use the same pair plus two
+forward-only all-reduces (``all_reduce_max``, ``all_reduce_sum``). ``gather_uneven`` assembles shards of
+different sizes; gloo has no uneven all_gather, so there shards are padded to the largest one.
 """
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """All-reduce (sum) across the group; bypassed for one rank."""
+def _reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce (sum, or ``op``) across the group; bypassed for one rank."""
     if _world(group) == 1:
         return x
     x = x.contiguous()
     t0 = time.perf_counter()
-    dist.all_reduce(x, group=group)
+    dist.all_reduce(x, op=op, group=group)
     AllReduceClock.seconds += time.perf_counter() - t0
     AllReduceClock.calls += 1
     return x
@@ -93,6 +94,16 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward-only all-reduce (max), e.g. the row maxima of a vocabulary-parallel softmax."""
+    return _reduce(x, group, dist.ReduceOp.MAX)
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward-only all-reduce (sum), outside autograd (inside a custom autograd function)."""
+    return _reduce(x, group)
 
 
 def gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group) -> torch.Tensor:

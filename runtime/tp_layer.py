@@ -1,6 +1,7 @@
 """The tensor-parallel transformer layer: ``ParallelBlock``, one rank's heads and FFN columns of a layer.
 
-A ``ParallelBlock`` runs the operators of ``baton.operators.layer_operators`` in order, holding
+A ``ParallelBlock`` runs the operators of ``baton.operators.layer_operators`` in order (attention as
+the eager operators or one fused ``attn_core``, as the model spec says), holding
 ``len(heads)`` attention heads and ``len(ffn_cols)`` FFN columns of the layer (any split, not just even
 ones). Column-parallel qkv/fc1 take their input through ``copy_to_tp`` (all-reduce in backward), the
 row-parallel out_proj/fc2 produce partial sums that one all-reduce completes; the row-parallel biases
@@ -24,14 +25,19 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, LAYER_INPUT, layer_operators
 from runtime.meters import Meter
 from runtime.model import LN_EPS
-from runtime.rng import DropoutKey, attention_mask, residual_mask
+from runtime.rng import DropoutKey, attention_keep, dropout, residual_keep
 from runtime.tensor_parallel import copy_to_tp, reduce_from_tp
+
+
+FUSED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+"""Kernels ``attn_core`` may run: the ones that keep no score matrix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +94,16 @@ class ParallelBlock(nn.Module):
     def _qkv(self, mb, a):
         B, T, _ = a.shape
         qkv = F.linear(copy_to_tp(a, self.tp_group), self.attn.c_attn.weight, self.attn.c_attn.bias)
-        q, k, v = qkv.view(B, T, 3, len(self.heads), self.spec.head_dim).permute(2, 0, 3, 1, 4)
-        # Three separate tensors, as the planner counts them: a view would pin the whole qkv output.
+        qkv = qkv.view(B, T, 3, len(self.heads), self.spec.head_dim)
+        if self.spec.attention == "fused":
+            # Views of the qkv output, each (B, nl, T, hs) laid out as (B, T, nl, hs). Only attn_core reads
+            # them, so q, k and v are always kept or freed together and their one storage is exactly
+            # their bytes; the kernel keeps them as they are and writes its output in the same layout,
+            # so out_proj's (B, T, nl * hs) view of it is not a second copy.
+            return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+        # Eager: three separate tensors, as the planner counts them: attn_scores keeps q and k, attn_v
+        # keeps v, so a view would pin the whole qkv output.
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
         return q.contiguous(), k.contiguous(), v.contiguous()  # each (B, nl, T, hs)
 
     def _attn_scores(self, mb, q, k):
@@ -97,15 +111,26 @@ class ParallelBlock(nn.Module):
 
     def _softmax(self, mb, scores):
         T = scores.size(-1)
-        causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).triu(1)
-        return (F.softmax(scores.masked_fill(causal, float("-inf")), dim=-1),)
+        # The causal mask as an additive -inf bias: an addition keeps nothing for backward, where
+        # masked_fill would keep a (T, T) mask the planner does not count.
+        causal = torch.full((T, T), float("-inf"), dtype=scores.dtype, device=scores.device).triu(1)
+        return (F.softmax(scores + causal, dim=-1),)
 
     def _attn_dropout(self, mb, probs):
         key = DropoutKey(mb.seed, mb.step, self.layer)
-        return (probs * attention_mask(key, mb.samples, self.heads, probs.size(-1), self.spec.dropout, probs.device),)
+        keep = attention_keep(key, mb.samples, self.heads, probs.size(-1), self.spec.dropout, probs.device)
+        return (dropout(probs, keep, self.spec.dropout),)
 
     def _attn_v(self, mb, probs, v):
         return (probs @ v,)  # (B, nl, T, hs)
+
+    def _attn_core(self, mb, q, k, v):
+        # Fused (flash) attention: the kernel keeps q, k, v as _qkv made them, its (B, nl, T, hs) output
+        # and the (B, nl, T) fp32 log-sum-exp, and recomputes the scores in backward. No dropout on the
+        # probabilities (the flash kernels keep no mask; see baton.operators). The unfused "math"
+        # fallback is excluded: it would silently keep the (B, nl, T, T) matrices the plan does not count.
+        with sdpa_kernel(FUSED_ATTENTION):
+            return (F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.0),)
 
     def _out_proj(self, mb, ctx):
         B, nl, T, hs = ctx.shape
@@ -115,8 +140,8 @@ class ParallelBlock(nn.Module):
         y = branch + bias
         if self.spec.dropout > 0.0:
             B, T, C = y.shape
-            y = y * residual_mask(DropoutKey(mb.seed, mb.step, self.layer), name, mb.samples, T, C,
-                                  self.spec.dropout, y.device)
+            keep = residual_keep(DropoutKey(mb.seed, mb.step, self.layer), name, mb.samples, T, C, self.spec.dropout, y.device)
+            y = dropout(y, keep, self.spec.dropout)
         return (x + y,)
 
     def _resid1(self, mb, attn_out, x):

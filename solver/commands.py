@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -57,7 +58,7 @@ def register(app: typer.Typer) -> None:
         gap: Annotated[float, typer.Option(help="Relative optimality gap at which to stop (0 = prove optimal).")] = 1e-4,
         threads: Annotated[int, typer.Option(help="Solver threads.")] = 2,
         strategy: Annotated[str, typer.Option(help="baton | megatron | hethub | hap | exhaustive.")] = "baton",
-        profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: the shipped profiles/).")] = None,
+        profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: yours, then the shipped ones).")] = None,
         out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     ) -> None:
@@ -103,7 +104,11 @@ def register(app: typer.Typer) -> None:
         render_report(rep, title=f"{strategy}: {spec.name} on {c.name}: {result.plan.global_batch} samples x {spec.seq_len} tokens, "
                                  f"micro-batch {result.plan.micro_batch_size} x {result.plan.num_microbatches}")
         units = {d.id: (d.units, s.units_per_layer) for p in result.plan.pipelines for s in p.stages for d in s.devices}
-        console.print("units: " + "  ".join(f"{k} {u}/{U}" for k, (u, U) in units.items()), highlight=False)
+        if len(units) <= 16:
+            say("units: " + "  ".join(f"{k} {u}/{U}" for k, (u, U) in units.items()))
+        else:  # hundreds of devices: how many hold each share, not a line per device
+            counts = Counter(f"{u}/{U}" for u, U in units.values())
+            say("units: " + "  ".join(f"{n} devices at {share}" for share, n in counts.most_common()))
         console.print(
             f"solver: [bold]{result.status}[/] (strategy {strategy}, {result.family}), proven gap {result.gap:.3%}, "
             f"bound {result.bound_ms:.1f} ms, build {result.build_s:.2f} s, solve {result.solve_s:.2f} s, total {result.total_s:.2f} s, "

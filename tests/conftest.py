@@ -30,3 +30,18 @@ def run_cli(*args: str):
 
     result = CliRunner().invoke(app, [str(a) for a in args])
     return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_profile_directory(tmp_path_factory):
+    """Every test reads the shipped tables and an empty user directory of its own, never the developer's
+    ~/.local/share/baton (a table left there would shadow the shipped ones and change results)."""
+    import os
+
+    old = os.environ.get("BATON_PROFILES")
+    os.environ["BATON_PROFILES"] = str(tmp_path_factory.mktemp("user-profiles"))
+    yield
+    if old is None:
+        os.environ.pop("BATON_PROFILES", None)
+    else:
+        os.environ["BATON_PROFILES"] = old

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -14,7 +15,7 @@ import torch.multiprocessing as mp
 
 from baton.model_spec import PRESETS
 from baton.plan import Plan, simple_plan, validate
-from runtime.processes import stop_processes
+from runtime.processes import die_with_parent, stop_processes
 
 RANK_TIMEOUT_S = 60
 
@@ -41,7 +42,8 @@ def plan_of(spec, stages, layers, units, *, m=2, mbs=2, recompute=None, replicas
 # --- spawning ranks --------------------------------------------------------------------------------
 
 
-def _entry(fn, rank, world, tmp, args):
+def _entry(fn, rank, world, tmp, args, parent_pid):
+    die_with_parent(parent_pid)  # a test run that is killed (or times out) leaves no ranks behind
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
@@ -65,7 +67,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 150.0) -> list:
     """
     tmp = tempfile.mkdtemp(prefix="baton-ranks-")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, tmp, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, tmp, args, os.getpid()), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -87,6 +89,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 150.0) -> list:
         return [torch.load(f"{tmp}/result-{r}.pt", weights_only=False) for r in range(world)]
     finally:
         stop_processes(procs)
+        shutil.rmtree(tmp, ignore_errors=True)  # results are loaded; rendezvous and error files would pile up
 
 
 # --- what the parity tests compare -----------------------------------------------------------------

@@ -8,7 +8,6 @@ only after the solve, a plan evaluated on another cluster, train options found b
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
 
 
-def _tiny_plan(tmp_path: Path, **changes) -> Path:
+def _tiny_plan(tmp_path: Path, *, device: str | None = None, **changes) -> Path:
     from baton.model_spec import PRESETS
     from baton.plan import save_plan, simple_plan
 
@@ -32,11 +31,24 @@ def _tiny_plan(tmp_path: Path, **changes) -> Path:
                        units_per_layer=[1, 1])
     path = tmp_path / "tiny.json"
     save_plan(plan, path)
-    if changes:
+    if changes or device:
         d = json.loads(path.read_text())
         d.update(changes)
+        if device:
+            d["pipelines"][0]["stages"][0]["devices"][0]["id"] = device
         path.write_text(json.dumps(d))
     return path
+
+
+def _tf32_table_as_plain(tmp_path: Path) -> Path:
+    """A profiles directory whose cpu table for 'tiny' was derived with TF32 but carries the plain name."""
+    from baton.model_spec import PRESETS
+    from baton.profile import derive_table, table_filename, write_table
+
+    root = tmp_path / "profiles"
+    spec = PRESETS["tiny"].with_overrides(tf32=True)
+    write_table(derive_table(spec, "cpu", micro_batches=(1,)), root / "derived" / table_filename("cpu", "tiny", 32))
+    return root
 
 
 def _plan_dict() -> dict:
@@ -62,11 +74,19 @@ CASES = {
     "markup in a file name": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "run[red].yaml", "nodes: [\n")],
                                         ["run[red].yaml", "malformed YAML"]),
     "markup style in a file name": lambda t: (["show", _write(t, "x[bold].yaml", "a: [")], ["x[bold].yaml"]),
+    "markup in a device id": lambda t: (["evaluate", _tiny_plan(t, device="[/x]:7"), "--cluster", ROOT / "clusters" / "cpu2.yaml"],
+                                        ["tiny.json", "'[/x]:7'"]),
+    "markup in a cluster name": lambda t: (["evaluate", _write(t, "p.json", json.dumps({**_plan_dict(), "cluster": "[red]c[/red]"})),
+                                            "--cluster", CLUSTER], ["p.json", "'[red]c[/red]'"]),
+    "markup in a model name": lambda t: (["evaluate", PLAN, "--cluster", CLUSTER, "--model",
+                                          _write(t, "m.yaml", "base: gpt3-1.3b\nname: '[red]m[bold]'\n")], ["made for model", "'[red]m[bold]'"]),
     # --- non-UTF-8 and binary files -------------------------------------------------------------
     "binary cluster": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "c.yaml", b"\x89PNG\r\n\x1a\n\xff\xfe")],
                                  ["c.yaml", "not UTF-8"]),
     "latin-1 model": lambda t: (["evaluate", PLAN, "--cluster", CLUSTER, "--model", _write(t, "m.yaml", "name: caf\xe9\n".encode("latin-1"))],
                                 ["m.yaml", "not UTF-8"]),
+    "binary file shown": lambda t: (["show", _write(t, "b.bin", b"\x89PNG\r\n\x1a\n\xff\xfe")], ["b.bin", "not UTF-8"]),
+    "binary YAML shown": lambda t: (["show", _write(t, "b.yaml", b"\xff\xfenodes\x00")], ["b.yaml", "not UTF-8"]),
     "binary plan": lambda t: (["evaluate", _write(t, "p.json", bytes(range(256))), "--cluster", CLUSTER], ["p.json", "not UTF-8"]),
     "NUL bytes in YAML": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "c.yaml", "nodes: \x00\x00\n")], ["c.yaml"]),
     # --- YAML that expands or refers to itself ---------------------------------------------------
@@ -95,6 +115,10 @@ CASES = {
                                _write(t, "m.yaml", "base: gpt3-1.3b\nnum_layers: 1000000000\n")], ["m.yaml", "num_layers", "1024"]),
     "10^6 GPUs": lambda t: (["solve", "--cluster", _write(t, "c.yaml", _cluster(count=10**6)), "--model", "tiny",
                              "--out", t / "out.json"], ["c.yaml", "count"]),
+    "more devices than a cluster may have": lambda t: (
+        ["solve", "--cluster", _write(t, "c.yaml", json.dumps({"nodes": [{"name": "n", "count": 5, "gpus": [{"type": "t4", "count": 1024}],
+                                                                         "intra_node_link": {"bandwidth_gb_per_s": 10}}]})),
+         "--model", "tiny", "--out", t / "out.json"], ["c.yaml", "nodes[0].count", "4096"]),
     "memory_gib 1e300": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "c.yaml", _cluster(memory_gib=1e300))],
                                    ["c.yaml", "memory_gib"]),
     "bandwidth 1e300": lambda t: (["evaluate", PLAN, "--cluster",
@@ -111,6 +135,13 @@ CASES = {
     # --- plans -------------------------------------------------------------------------------------------------
     "plan for another cluster": lambda t: (["evaluate", _write(t, "p.json", json.dumps({**_plan_dict(), "cluster": "elsewhere"})),
                                             "--cluster", CLUSTER], ["p.json", "cluster", "elsewhere"]),
+    # --- the TF32 setting and its tables ------------------------------------------------------------------
+    "tf32 not a boolean": lambda t: (["evaluate", PLAN, "--cluster", CLUSTER, "--model", _write(t, "m.yaml", "base: gpt3-1.3b\ntf32: 'yes'\n")],
+                                     ["m.yaml", "tf32", "true or false"]),
+    "a TF32 table under a plain name": lambda t: (["evaluate", _tiny_plan(t), "--cluster", ROOT / "clusters" / "cpu2.yaml",
+                                                   "--profiles", _tf32_table_as_plain(t)], ["cpu__tiny__s32.csv", "tf32: true"]),
+    "measuring a TF32 model": lambda t: (["profile", "--device", "cpu", "--model", _write(t, "m.yaml", "base: tiny\ntf32: true\n"),
+                                          "--out", t / "out.json"], ["--model", "tf32"]),
     # --- train options, refused before any rank starts ---------------------------------------------------------
     "--save-every -1": lambda t: (["train", "--plan", _tiny_plan(t), "--save-dir", t / "ck", "--save-every", -1], ["--save-every"]),
     "--lr nan": lambda t: (["train", "--plan", _tiny_plan(t), "--lr", "nan"], ["--lr", "nan"]),
@@ -168,3 +199,20 @@ def test_version_and_short_help():
     assert code == 0 and "solve" in out
     code, out, _ = run_cli("evaluate", "-h")
     assert code == 0 and "--json" in out and "<bool>" not in out  # a flag takes no value
+
+
+def test_device_and_cluster_names_are_shown_literally(tmp_path, monkeypatch):
+    """Tables of ``solve``, ``evaluate`` and ``show`` print the user's names: a node called 'n[red]' was
+    shown as 'n' and one called '[/x]' crashed rich with a MarkupError."""
+    monkeypatch.setenv("BATON_PROFILES", str(tmp_path / "user-profiles"))
+    cluster = _write(tmp_path, "c.yaml", json.dumps({"name": "c[/x]", "nodes": [
+        {"name": "n[red]", "gpus": [{"type": "cpu", "count": 1}]},
+        {"name": "[/x]", "gpus": [{"type": "cpu", "count": 1}]}],
+        "inter_node_link": {"bandwidth_gb_per_s": 3, "latency_us": 50}}))
+    plan = tmp_path / "plan.json"
+    code, out, err = run_cli("solve", "--cluster", cluster, "--model", "tiny", "--global-batch", 4, "--time-limit", 30, "--out", plan)
+    assert code == 0, err
+    for command in (["evaluate", plan, "--cluster", cluster], ["show", cluster]):
+        code, out, err = run_cli(*command)
+        assert code == 0 and "Traceback" not in out + err, (command, out, err)
+        assert "c[/x]" in out and ("n[red]:0" in out or "[/x]:0" in out), (command, out)

@@ -231,3 +231,61 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path):
     assert code == 2, (code, out, err)
     assert "no intact checkpoint" in err and "optimizer.safetensors" in err, err
     assert len([x for x in err.splitlines() if x.strip()]) == 1, err
+
+
+# --- the profilers' worker processes and the test helpers' temporary files ------------------------------
+
+_CONCURRENT_PROFILE = ("from baton.model_spec import PRESETS; from runtime.op_profiler import profile_table; "
+                       "profile_table(PRESETS['small'], micro_batches=(1,), warmup=0, reps=100000, concurrent=2)")
+_COMM_PROFILE = ("from runtime.comm_profiler import measure_links; "
+                 "measure_links(world_size=2, sizes=(4096, 65536), reps=10**7, timeout_s=600)")
+
+
+@pytest.mark.parametrize("script", [_CONCURRENT_PROFILE, _COMM_PROFILE], ids=["concurrent op profiler", "comm profiler"])
+def test_profiler_workers_die_with_their_parent(script):
+    """SIGKILL to a process measuring with worker processes: the workers end too, instead of measuring on
+    for hours and holding the cores."""
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        workers = _ranks(parent, 2)
+        time.sleep(1)
+        parent.kill()
+        _finish(parent, 10)
+        assert _gone(workers, 10), "profiler workers outlived their parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.communicate()
+        _kill_all(workers)
+
+
+def _rank_of(rank, world):
+    return rank * 10
+
+
+def test_run_ranks_removes_its_temporary_directory(tmp_path, monkeypatch):
+    """tests/runtime_helpers.run_ranks left a baton-ranks-* directory behind on every call."""
+    from tests.runtime_helpers import run_ranks
+
+    # Its own temporary root: other test runs on this machine make baton-ranks-* directories meanwhile.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert run_ranks(_rank_of, 2, timeout=120) == [0, 10]
+    assert list(tmp_path.glob("baton-ranks-*")) == []
+
+
+def test_a_link_fit_without_a_bandwidth_term_writes_the_fastest_measured_rate():
+    """Times that do not grow with the message size (flat, or falling within noise) used to give a
+    bandwidth of 10^9 GB/s, which the planner then took for a free link."""
+    from runtime.comm_profiler import fit_line, link_fit
+
+    flat = [(4096.0, 0.5), (65536.0, 0.49), (1048576.0, 0.51)]  # ms: latency-bound messages over a ~2 GB/s link
+    latency, slope = fit_line(flat)
+    fastest = max(x / y for x, y in flat) / 1e6  # GB/s: what the largest message achieved, latency included
+    assert 1 / (slope * 1e6) == pytest.approx(fastest)
+    assert 0 < latency < 0.51
+    fields = link_fit("gloo", 2, {"p2p": flat, "allreduce": flat}).link_fields()
+    assert fields["bandwidth_gb_per_s"] < 10 and fields["allreduce_bandwidth_gb_per_s"] < 10
+    # A real per-byte term is kept as fitted.
+    latency, slope = fit_line([(x, 0.05 + x / 2e6) for x in (1e3, 1e5, 1e7)])
+    assert latency == pytest.approx(0.05) and 1 / (slope * 1e6) == pytest.approx(2.0)

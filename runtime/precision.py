@@ -1,0 +1,211 @@
+"""Mixed precision as the cost model counts it (docs/cost-model.md, eq. 7 and 8).
+
+The model spec's dtype decides:
+
+* ``fp32``: the module's parameters are what AdamW updates; 4 + 4 + 8 bytes per parameter (weight,
+  gradient, two moments).
+* ``bf16``: the module computes in bf16 (weights, activations and gradients, 2 + 2 bytes); AdamW updates
+  fp32 master copies with fp32 moments (4 + 8 bytes); after the update the bf16 weights are rounded
+  from the masters.
+* ``fp16``: as bf16, plus a dynamic loss scale (``LossScaler``): the loss is multiplied by the scale so
+  small gradients survive fp16's range, the gradients are divided by it on their way into fp32, a step
+  whose gradients hold inf or NaN on any rank is skipped on every rank, the scale halves after such a
+  step and doubles after a run of clean ones.
+
+Gradients stay in the compute dtype while they are accumulated and all-reduced (eq. 8 counts W_d of
+them); ``MasterWeights.step`` turns them into fp32 a chunk of parameters at a time, so the fp32 copy of
+the gradients never exists whole: the transient is at most the largest parameter (plus what AdamW
+allocates for that chunk), and it comes after the backward pass has freed the activations.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Model spec dtype -> the torch dtype of weights, activations and gradients."""
+
+
+def compute_dtype(dtype: str) -> torch.dtype:
+    return COMPUTE_DTYPES[dtype]
+
+
+# --- dynamic loss scaling (fp16) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossScaleSettings:
+    """How the fp16 loss scale moves."""
+
+    initial_scale: float = 2.0**16
+    """Scale of the first step (fp16's largest finite value is 65504; typical gradients are far below 1)."""
+    growth_factor: float = 2.0
+    """Multiplies the scale after ``growth_interval_steps`` clean steps in a row."""
+    backoff_factor: float = 0.5
+    """Multiplies the scale after a step with inf/NaN gradients."""
+    growth_interval_steps: int = 1000
+    """Clean steps in a row before the scale grows."""
+    min_scale: float = 1.0
+    """The scale never backs off below this (a model that overflows at scale 1 is not a scaling problem)."""
+
+
+class LossScaler:
+    """The loss scale and its history; every rank holds the same one because every rank sees the same
+    overflow flag (the engine all-reduces it over every rank)."""
+
+    def __init__(self, settings: LossScaleSettings | None = None):
+        self.settings = settings or LossScaleSettings()
+        self.scale = float(self.settings.initial_scale)
+        self.clean_steps = 0
+        """Steps without overflow since the scale last changed direction or grew."""
+        self.skipped_steps = 0
+        """Steps skipped for inf/NaN gradients over the whole run (restored on resume)."""
+
+    def update(self, overflow: bool) -> None:
+        """After a step: back off and count the skip on overflow, else grow after enough clean steps."""
+        s = self.settings
+        if overflow:
+            self.scale = max(self.scale * s.backoff_factor, s.min_scale)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= s.growth_interval_steps:
+            self.scale *= s.growth_factor
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        scale = float(state["scale"])
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"loss scale must be a finite positive number, got {scale!r}")
+        self.scale = scale
+        self.clean_steps = int(state.get("clean_steps", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+# --- master weights and the optimizer step -----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateBytes:
+    """Bytes one rank's training state takes, measured from its tensors (eq. 7/8's terms)."""
+
+    weights_bytes: int
+    """Module parameters in the compute dtype (W_d)."""
+    grads_bytes: int
+    """Their gradients, in the compute dtype (W_d)."""
+    master_bytes: int
+    """fp32 master weights (4 bytes per parameter in fp16/bf16, none in fp32)."""
+    moments_bytes: int
+    """AdamW's two fp32 moments (8 bytes per parameter, once the first step has created them)."""
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Eq. 7's O_d: master weights and moments."""
+        return self.master_bytes + self.moments_bytes
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class MasterWeights:
+    """Owns the AdamW step of one rank's module: over the module's own fp32 parameters, or over fp32
+    master copies of its fp16/bf16 parameters (see the module docstring).
+
+    Build it while the module is still fp32 (the masters are copied from the exact initial values),
+    then it casts the module to the compute dtype itself.
+    """
+
+    def __init__(self, module: nn.Module, dtype: str, *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, loss_scale: LossScaleSettings | None = None):
+        self.dtype = dtype
+        self.module = module
+        self.params = list(module.parameters())
+        self.mixed = dtype != "fp32"
+        if self.mixed:
+            # Copied before the cast: rounding to bf16 first would lose the initial values for good.
+            self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
+            module.to(compute_dtype(dtype))
+            self.params = list(module.parameters())
+        else:
+            self.masters = self.params
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.scaler = LossScaler(loss_scale) if dtype == "fp16" else None
+        self._chunks = self._chunk(self.params) if self.mixed else []
+
+    @staticmethod
+    def _chunk(params: list[torch.Tensor]) -> list[range]:
+        """Consecutive parameter index ranges of at most the largest parameter's size each."""
+        limit = max((p.numel() for p in params), default=0)
+        chunks, start, size = [], 0, 0
+        for i, p in enumerate(params):
+            if size and size + p.numel() > limit:
+                chunks.append(range(start, i))
+                start, size = i, 0
+            size += p.numel()
+        if start < len(params):
+            chunks.append(range(start, len(params)))
+        return chunks
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 without fp16 loss scaling)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def master_of(self) -> dict[int, torch.Tensor]:
+        """id(module parameter) -> the fp32 tensor AdamW updates for it (itself in fp32)."""
+        return {id(p): m for p, m in zip(self.params, self.masters)}
+
+    @torch.no_grad()
+    def load_full_values(self, named_full) -> None:
+        """Set masters and module weights from full-precision values: ``named_full`` yields (module
+        parameter, this rank's fp32 value)."""
+        masters = self.master_of()
+        for p, value in named_full:
+            masters[id(p)].copy_(value)
+            if self.mixed:
+                p.copy_(value)
+
+    @torch.no_grad()
+    def step(self, *, overflow: bool = False) -> bool:
+        """Apply the update unless ``overflow`` (every rank must pass the same flag), then move the loss
+        scale. Returns whether the weights were updated."""
+        inv_scale = 1.0 / self.loss_scale  # the scale this step's backward ran with
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            return False
+        if not self.mixed:
+            self.optimizer.step()
+            return True
+        for chunk in self._chunks:
+            for i in chunk:
+                g = self.params[i].grad
+                self.masters[i].grad = None if g is None else g.float().mul_(inv_scale)
+            self.optimizer.step()
+            for i in chunk:
+                self.masters[i].grad = None
+                self.params[i].copy_(self.masters[i])
+        return True
+
+    def state_bytes(self) -> StateBytes:
+        moments = []
+        for m in self.masters:
+            st = self.optimizer.state.get(m, {})
+            moments += [st.get("exp_avg"), st.get("exp_avg_sq")]
+        return StateBytes(weights_bytes=_storage_bytes(self.params), grads_bytes=_storage_bytes(p.grad for p in self.params),
+                          master_bytes=_storage_bytes(self.masters) if self.mixed else 0,
+                          moments_bytes=_storage_bytes(moments))

@@ -1,0 +1,72 @@
+"""bench/bench_gpu.py without a GPU: it skips cleanly, and its CPU-independent parts (the local GPU as a
+cluster, the plans it tries and keeps, the result rows and table) work on the cost model alone."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from baton.cluster import from_mapping
+from baton.evaluate import evaluate
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_gpu  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_cuda_it_says_skipped_and_succeeds():
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "skipped: no CUDA device", (res.stdout, res.stderr)
+
+
+def _h100():
+    return from_mapping(bench_gpu.cluster_mapping("h100", int(79.6 * 1024**3)), source="<h100>")
+
+
+def test_plans_that_fit_one_h100():
+    """The candidates are valid one-GPU plans of the bf16 fused-attention model; those kept fit by the
+    evaluator's eq. 8 against the GPU's real memory, and recomputation makes more of them fit."""
+    from runtime.devices import prediction_profiles
+
+    spec = bench_gpu.bench_model("gpt3-1.3b", 2048)
+    assert (spec.dtype, spec.attention, spec.dropout) == ("bf16", "fused", 0.0)
+    cluster = _h100()
+    plans = bench_gpu.candidate_plans(spec, global_batch=8)
+    assert len(plans) == len(bench_gpu.MICRO_BATCHES) * 3
+    profiles = prediction_profiles(plans[0][1], cluster, None)
+    kept = bench_gpu.fitting(plans, cluster, profiles)
+    assert kept and len(kept) < len(plans)
+    for _, plan in kept:
+        assert plan.global_batch == 8 and evaluate(plan, cluster, profiles).fits
+    assert any("recompute all" in name for name, _ in kept)
+    biggest = max(plan.micro_batch_size for name, plan in kept)
+    assert any(plan.micro_batch_size == biggest and "recompute all" in name for name, plan in kept)
+
+
+def test_result_rows_and_table_from_a_report():
+    """A report of a one-GPU run (synthetic steps) becomes a row and a Markdown line."""
+    from baton.profile import Profile, ProfileSet, derive_table
+    from runtime.engine import StepStats
+    from runtime.report import build_report
+
+    spec = bench_gpu.bench_model("gpt3-125m", 512)
+    cluster = _h100()
+    name, plan = bench_gpu.candidate_plans(spec, global_batch=4)[0]
+    profiles = ProfileSet(spec, tables={"h100": Profile(derive_table(spec, "h100", micro_batches=(1,)), source="<derived>")})
+    pred = evaluate(plan, cluster, profiles)
+    m = plan.num_microbatches
+    steps = [StepStats(step=i, loss=5.0, iteration_ms=2 * pred.iteration_time_ms, forward_ms=[1.0] * m, backward_ms=[2.0] * m,
+                       recompute_ms=[0.0] * m, stage_ms=[3.0 * m], tp_allreduce_ms=None, peak_saved_bytes=10**6,
+                       peak_allocated_bytes=int(pred.devices[0].peak_memory_bytes / 2), tokens=plan.global_batch * spec.seq_len,
+                       weights_bytes=1, grads_bytes=1, master_bytes=2, moments_bytes=4) for i in range(3)]
+    row = bench_gpu.row_of(name, build_report(plan, cluster, profiles, {0: steps}))
+    assert row["iteration_rel_error"] == pytest.approx(-0.5) and row["peak_rel_error"] == pytest.approx(1.0)
+    assert row["mfu"] == pytest.approx(pred.mfu / 2) and row["tokens_per_s"] == pytest.approx(pred.tokens_per_s / 2)
+    env = {"device": "NVIDIA H100 80GB HBM3", "gpu_type": "h100", "torch": "x", "cuda": "y", "model": spec.name,
+           "attention": "fused", "steps": 3, "table": "profiles/measured/t.csv"}
+    md = bench_gpu.markdown([row], env)
+    assert name in md and "-50.0%" in md and "mean absolute error 50.0%" in md

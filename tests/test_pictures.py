@@ -1,0 +1,92 @@
+"""``baton show PLAN --timeline/--memory`` (baton/pictures.py): pictures drawn from the evaluator's report."""
+from __future__ import annotations
+
+import pytest
+
+from baton.cluster import load_cluster
+from baton.evaluate import evaluate
+from baton.plan import load_plan, save_plan, simple_plan
+from baton.profile import ProfileSet
+from baton.model_spec import PRESETS
+from tests.conftest import ROOT, run_cli
+
+pytest.importorskip("matplotlib")
+
+HAND = ROOT / "examples" / "a100x2_t4x2_gpt3-1.3b_hand.json"
+A100_T4 = ROOT / "clusters" / "a100x2_t4x2.yaml"
+CPU4 = ROOT / "clusters" / "cpu4.yaml"
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _replicated_plan(tmp_path):
+    """Two replicas of a two-stage pipeline on cpu4, one device recomputing: every kind of block."""
+    spec = PRESETS["small"]
+    one = simple_plan(spec, cluster="cpu4", stages=[[("local:0", 1)], [("local:1", 1)]], layers=[4, 2], units_per_layer=1,
+                      micro_batch_size=2, num_microbatches=4, recompute={"local:0": ["attn_scores", "softmax"]})
+    two = simple_plan(spec, cluster="cpu4", stages=[[("local:2", 1)], [("local:3", 1)]], layers=[4, 2], units_per_layer=1,
+                      micro_batch_size=2, num_microbatches=4)
+    from dataclasses import replace
+
+    from baton.plan import validate
+
+    path = tmp_path / "dp.json"
+    save_plan(validate(replace(one, pipelines=one.pipelines + two.pipelines)), path)
+    return path
+
+
+def test_show_plan_draws_timeline_and_memory(tmp_path):
+    """Both pictures are written (real PNGs, a row per device) and the tables are printed as by evaluate."""
+    plan = _replicated_plan(tmp_path)
+    code, out, err = run_cli("show", plan, "--cluster", CPU4, "--timeline", tmp_path / "t.png", "--memory", tmp_path / "m.png")
+    assert code == 0, err
+    assert "iteration" in out and f"wrote {tmp_path / 't.png'}" in out
+    (w1, h1), (w2, h2) = _png_size(tmp_path / "t.png"), _png_size(tmp_path / "m.png")
+    assert w1 > 1000 and h1 > 200 and w2 > 1000 and h2 > 200
+    code, _, err = run_cli("show", HAND, "--cluster", A100_T4, "--timeline", tmp_path / "hand.png")
+    assert code == 0, err
+
+
+def test_timeline_follows_the_evaluated_schedule(tmp_path):
+    """The schedule drawn ends where the evaluator's exact 1F1B time ends (catches a picture that places
+    passes by its own formula), every stage runs each micro-batch forward and backward once, and the
+    figure spans the whole iteration (syncs and optimizer included)."""
+    from baton import pictures
+
+    plan = load_plan(_replicated_plan(tmp_path))
+    report = evaluate(plan, load_cluster(CPU4), ProfileSet(plan.model))
+    schedules = pictures.replica_schedules(report, plan.num_microbatches)
+    assert sorted(schedules) == [0, 1]
+    ends = [max(b for stage in sched for _, _, _, b in stage) for sched in schedules.values()]
+    assert max(ends) == pytest.approx(report.pipeline_ms, rel=1e-9)
+    for sched in schedules.values():
+        for stage in sched:
+            assert sorted((k, i) for k, i, _, _ in stage) == sorted((k, i) for k in "FB" for i in range(plan.num_microbatches))
+    fig = pictures.timeline_figure(report, plan.num_microbatches, title="t")
+    ax = fig.axes[0]
+    assert ax.get_xlim()[1] >= report.iteration_time_ms and len(ax.get_yticks()) == len(report.devices)
+    fig = pictures.memory_figure(report, title="m")
+    bars = [p for p in fig.axes[0].patches]
+    assert len(bars) == len(report.devices) * len(pictures.MEMORY_TERMS)
+    # the stacked bar of each device ends at its predicted peak
+    d0 = report.devices[0]
+    assert sum(p.get_width() for p in bars[0::len(report.devices)]) == pytest.approx(d0.peak_memory_bytes / 1024**3, rel=1e-9)
+
+
+def test_show_plan_errors_are_one_line_and_write_nothing(tmp_path):
+    plan = _replicated_plan(tmp_path)
+    cases = [
+        (["show", plan, "--timeline", tmp_path / "t.png"], "--cluster"),
+        (["show", CPU4, "--timeline", tmp_path / "t.png"], "give a plan JSON"),
+        (["show", plan, "--cluster", CPU4, "--timeline", tmp_path], "is a directory"),
+        (["show", plan, "--cluster", A100_T4, "--memory", tmp_path / "t.png"], "was made for cluster 'cpu4'"),
+    ]
+    for args, needle in cases:
+        code, out, err = run_cli(*args)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert not (tmp_path / "t.png").exists()
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
