@@ -26,7 +26,6 @@ What ends a run, and what it leaves:
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import queue as queue_mod
@@ -46,7 +45,7 @@ from baton.errors import BatonError
 from baton.plan import Plan
 from runtime.affinity import pin_rank, pinning_requested
 from runtime.checkpoint import CheckpointReader, find_resumable, remove_stale_temporaries, save_checkpoint
-from runtime.data import TokenSource, check_data_file
+from runtime.data import TokenSource, check_data_file, data_fingerprint
 from runtime.devices import Preflight, RunDevices, capacities, choose_devices, cpu_capacity, cuda_capacity, preflight
 from runtime.engine import Engine, StepStats
 from runtime.processes import (Terminated, die_with_parent, process_state, run_directory, stop_processes,
@@ -127,22 +126,6 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
         raise BatonError(f"cannot be created: {parent} is not a directory", source=str(p), field=flag)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise BatonError(f"cannot be created: {parent} is not writable", source=str(p), field=flag)
-
-
-def data_fingerprint(path: str | None) -> dict:
-    """What identifies the training data in a checkpoint: None for synthetic tokens, else the size and a
-    SHA-256 of the first and last MiB (cheap for any size, and any edit of a text file shows there)."""
-    if path is None:
-        return {"path": None}
-    p = Path(path)
-    size = p.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(p, "rb") as fh:
-        h.update(fh.read(1 << 20))
-        if size > 1 << 20:
-            fh.seek(max(size - (1 << 20), 1 << 20))
-            h.update(fh.read(1 << 20))
-    return {"path": str(path), "bytes": size, "fingerprint": h.hexdigest()}
 
 
 def _check_same_data(meta: dict, cfg: TrainConfig, ckpt: Path) -> None:

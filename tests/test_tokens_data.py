@@ -207,12 +207,7 @@ def test_fingerprint_of_a_dataset_is_its_content_hash(tmp_path):
 
 def test_train_reads_a_dataset_directory_and_resumes_under_another_plan(tmp_path):
     """End to end through `baton train --data DIR`: the resumed run (another plan) continues with the
-    uninterrupted run's losses and weights, so it saw the same batches. Skipped until runtime/launch.py
-    records the data with ``runtime.data.data_fingerprint`` (its own cannot hash a directory)."""
-    import runtime.launch as launch
-
-    if not hasattr(launch, "data_fingerprint") or launch.data_fingerprint.__module__ != "runtime.data":
-        pytest.skip("runtime/launch.py does not yet take data_fingerprint from runtime.data (a directory cannot be hashed there)")
+    uninterrupted run's losses and weights, so it saw the same batches."""
     from baton.plan import save_plan
     from tests.runtime_helpers import plan_of
 
