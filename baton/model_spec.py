@@ -11,7 +11,7 @@ DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 TF32_MARK = "+tf32"
 """Appended to a model's name in its profile tables when its fp32 matmuls may use TF32."""
 ATTENTION = ("eager", "fused")
-DEFAULT_ATTENTION = "eager"
+DEFAULT_ATTENTION = "fused"
 """Attention implementations (baton/operators.py)."""
 
 # Upper bounds of every size (documented in the README, "Errors"): far above any model trained today,
@@ -150,10 +150,15 @@ PRESETS: dict[str, ModelSpec] = {
         _gpt("gpt3-13b", 40, 5120, 40),
         _gpt("llama2-7b", 32, 4096, 32, seq=4096, vocab=32000, ffn=11008),
         _gpt("llama2-13b", 40, 5120, 40, seq=4096, vocab=32000, ffn=13824),
-        # Tiny configs: tests and CPU runs of the runtime.
-        ModelSpec(name="tiny", num_layers=4, hidden_dim=64, num_heads=4, ffn_dim=256, seq_len=32, vocab_size=256, dtype="fp32"),
-        ModelSpec(name="tiny-8l", num_layers=8, hidden_dim=64, num_heads=8, ffn_dim=256, seq_len=32, vocab_size=256, dtype="fp32"),
-        ModelSpec(name="small", num_layers=6, hidden_dim=256, num_heads=8, ffn_dim=1024, seq_len=128, vocab_size=512, dtype="fp32"),
+        # Tiny configs: tests and CPU runs of the runtime. They keep eager attention, whose four operators
+        # exercise per-operator recomputation and the tensor model; `attention: fused` in a model YAML
+        # (base: tiny) trains them with the fused kernel.
+        ModelSpec(name="tiny", num_layers=4, hidden_dim=64, num_heads=4, ffn_dim=256, seq_len=32, vocab_size=256, dtype="fp32",
+                  attention="eager"),
+        ModelSpec(name="tiny-8l", num_layers=8, hidden_dim=64, num_heads=8, ffn_dim=256, seq_len=32, vocab_size=256, dtype="fp32",
+                  attention="eager"),
+        ModelSpec(name="small", num_layers=6, hidden_dim=256, num_heads=8, ffn_dim=1024, seq_len=128, vocab_size=512, dtype="fp32",
+                  attention="eager"),
     ]
 }
 

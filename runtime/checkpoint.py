@@ -6,7 +6,8 @@ A checkpoint is a directory ``<save-dir>/step-000123/`` holding
   fp16/bf16 training, the fp32 master weights: a checkpoint loses no precision and resumes under any
   dtype);
 * ``optimizer.safetensors``: ``exp_avg.<name>`` and ``exp_avg_sq.<name>`` (AdamW moments, full tensors);
-* ``meta.json``: format, model spec, step, samples consumed, seed, optimizer settings, the fp16 loss
+* ``meta.json``: format, model spec, step, samples consumed, seed, optimizer settings (learning-rate
+  schedule, gradient clipping and weight decay among them), the fp16 loss
   scale (``loss_scale``: scale, clean steps, skipped steps; fp16 runs only), data source, and the size
   and SHA-256 of every other file (``files``).
 
@@ -249,10 +250,13 @@ def save_checkpoint(engine, save_dir: str | Path, *, step: int, samples_seen: in
     final = Path(save_dir) / checkpoint_name(step)
     if rank == 0:
         g = engine.optimizer.param_groups[0]
+        # The schedule is a function of the step, so its settings (and the step) are its whole state.
         meta = {"format": FORMAT, "model": spec.to_dict(), "step": step, "samples_seen": samples_seen,
                 "seed": engine.seed, "optimizer": {"name": "adamw", "step": _optimizer_step_count(engine), "lr": g["lr"],
                                                    "betas": list(g["betas"]), "eps": g["eps"],
-                                                   "weight_decay": g["weight_decay"]}, **extra}
+                                                   "weight_decay": engine.weight_decay, "weight_decay_skips": "biases, LayerNorms",
+                                                   "clip_grad": engine.clip_grad,
+                                                   "schedule": engine.schedule.as_dict()}, **extra}
         if engine.precision.scaler is not None:
             meta["loss_scale"] = engine.precision.scaler.state_dict()
 

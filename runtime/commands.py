@@ -12,15 +12,22 @@ every machine with one process per plan device; ranks follow ``plan.device_ids()
 Before any rank starts, the plan's predicted peak memory per device is checked against the devices the
 ranks will use (``runtime.devices``). At the end it prints the average tokens/s and MFU (and, for fp16,
 the steps skipped for overflowing gradients); ``--report`` adds them to the report.
+
+Every step is also a JSON line in the run directory's ``metrics.jsonl`` (``--run-dir``; default the
+save directory, else a new ``runs/<time>`` directory), whatever the output is; when the output is not a
+terminal, a readable line every ``--log-every`` steps stands in for the progress bar. ``--config
+run.yaml`` reads the options from a file (``runtime.train_config``); the run directory keeps the
+resolved options as ``resolved.yaml``.
 """
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from baton.cli_support import check_output_path, console, guarded, say
 from baton.plan import load_plan
@@ -34,7 +41,8 @@ def register(app: typer.Typer) -> None:
     @app.command("train")
     @guarded
     def train(
-        plan: Path = typer.Option(..., "--plan", help="Plan JSON written by `baton solve`."),
+        ctx: typer.Context,
+        plan: Optional[Path] = typer.Option(None, "--plan", help="Plan JSON written by `baton solve` (required, here or in --config)."),
         steps: int = typer.Option(10, "--steps", help="Train until this many optimizer steps (resumed runs count earlier steps)."),
         data: Optional[Path] = typer.Option(None, "--data", help="Text file read as bytes (vocab 256); synthetic tokens if omitted."),
         save_dir: Optional[Path] = typer.Option(None, "--save-dir", help="Directory for checkpoints (step-XXXXXX)."),
@@ -44,8 +52,17 @@ def register(app: typer.Typer) -> None:
         allow_other_data: bool = typer.Option(False, "--allow-other-data", metavar="", help="With --resume: continue on other data than the checkpoint's."),
         init_from: Optional[Path] = typer.Option(None, "--init-from", help="Hugging Face GPT-2 directory to initialise from."),
         seed: int = typer.Option(0, "--seed", help="Initialisation, data order and dropout masks."),
-        lr: float = typer.Option(3e-4, "--lr", help="AdamW learning rate (constant)."),
-        weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
+        lr: float = typer.Option(3e-4, "--lr", help="Peak AdamW learning rate (after warm-up)."),
+        lr_min: float = typer.Option(0.0, "--lr-min", help="Learning rate at the end of the decay."),
+        warmup_steps: int = typer.Option(0, "--warmup-steps", help="Steps of linear learning-rate warm-up."),
+        decay: str = typer.Option("constant", "--decay", help="Learning-rate decay after warm-up, reaching --lr-min at --steps: cosine, linear or constant."),
+        clip_grad: float = typer.Option(0.0, "--clip-grad", help="Clip the global gradient norm (all ranks) to this (0: off)."),
+        weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay (biases and LayerNorms never decay)."),
+        eval_every: int = typer.Option(0, "--eval-every", help="Validation loss every N steps and at the end (needs --data DIR with a val split; 0: off)."),
+        eval_windows: int = typer.Option(0, "--eval-windows", help="At most this many validation windows (0: the whole val split)."),
+        run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Directory for metrics.jsonl and resolved.yaml (default: --save-dir, else runs/<time>)."),
+        log_every: int = typer.Option(10, "--log-every", help="When the output is not a terminal, print a progress line every N steps."),
+        config: Optional[Path] = typer.Option(None, "--config", help="YAML file of options (keys: option names); the command line overrides it."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (cuda: an error without a GPU per plan device)."),
         gpus: Optional[str] = typer.Option(None, "--gpus", help="CUDA devices of the ranks in rank order, e.g. 0,1 (implies --device cuda)."),
         timeout: float = typer.Option(300.0, "--timeout", help="Seconds a rank may wait on a peer (any collective or receive) before failing."),
@@ -57,10 +74,27 @@ def register(app: typer.Typer) -> None:
 
         Ctrl-C or SIGTERM with --save-dir: the ranks finish the current step and save a checkpoint (a second
         one stops at once); without --save-dir they stop at once."""
+        from baton.errors import BatonError
         from runtime.devices import parse_gpus
         from runtime.launch import TrainConfig, train as run
         from runtime.meters import throughput
+        from runtime.metrics import readable
+        from runtime.train_config import resolve_options, write_resolved
 
+        options = resolve_options(ctx, config)
+        (plan, steps, data, save_dir, save_every, keep, resume, allow_other_data, init_from, seed, lr, lr_min, warmup_steps,
+         decay, clip_grad, weight_decay, eval_every, eval_windows, run_dir, log_every, device, gpus, timeout, report, cluster,
+         profiles) = (options[k] for k in (
+            "plan", "steps", "data", "save_dir", "save_every", "keep", "resume", "allow_other_data", "init_from", "seed", "lr",
+            "lr_min", "warmup_steps", "decay", "clip_grad", "weight_decay", "eval_every", "eval_windows", "run_dir",
+            "log_every", "device", "gpus", "timeout", "report", "cluster", "profiles"))
+        if plan is None:
+            raise BatonError("missing: give --plan or a 'plan' key in --config", field="--plan")
+        if not 1 <= log_every <= 10**9:
+            raise BatonError(f"must be in 1..{10**9}, got {log_every}", field="--log-every")
+        if run_dir is None:
+            run_dir = save_dir if save_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+            options["run_dir"] = run_dir
         the_plan = load_plan(plan)
         gpu_list = parse_gpus(gpus)
         if report is not None:
@@ -81,21 +115,36 @@ def register(app: typer.Typer) -> None:
         cfg = TrainConfig(plan=the_plan, steps=steps, data=str(data) if data else None,
                           save_dir=str(save_dir) if save_dir else None, save_every=save_every, keep=keep, resume=resume,
                           allow_other_data=allow_other_data,
-                          init_from=str(init_from) if init_from else None, seed=seed, lr=lr,
-                          weight_decay=weight_decay, device=device, gpus=gpu_list, timeout_s=timeout,
+                          init_from=str(init_from) if init_from else None, seed=seed, lr=lr, lr_min=lr_min,
+                          warmup_steps=warmup_steps, decay=decay, clip_grad=clip_grad, weight_decay=weight_decay,
+                          eval_every=eval_every, eval_windows=eval_windows, run_dir=str(run_dir),
+                          device=device, gpus=gpu_list, timeout_s=timeout,
                           cluster_path=str(cluster) if cluster else None, profiles_dir=str(profiles) if profiles else None,
                           collect_all_ranks=report is not None)
         checked: dict = {}
         per_rank: dict = {}
         show = os.environ.get("RANK", "0") == "0"
+        terminal = console.is_terminal
+        timed: list = []  # (tokens, ms) of the steps after the first of this run: the first pays for warm-up
         with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                      TimeElapsedColumn(), console=console, disable=not show) as progress:
+                      TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show) as progress:
             task = progress.add_task("train", total=steps, info="starting ranks...")
 
             def on_step(s) -> None:
-                per_stage = " ".join(f"{ms:.0f}" for ms in s.stage_ms)
+                if not timed and "resolved" not in checked:
+                    # Written once the run is under way: a run refused before its start leaves no directory.
+                    checked["resolved"] = write_resolved(run_dir, options)
+                timed.append((s.tokens, s.iteration_ms))
+                shown = timed[1:] or timed
+                average = sum(t for t, _ in shown) / max(sum(ms for _, ms in shown), 1e-9) * 1e3
+                val = f"  val {s.val_loss:.4f}" if s.val_loss is not None else ""
                 progress.update(task, completed=s.step + 1,
-                                info=f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  stage ms [{per_stage}]")
+                                info=f"loss {s.loss:.4f}{val}  lr {s.lr:.2e}  {average:,.0f} tok/s (avg)")
+                record = checked["metrics"].last if "metrics" in checked else None
+                done = s.step + 1
+                if show and not terminal and record is not None and (done % log_every == 0 or done == steps or s.val_loss is not None):
+                    eta = sum(ms for _, ms in shown) / len(shown) / 1e3 * (steps - done)
+                    say(readable(record, steps, eta))
 
             history = run(cfg, on_step=on_step, per_rank=per_rank, on_notice=lambda line: say(f"note: {line}", err=True),
                           checked=checked)
@@ -104,7 +153,9 @@ def register(app: typer.Typer) -> None:
         if show and history:
             last = history[-1]
             where = f", checkpoint in {save_dir}" if save_dir else ""
-            say(f"step {last.step + 1}: loss {last.loss:.4f}{where}")
+            val = f", validation loss {last.val_loss:.4f}" if last.val_loss is not None else ""
+            say(f"step {last.step + 1}: loss {last.loss:.4f}{val}{where}")
+            say(f"metrics in {Path(run_dir) / 'metrics.jsonl'}")
             mfu = (f", MFU {speed.mfu:.2%} of {speed.peak_tflops:,.1f} TFLOP/s ({the_plan.model.dtype} catalog peak of the plan's "
                    "devices)") if speed.mfu is not None else ""
             say(f"throughput: {speed.tokens_per_s:,.0f} tokens/s averaged over {speed.steps} step(s){mfu}")

@@ -7,12 +7,21 @@ in fp32 (the head keeps an fp32 softmax, as docs/cost-model.md counts), and Adam
 weights in fp16/bf16. In fp16 the loss is scaled, and a step whose gradients overflow on any rank
 is skipped on every rank.
 
+Optimisation (``runtime.schedule``): the learning rate of every step comes from an ``LRSchedule``; weight
+decay skips biases and LayerNorms; the global gradient norm is summed over every parameter of the model
+exactly once (a TP shard on its rank, a parameter replicated over TP ranks on TP rank 0 only, the tied
+embedding on the first stage only, pipeline 0 only among data-parallel replicas), rides on the step's
+one small all-reduce, and clips the update when ``clip_grad`` is set: the update of any plan is the
+single-device one.
+
 The step returns a ``StepStats`` with what the planner predicts (per micro-batch forward, backward and
 recompute time, per-stage time, iteration time, peak saved-activation bytes), so a report can put
 measurement next to prediction.
 """
 from __future__ import annotations
 
+import math
+import resource
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -25,6 +34,7 @@ from baton.plan import Plan
 from runtime.model import init_parameter, parameter_shapes
 from runtime.meters import SavedBytes
 from runtime.precision import LossScaleSettings, MasterWeights, compute_dtype
+from runtime.schedule import LRSchedule, clip_coefficient, decays
 from runtime.slicing import parameter_slice, take_slice
 from runtime.stage import StageModel
 from runtime.tp_layer import MicroBatch
@@ -80,6 +90,18 @@ class StepStats:
     """Measured after the step: fp32 master weights (fp16/bf16 only)."""
     moments_bytes: int = 0
     """Measured after the step: AdamW's fp32 moments."""
+    lr: float = 0.0
+    """Learning rate this step's update used."""
+    grad_norm: float = 0.0
+    """Global L2 norm of the gradients over the whole model, before clipping (unscaled in fp16; inf/NaN on
+    an overflowing step)."""
+    clipped: bool = False
+    """The update was scaled down by ``clip_grad``."""
+    memory_bytes: list[float] = field(default_factory=list)
+    """Peak memory of every rank, in rank order: CUDA memory allocated, or on CPU the process's peak
+    resident set (filled in by ``train_step``)."""
+    val_loss: float | None = None
+    """Validation loss measured after this step (``--eval-every``), else None."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,8 +113,12 @@ class Engine:
 
     def __init__(self, plan: Plan, rank: int, *, device: torch.device | str = "cpu", seed: int = 0,
                  lr: float = 3e-4, weight_decay: float = 0.0, full=None, measure: bool = True,
-                 timeout_s: float | None = None, loss_scale: LossScaleSettings | None = None):
+                 timeout_s: float | None = None, loss_scale: LossScaleSettings | None = None,
+                 schedule: LRSchedule | None = None, clip_grad: float = 0.0):
         self.plan, self.seed = plan, seed
+        self.schedule = schedule or LRSchedule(lr=lr)  # constant ``lr`` unless a schedule is given
+        self.clip_grad = clip_grad  # 0: no clipping
+        self.weight_decay = weight_decay
         self.timeout_s = timeout_s  # bounds every receive and every subgroup collective (None: torch's defaults)
         self.device = torch.device(device)
         self.topo = Topology(plan)
@@ -108,9 +134,11 @@ class Engine:
         self.dtype = compute_dtype(spec.dtype)
         # Casts the module to the compute dtype after copying the fp32 masters (fp16/bf16).
         self.precision = MasterWeights(self.model, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
-                                       weight_decay=weight_decay, loss_scale=loss_scale)
+                                       weight_decay=weight_decay, loss_scale=loss_scale,
+                                       decays=[decays(n) for n, _ in self.model.named_parameters()])
         self.optimizer = self.precision.optimizer
         self.grad_buffer = self._contiguous_grads()
+        self._norm_views = self._counted_grads()
         self.measure = measure
         self.samples_per_step = plan.global_batch
 
@@ -149,6 +177,34 @@ class Engine:
             offset += p.numel()
         self._bind_grads()
         return buffer
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        """The gradient views this rank adds to the global norm, so that every element of the full
+        model's gradient is counted exactly once over all ranks (see the module docstring). The
+        embedding's padding rows (past vocab_size) are left out: the single-device model has none."""
+        pos, spec = self.pos, self.plan.model
+        if pos.pipeline != 0:
+            return []  # replicas hold the same summed gradients as pipeline 0
+        views = dict(zip((n for n, _ in self.model.named_parameters()), (v for _, v in self._grad_views)))
+        out = []
+        for name, view in views.items():
+            if name == "wte.weight":
+                if not self.first:
+                    continue  # the tied head's rows on the last stage hold the same summed gradient
+                rows = self.model.vocab
+                view = view[: max(0, min(rows.stop, spec.vocab_size) - rows.start)]
+            elif parameter_slice(spec, name, pos.heads, pos.ffn_cols) is None and pos.tp_rank != 0:
+                continue  # replicated on the stage's TP ranks (LayerNorms, row-parallel biases, wpe, ln_f)
+            out.append(view)
+        return out
+
+    def _grad_square_sum(self) -> float:
+        """Sum of squares of the gradients this rank counts (as they are: loss-scaled in fp16)."""
+        total = 0.0
+        for v in self._norm_views:
+            if v.numel():
+                total += float(torch.linalg.vector_norm(v, dtype=torch.float32)) ** 2
+        return total
 
     def _bind_grads(self) -> None:
         """Make every ``.grad`` its view of the buffer again (a ``zero_grad()`` elsewhere sets them to
@@ -244,23 +300,68 @@ class Engine:
         my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
         # One small all-reduce carries the global loss, every stage's compute time and (fp16) the count of
         # ranks whose gradients overflowed to all ranks, so every rank skips an overflowing step together.
-        metrics = torch.zeros(2 + plan.num_stages, dtype=torch.float64)
+        # The same all-reduce sums the squared gradient norm (each element counted once over all ranks).
+        metrics = torch.zeros(3 + plan.num_stages, dtype=torch.float64)
         if self.last and pos.tp_rank == 0:
             metrics[0] = loss_sum
         if pos.pipeline == 0 and pos.tp_rank == 0:
-            metrics[2 + pos.stage] = my_ms
+            metrics[3 + pos.stage] = my_ms
         if self.precision.scaler is not None and not bool(torch.isfinite(self.grad_buffer).all()):
             metrics[1] = 1.0
+        metrics[2] = self._grad_square_sum()
         metrics = self._all_reduce_cpu(metrics)
         stats.loss = float(metrics[0])
         stats.skipped = bool(metrics[1] > 0)
-        stats.stage_ms = [float(v) for v in metrics[2:]]
+        stats.grad_norm = math.sqrt(float(metrics[2])) / scale if math.isfinite(float(metrics[2])) else math.inf
+        stats.stage_ms = [float(v) for v in metrics[3:]]
         stats.peak_saved_bytes = saved.peak if saved is not None else 0
         stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device) if sync else 0
         stats.recomputed_ops = dict(meter.recomputed)
         stats.iteration_ms = (time.perf_counter() - start) * 1e3
         meter.saved = None
         return stats
+
+    # --- validation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, source) -> float:
+        """Mean cross-entropy over every window of ``source`` (a ``runtime.data.ValidationSource``), without
+        dropout: the same number ``runtime.data.validation_loss`` gives for the single-device model.
+        Collective: every rank calls it.
+
+        Each batch of the source is split over pipelines and micro-batches as a training step's is, and
+        run forward only (every stage receives, computes and sends on, in micro-batch order). A batch's
+        samples past the source's last window are not run at all, so every window counts once."""
+        plan, spec, pos, m, mbs = self.plan, self.plan.model, self.pos, self.plan.num_microbatches, self.plan.micro_batch_size
+        fwd_src, fwd_dst = self.topo.forward_source(pos), self.topo.forward_targets(pos)
+        self.model.eval()
+        pending, loss_sum = [], 0.0
+        try:
+            for index in range(source.num_batches):
+                windows = min(source.global_batch, source.num_windows - index * source.global_batch)
+                for i in range(m):
+                    first_sample = (pos.pipeline * m + i) * mbs
+                    n = min(mbs, windows - first_sample)  # a prefix of the micro-batch: the same on every rank
+                    if n <= 0:
+                        continue
+                    samples = torch.arange(n) + first_sample
+                    tokens, targets = source.batch(index, samples) if (self.first or self.last) else (None, None)
+                    if self.first:
+                        x = tokens.to(self.device)
+                    else:
+                        buf = torch.empty(n, spec.seq_len, spec.hidden_dim, device=self.device, dtype=self.dtype)
+                        x = self.topo.recv(buf, fwd_src, timeout_s=self.timeout_s)
+                    y = self.model(x, MicroBatch(self.seed, 0, samples.to(self.device)),
+                                   targets=targets.to(self.device) if self.last else None)
+                    if self.last:
+                        loss_sum += float(y)
+                    else:
+                        self._send(y, fwd_dst, pending)
+            for work, _ in pending:
+                work.wait()
+        finally:
+            self.model.train()
+        total = torch.tensor([loss_sum if self.last and pos.tp_rank == 0 else 0.0], dtype=torch.float64)
+        return float(self._all_reduce_cpu(total)[0]) / (source.num_windows * spec.seq_len)
 
     def _all_reduce_cpu(self, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.device)
@@ -277,13 +378,18 @@ class Engine:
             dist.all_reduce(self.grad_buffer, group=self.groups.dp)
 
     def train_step(self, step: int, data) -> StepStats:
-        """Forward, backward, gradient sync and one AdamW update (skipped on every rank when fp16
-        gradients overflowed on any)."""
+        """Forward, backward, gradient sync, clipping and one AdamW update at the schedule's learning
+        rate (skipped on every rank when fp16 gradients overflowed on any)."""
         t0 = time.perf_counter()
         self.grad_buffer.zero_()  # the gradients are views of it: keep them (no set_to_none)
         stats = self.forward_backward(step, data)
         t1 = time.perf_counter()
-        self.precision.step(overflow=stats.skipped)
+        stats.lr = self.schedule.lr_at(step)
+        self.precision.set_lr(stats.lr)
+        # Every rank computes the same coefficient from the same all-reduced norm.
+        factor = clip_coefficient(stats.grad_norm, self.clip_grad) if self.clip_grad > 0 else 1.0
+        stats.clipped = factor < 1.0
+        self.precision.step(overflow=stats.skipped, grad_factor=factor)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)  # the update included
@@ -292,4 +398,12 @@ class Engine:
         held = self.precision.state_bytes()
         stats.weights_bytes, stats.grads_bytes = held.weights_bytes, held.grads_bytes
         stats.master_bytes, stats.moments_bytes = held.master_bytes, held.moments_bytes
+        stats.memory_bytes = self._memory_of_ranks(stats.peak_allocated_bytes)
         return stats
+
+    def _memory_of_ranks(self, cuda_peak: int) -> list[float]:
+        """Every rank's peak memory (one small all-reduce): what the metrics log reports per device."""
+        mine = cuda_peak if self.device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        held = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+        held[dist.get_rank()] = float(mine)
+        return [float(v) for v in self._all_reduce_cpu(held)]

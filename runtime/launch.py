@@ -21,6 +21,8 @@ What ends a run, and what it leaves:
   checkpoint and stop (the launcher waits at most ``--timeout`` for that; a second Ctrl-C or SIGTERM
   stops at once without saving). Without ``--save-dir`` the ranks are stopped at once. Exit code 130
   (Ctrl-C) or 143 (SIGTERM).
+* With a run directory (``run_dir``), the launcher (rank 0 under torchrun) appends one JSON record per
+  step to ``metrics.jsonl`` there (``runtime.metrics``), validation losses included.
 * The run's temporary directory (rendezvous store) is removed at the end; those of launchers that
   were SIGKILLed are removed by the next run. A traceback file is written only for a failing rank.
 """
@@ -45,11 +47,13 @@ from baton.errors import BatonError
 from baton.plan import Plan
 from runtime.affinity import pin_rank, pinning_requested
 from runtime.checkpoint import CheckpointReader, find_resumable, remove_stale_temporaries, save_checkpoint
-from runtime.data import TokenSource, check_data_file, data_fingerprint
+from runtime.data import TokenSource, ValidationSource, check_data_file, data_fingerprint, open_dataset
 from runtime.devices import Preflight, RunDevices, capacities, choose_devices, cpu_capacity, cuda_capacity, preflight
 from runtime.engine import Engine, StepStats
+from runtime.metrics import MetricsLog
 from runtime.processes import (Terminated, die_with_parent, process_state, run_directory, stop_processes,
                                sweep_stale_run_directories, terminate_as_interrupt)
+from runtime.schedule import DECAYS, LRSchedule
 
 MAX_STEPS = 10**9
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -82,9 +86,23 @@ class TrainConfig:
     seed: int = 0
     """Initialisation, data order and dropout masks (a resumed run keeps its checkpoint's seed)."""
     lr: float = 3e-4
-    """AdamW learning rate (constant)."""
+    """Peak AdamW learning rate (after warm-up, before decay)."""
+    lr_min: float = 0.0
+    """Learning rate the decay ends at."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up."""
+    decay: str = "constant"
+    """Learning-rate decay after warm-up: cosine, linear (to ``lr_min`` at ``steps``) or constant."""
+    clip_grad: float = 0.0
+    """Clip the global gradient norm (over all ranks) to this (0: no clipping)."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
+    """AdamW decoupled weight decay (biases and LayerNorms never decay)."""
+    eval_every: int = 0
+    """Validation loss on the dataset's val split every N steps and at the end (0: never)."""
+    eval_windows: int = 0
+    """At most this many validation windows (0: every window of the split)."""
+    run_dir: str | None = None
+    """Where the per-step metrics (``metrics.jsonl``) go (None: not written)."""
     device: str = "auto"
     """auto, cpu or cuda."""
     gpus: tuple[int, ...] | None = None
@@ -154,6 +172,22 @@ def prepare(cfg: TrainConfig, on_notice=None) -> TrainConfig:
         raise BatonError(f"must be in 1..{MAX_STEPS}, got {cfg.steps}", field="--steps")
     _finite(cfg.lr, "--lr", minimum=0.0, inclusive=False)
     _finite(cfg.weight_decay, "--weight-decay", minimum=0.0, inclusive=True)
+    _finite(cfg.lr_min, "--lr-min", minimum=0.0, inclusive=True, maximum=cfg.lr)
+    _finite(cfg.clip_grad, "--clip-grad", minimum=0.0, inclusive=True)
+    if cfg.decay not in DECAYS:
+        raise BatonError(f"unknown decay '{cfg.decay}' (expected {', '.join(DECAYS)})", field="--decay")
+    if isinstance(cfg.warmup_steps, bool) or not 0 <= cfg.warmup_steps <= MAX_STEPS:
+        raise BatonError(f"must be in 0..{MAX_STEPS}, got {cfg.warmup_steps}", field="--warmup-steps")
+    for value, flag in ((cfg.eval_every, "--eval-every"), (cfg.eval_windows, "--eval-windows")):
+        if not 0 <= value <= MAX_STEPS:
+            raise BatonError(f"must be in 0..{MAX_STEPS} (0: off), got {value}", field=flag)
+    if cfg.eval_every:
+        if cfg.data is None or not Path(cfg.data).is_dir():
+            raise BatonError("needs --data DIR, a token dataset with a validation split (`baton data prepare`)",
+                             field="--eval-every")
+        open_dataset(cfg.data, spec, need_val=True)
+    if cfg.run_dir is not None:
+        check_writable_dir(cfg.run_dir, "--run-dir")
     _finite(cfg.timeout_s, "--timeout", minimum=0.0, inclusive=False, maximum=MAX_TIMEOUT_S)
     if cfg.save_every < 0:
         raise BatonError(f"must be >= 0 (0: save only at the end), got {cfg.save_every}", field="--save-every")
@@ -187,6 +221,11 @@ def prepare(cfg: TrainConfig, on_notice=None) -> TrainConfig:
                              "raise --steps to train further", field="--steps")
         if not cfg.allow_other_data:
             _check_same_data(meta, cfg, ckpt)
+        theirs = meta.get("optimizer", {}).get("schedule") if isinstance(meta.get("optimizer"), dict) else None
+        ours = schedule_of(cfg).as_dict()
+        if isinstance(theirs, dict) and theirs != ours:
+            changed = ", ".join(f"{k} {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v)
+            notice(f"the learning-rate schedule differs from {ckpt.name}'s ({changed}); continuing with this run's")
         cfg.resume_from, cfg.seed = str(ckpt), int(meta.get("seed", cfg.seed))
     if cfg.init_from:
         from runtime.hf import load_gpt2
@@ -236,20 +275,24 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None, sto
         weights = load_gpt2(cfg.init_from, spec)
         full = weights.__getitem__
     engine = Engine(plan, rank, device=device, seed=cfg.seed, lr=cfg.lr, weight_decay=cfg.weight_decay, full=full,
-                    timeout_s=cfg.timeout_s)
+                    timeout_s=cfg.timeout_s, schedule=schedule_of(cfg), clip_grad=cfg.clip_grad)
     pin_rank(int(os.environ.get("LOCAL_RANK", rank)))  # after the engine made its groups (see runtime.affinity)
     if reader is not None:
         reader.load_into(engine)
     data = TokenSource(spec, path=cfg.data, seed=cfg.seed, global_batch=plan.global_batch,
                        start_step=start_step, start_sample=start_sample)
+    val = ValidationSource(spec, cfg.data, global_batch=plan.global_batch, max_windows=cfg.eval_windows or None) \
+        if cfg.eval_every else None
     extra = {"data": data_fingerprint(cfg.data), "plan_info": plan.info}
     history = []
     for step in range(start_step, cfg.steps):
         stats = engine.train_step(step, data)
+        done = step + 1
+        if val is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            stats.val_loss = engine.evaluate(val)
         history.append(stats)
         if report is not None and rank == 0:
             report(stats)
-        done = step + 1
         stopping = bool(cfg.save_dir) and done < cfg.steps and \
             _agree_to_stop(bool(stop_requested and stop_requested()), engine.device)
         if cfg.save_dir and (done == cfg.steps or stopping or (cfg.save_every and done % cfg.save_every == 0)):
@@ -259,6 +302,12 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None, sto
             outcome["stopped_after"] = done
             break
     return history
+
+
+def schedule_of(cfg: TrainConfig) -> LRSchedule:
+    """The run's learning-rate schedule: the decay ends at ``--steps``."""
+    return LRSchedule(lr=cfg.lr, lr_min=cfg.lr_min, warmup_steps=cfg.warmup_steps, decay=cfg.decay,
+                      decay_steps=0 if cfg.decay == "constant" else cfg.steps)  # constant: --steps is irrelevant
 
 
 def _init_group(backend: str, rank: int, world: int, init_method: str, timeout_s: float) -> None:
@@ -316,20 +365,37 @@ def train(cfg: TrainConfig, on_step=None, per_rank: dict | None = None, on_notic
     With ``cfg.collect_all_ranks`` and a ``per_rank`` dict, it is filled with rank -> that rank's
     StepStats of every step (under torchrun, on rank 0 only). ``on_notice(line)`` hears what is worth
     saying but is no error. ``checked``, when given, receives ``preflight``: the pre-flight check's
-    ``Preflight`` (prediction, capacities, peak FLOP/s for MFU). An interrupted run raises
+    ``Preflight`` (prediction, capacities, peak FLOP/s for MFU), and with ``cfg.run_dir`` ``metrics``: the
+    ``MetricsLog`` (its ``last`` record is the step ``on_step`` hears). An interrupted run raises
     KeyboardInterrupt (``Terminated`` for SIGTERM) whose message says what was saved.
     """
     cfg = prepare(cfg, on_notice)
     world = len(cfg.plan.device_ids())
     checked = {} if checked is None else checked
-    if under_torchrun():
-        return _train_torchrun(cfg, world, on_step, per_rank, checked)
-    devices = choose_devices(cfg.device, cfg.gpus, world)
-    if devices.kind == "cpu" and cfg.device == "auto" and torch.cuda.is_available() and on_notice:
-        on_notice(f"the plan has {world} devices and this machine {torch.cuda.device_count()} CUDA GPU(s): "
-                  "running CPU processes (--device cuda --gpus to choose GPUs)")
-    checked["preflight"] = check_before_start(cfg, devices, world)
-    return _train_spawned(cfg, world, devices, on_step, per_rank, on_notice or (lambda line: None))
+    log = None
+    if cfg.run_dir is not None:
+        # Created now, opened at the first step: the pre-flight check fills in the peak FLOP/s first.
+        log = checked["metrics"] = MetricsLog(cfg.run_dir, cfg.plan)
+        user_on_step = on_step
+
+        def on_step(stats):
+            if log.peak_flops is None and checked.get("preflight") is not None:
+                log.peak_flops = checked["preflight"].peak_flops
+            log.write(stats)
+            if user_on_step is not None:
+                user_on_step(stats)
+    try:
+        if under_torchrun():
+            return _train_torchrun(cfg, world, on_step, per_rank, checked)
+        devices = choose_devices(cfg.device, cfg.gpus, world)
+        if devices.kind == "cpu" and cfg.device == "auto" and torch.cuda.is_available() and on_notice:
+            on_notice(f"the plan has {world} devices and this machine {torch.cuda.device_count()} CUDA GPU(s): "
+                      "running CPU processes (--device cuda --gpus to choose GPUs)")
+        checked["preflight"] = check_before_start(cfg, devices, world)
+        return _train_spawned(cfg, world, devices, on_step, per_rank, on_notice or (lambda line: None))
+    finally:
+        if log is not None:
+            log.close()
 
 
 def _torchrun_device(cfg: TrainConfig, local: int, local_world: int) -> torch.device:

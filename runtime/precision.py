@@ -130,7 +130,8 @@ class MasterWeights:
     """
 
     def __init__(self, module: nn.Module, dtype: str, *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, loss_scale: LossScaleSettings | None = None):
+                 weight_decay: float, loss_scale: LossScaleSettings | None = None,
+                 decays: list[bool] | None = None):
         self.dtype = dtype
         self.module = module
         self.params = list(module.parameters())
@@ -142,9 +143,25 @@ class MasterWeights:
             self.params = list(module.parameters())
         else:
             self.masters = self.params
-        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(self._groups(decays, weight_decay), lr=lr, betas=betas, eps=eps,
+                                           weight_decay=weight_decay)
         self.scaler = LossScaler(loss_scale) if dtype == "fp16" else None
         self._chunks = self._chunk(self.params) if self.mixed else []
+
+    def _groups(self, decays: list[bool] | None, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups: those ``decays`` marks (every parameter when None) take
+        ``weight_decay``, the others none. Empty groups are left out (a rank may hold no bias)."""
+        if decays is None:
+            return [{"params": self.masters}]
+        assert len(decays) == len(self.masters), "one decay flag per parameter expected"
+        groups = [{"params": [m for m, d in zip(self.masters, decays) if d]},
+                  {"params": [m for m, d in zip(self.masters, decays) if not d], "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next ``step`` (every group)."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
 
     @staticmethod
     def _chunk(params: list[torch.Tensor]) -> list[range]:
@@ -180,15 +197,20 @@ class MasterWeights:
                 p.copy_(value)
 
     @torch.no_grad()
-    def step(self, *, overflow: bool = False) -> bool:
+    def step(self, *, overflow: bool = False, grad_factor: float = 1.0) -> bool:
         """Apply the update unless ``overflow`` (every rank must pass the same flag), then move the loss
-        scale. Returns whether the weights were updated."""
-        inv_scale = 1.0 / self.loss_scale  # the scale this step's backward ran with
+        scale. The gradients are multiplied by ``grad_factor`` first (gradient clipping; in fp16/bf16 on
+        their way into fp32, so clipping costs no precision). Returns whether the weights were updated."""
+        inv_scale = grad_factor / self.loss_scale  # the scale this step's backward ran with
         if self.scaler is not None:
             self.scaler.update(overflow)
         if overflow:
             return False
         if not self.mixed:
+            if grad_factor != 1.0:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(grad_factor)
             self.optimizer.step()
             return True
         for chunk in self._chunks:

@@ -117,6 +117,8 @@ class ParallelBlock(nn.Module):
         return (F.softmax(scores + causal, dim=-1),)
 
     def _attn_dropout(self, mb, probs):
+        if not self.training:  # evaluation (validation loss): no dropout, as the reference model's eval()
+            return (probs,)
         key = DropoutKey(mb.seed, mb.step, self.layer)
         keep = attention_keep(key, mb.samples, self.heads, probs.size(-1), self.spec.dropout, probs.device)
         return (dropout(probs, keep, self.spec.dropout),)
@@ -138,7 +140,7 @@ class ParallelBlock(nn.Module):
 
     def _resid(self, name, bias, mb, branch, x):
         y = branch + bias
-        if self.spec.dropout > 0.0:
+        if self.spec.dropout > 0.0 and self.training:
             B, T, C = y.shape
             keep = residual_keep(DropoutKey(mb.seed, mb.step, self.layer), name, mb.samples, T, C, self.spec.dropout, y.device)
             y = dropout(y, keep, self.spec.dropout)

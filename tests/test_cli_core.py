@@ -30,8 +30,10 @@ def test_evaluate_json_has_the_promised_fields():
         assert d["fits"] is True
 
 
-def test_evaluate_prints_tables():
-    code, out, err = run_cli("evaluate", PLAN, "--cluster", CLUSTER, "--model", "gpt3-1.3b")
+def test_evaluate_prints_tables(tmp_path):
+    model = tmp_path / "m.yaml"  # the example plan trains gpt3-1.3b with eager attention
+    model.write_text("base: gpt3-1.3b\nattention: eager\n")
+    code, out, err = run_cli("evaluate", PLAN, "--cluster", CLUSTER, "--model", model)
     assert code == 0, err
     assert "tokens/s" in out and "t4:1" in out
 
