@@ -141,6 +141,8 @@ class Engine:
         self._norm_views = self._counted_grads()
         self.measure = measure
         self.samples_per_step = plan.global_batch
+        self.tracer = None
+        """A ``runtime.trace.Tracer`` to record this rank's spans into (``--trace``), or None."""
 
     def load_full(self, full) -> None:
         """Set this rank's weights (and fp32 master weights) from ``full(name) -> full fp32 tensor``."""
@@ -218,15 +220,23 @@ class Engine:
                 p.grad = view
 
     # --- point-to-point ----------------------------------------------------------------------------
-    def _recv(self, src: int) -> torch.Tensor:
+    def _recv(self, src: int, rows: int | None = None, **trace_args) -> torch.Tensor:
         spec = self.plan.model
-        buf = torch.empty(self.plan.micro_batch_size, spec.seq_len, spec.hidden_dim, device=self.device, dtype=self.dtype)
-        return self.topo.recv(buf, src, timeout_s=self.timeout_s)
+        rows = self.plan.micro_batch_size if rows is None else rows
+        buf = torch.empty(rows, spec.seq_len, spec.hidden_dim, device=self.device, dtype=self.dtype)
+        t0 = time.perf_counter()
+        out = self.topo.recv(buf, src, timeout_s=self.timeout_s)
+        if self.tracer is not None:
+            self.tracer.add(f"recv from {src}", "p2p", t0, time.perf_counter(), **trace_args)
+        return out
 
-    def _send(self, t: torch.Tensor, targets: list[int], pending: list) -> None:
+    def _send(self, t: torch.Tensor, targets: list[int], pending: list, **trace_args) -> None:
+        t0 = time.perf_counter()
         t = t.detach().contiguous()
         for dst in targets:
             pending.append((dist.isend(t, dst), t))
+        if self.tracer is not None:
+            self.tracer.add(f"send to {','.join(map(str, targets))}", "p2p", t0, time.perf_counter(), **trace_args)
 
     # --- one step ----------------------------------------------------------------------------------
     def forward_backward(self, step: int, data) -> StepStats:
@@ -246,6 +256,9 @@ class Engine:
         if sync:
             torch.cuda.reset_peak_memory_stats(self.device)
         AllReduceClock.reset()
+        tracer = self.tracer
+        if tracer is not None:
+            AllReduceClock.spans, meter.recompute_spans = [], []
         start = time.perf_counter()
         pending, inflight, loss_sum = [], {}, 0.0
         fwd_src, bwd_src = topo.forward_source(pos), topo.backward_source(pos)
@@ -254,7 +267,7 @@ class Engine:
             samples = torch.arange(mbs) + (pos.pipeline * m + i) * mbs
             if kind == "F":
                 tokens, targets = data.batch(step, samples) if (self.first or self.last) else (None, None)
-                x = tokens.to(self.device) if self.first else self._recv(fwd_src).requires_grad_()
+                x = tokens.to(self.device) if self.first else self._recv(fwd_src, step=step, mb=i).requires_grad_()
                 t0 = time.perf_counter()
                 with saved.record(i) if saved is not None else nullcontext():
                     y = self.model(x, MicroBatch(self.seed, step, samples.to(self.device)),
@@ -269,12 +282,14 @@ class Engine:
                 if sync:
                     torch.cuda.synchronize()
                 stats.forward_ms[i] = (time.perf_counter() - t0) * 1e3
+                if tracer is not None:
+                    tracer.add(f"F{i}", "forward", t0, t0 + stats.forward_ms[i] / 1e3, step=step, mb=i)
                 if not self.last:
-                    self._send(y, fwd_dst, pending)
+                    self._send(y, fwd_dst, pending, step=step, mb=i)
                 inflight[i] = (x, y)
             else:
                 x, y = inflight.pop(i)
-                grad = None if self.last else self._recv(bwd_src)
+                grad = None if self.last else self._recv(bwd_src, step=step, mb=i)
                 t0, r0 = time.perf_counter(), meter.recompute_s
                 meter.in_backward = True
                 try:
@@ -285,18 +300,31 @@ class Engine:
                     torch.cuda.synchronize()
                 stats.backward_ms[i] = (time.perf_counter() - t0) * 1e3
                 stats.recompute_ms[i] = (meter.recompute_s - r0) * 1e3
+                if tracer is not None:
+                    tracer.add(f"B{i}", "backward", t0, t0 + stats.backward_ms[i] / 1e3, step=step, mb=i)
                 if saved is not None:
                     saved.release(i)
                 if not self.first:
-                    self._send(x.grad, bwd_dst, pending)
+                    self._send(x.grad, bwd_dst, pending, step=step, mb=i)
+        t0 = time.perf_counter()
         for work, _ in pending:
             work.wait()
+        if tracer is not None:
+            tracer.add("wait for sends", "p2p", t0, time.perf_counter(), step=step)
+            for a, b in meter.recompute_spans:
+                tracer.add("recompute", "recompute", a, b, step=step)
+            for a, b in AllReduceClock.spans:
+                tracer.add("tp all-reduce", "allreduce", a, b, step=step)
+            AllReduceClock.spans, meter.recompute_spans = None, None
         stats.tp_allreduce_ms = None if sync else AllReduceClock.seconds * 1e3
         t0 = time.perf_counter()
         self._sync_grads()
         if sync:
             torch.cuda.synchronize()
         stats.grad_sync_ms = (time.perf_counter() - t0) * 1e3
+        if tracer is not None:
+            tracer.add("gradient sync (tied, data-parallel)", "allreduce", t0, t0 + stats.grad_sync_ms / 1e3, step=step)
+        t_metrics = time.perf_counter()
         my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
         # One small all-reduce carries the global loss, every stage's compute time and (fp16) the count of
         # ranks whose gradients overflowed to all ranks, so every rank skips an overflowing step together.
@@ -310,6 +338,8 @@ class Engine:
             metrics[1] = 1.0
         metrics[2] = self._grad_square_sum()
         metrics = self._all_reduce_cpu(metrics)
+        if tracer is not None:
+            tracer.add("step all-reduce (loss, overflow, grad norm)", "allreduce", t_metrics, time.perf_counter(), step=step)
         stats.loss = float(metrics[0])
         stats.skipped = bool(metrics[1] > 0)
         stats.grad_norm = math.sqrt(float(metrics[2])) / scale if math.isfinite(float(metrics[2])) else math.inf
@@ -394,6 +424,8 @@ class Engine:
             torch.cuda.synchronize()
             stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)  # the update included
         stats.optimizer_ms = (time.perf_counter() - t1) * 1e3
+        if self.tracer is not None:
+            self.tracer.add("optimizer", "optimizer", t1, t1 + stats.optimizer_ms / 1e3, step=step, lr=stats.lr)
         stats.iteration_ms = (time.perf_counter() - t0) * 1e3
         held = self.precision.state_bytes()
         stats.weights_bytes, stats.grads_bytes = held.weights_bytes, held.grads_bytes

@@ -29,6 +29,8 @@ class Meter:
     """Seconds spent re-running recomputed segments."""
     in_backward: bool = False
     saved: "SavedBytes | None" = None
+    recompute_spans: list | None = None
+    """When a list (``--trace``): (start, end) perf_counter seconds of every recomputed segment."""
 
     def reset(self) -> None:
         self.calls.clear()

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from baton.catalog import gpu_type
-from baton.cli_support import console
+from baton.cli_support import console, say
 from baton.commands import MeasureRequest, set_profile_measurer
 from baton.errors import BatonError
 from baton.model_spec import load_model
@@ -59,7 +59,7 @@ def measure(req: MeasureRequest) -> None:
     gpu_name = str(df["gpu"].iloc[0])
     path = req.out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)
     write_table(df, path)
-    console.print(f"wrote {len(df)} measured rows to {path} "
+    say(f"wrote {len(df)} measured rows to {path} "
                   f"({spec.dtype} as the model trains, torch {torch.__version__}, "
                   + (f"{req.concurrent} profilers at once, one thread each" if req.concurrent > 1
                      else f"{torch.get_num_threads()} threads")
@@ -80,7 +80,7 @@ def _measure_link(spec, dev: str, mbs: tuple[int, ...], comm_ranks: int, table_p
     link_path = Path(str(table_path).removesuffix(".csv") + ".link.yaml")
     write_atomically(link_path, fit.yaml_block())
     write_atomically(link_path.with_suffix(".json"), json.dumps(fit.to_dict(), indent=2))
-    console.print(f"link over {backend}: {fit.bandwidth_gb_per_s:.2f} GB/s, {fit.latency_us:.0f} us per message "
+    say(f"link over {backend}: {fit.bandwidth_gb_per_s:.2f} GB/s, {fit.latency_us:.0f} us per message "
                   f"(all-reduce implies {fit.allreduce_bandwidth_gb_per_s:.2f} GB/s"
                   + (f", inside the TP layer {fit.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s and "
                      f"{fit.tp_allreduce_latency_us:.0f} us per step" if fit.tp_allreduce_bandwidth_gb_per_s is not None else "")

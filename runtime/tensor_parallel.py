@@ -22,6 +22,8 @@ class AllReduceClock:
 
     seconds: float = 0.0
     calls: int = 0
+    spans: list | None = None
+    """When a list (``--trace``): every all-reduce's (start, end) perf_counter seconds."""
 
     @classmethod
     def reset(cls) -> None:
@@ -39,7 +41,10 @@ def _reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous()
     t0 = time.perf_counter()
     dist.all_reduce(x, op=op, group=group)
-    AllReduceClock.seconds += time.perf_counter() - t0
+    t1 = time.perf_counter()
+    AllReduceClock.seconds += t1 - t0
+    if AllReduceClock.spans is not None:
+        AllReduceClock.spans.append((t0, t1))
     AllReduceClock.calls += 1
     return x
 

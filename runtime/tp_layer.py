@@ -179,7 +179,10 @@ class ParallelBlock(nn.Module):
         env = dict(zip(seg.inputs, inputs))
         self._run_ops(seg.ops, mb, env)
         if self.meter.in_backward:
-            self.meter.recompute_s += time.perf_counter() - start
+            end = time.perf_counter()
+            self.meter.recompute_s += end - start
+            if self.meter.recompute_spans is not None:
+                self.meter.recompute_spans.append((start, end))
         return tuple(env[n] for n in seg.outputs)
 
     def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
