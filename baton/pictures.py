@@ -14,8 +14,6 @@ as ``baton.evaluate`` adds them.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -24,6 +22,7 @@ matplotlib.use("Agg")  # files only: never open a window, work without a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from baton.atomic import write_atomically_with  # noqa: E402
 from baton.catalog import GIB  # noqa: E402
 from baton.evaluate import PlanReport  # noqa: E402
 from baton.pipeline import PipelineTiming, simulate_1f1b  # noqa: E402
@@ -164,17 +163,7 @@ def save_figure(fig, path: str | Path) -> None:
     rename, so a failure never leaves half a picture; the figure is closed either way."""
     path = Path(path)
     fmt = path.suffix.lstrip(".").lower() or "png"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format=fmt, dpi=130)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        write_atomically_with(path, lambda fh: fig.savefig(fh, format=fmt, dpi=130))
     finally:
         plt.close(fig)

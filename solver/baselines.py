@@ -25,7 +25,7 @@ from baton.operators import operator_names
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, validate
 
 from solver.milp import highs_solve
-from solver.options import valid_unit_counts
+from solver.options import units_in_proportion, valid_unit_counts
 from solver.space import Skeleton, hethub_layout, megatron_layout
 from solver.search import NoPlanFits, SolveResult, micro_batch_candidates, search
 
@@ -131,15 +131,7 @@ def hap_shares(times_at: list[list[float]], U: int, threads: int = 1) -> list[in
     res = highs_solve(m, threads=threads)
     res.solution_loader.load_vars()
     ratios = [max(0.0, pyo.value(m.B[j])) for j in range(n)]
-    raw = [r * U for r in ratios]
-    units = [max(1, int(math.floor(x))) for x in raw]
-    while sum(units) > U:
-        j = max((j for j in range(n) if units[j] > 1), key=lambda j: units[j] - raw[j])
-        units[j] -= 1
-    while sum(units) < U:
-        j = max(range(n), key=lambda j: raw[j] - units[j])
-        units[j] += 1
-    return units
+    return units_in_proportion(ratios, U)
 
 
 def hap(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None, threads: int = 1) -> SolveResult:

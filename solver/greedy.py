@@ -21,6 +21,7 @@ from baton.operators import operator_names
 from baton.plan import DeviceShare, Pipeline, Plan, Stage
 
 from solver.instance import Instance
+from solver.options import units_in_proportion
 
 
 def _shares(inst: Instance, s: int) -> list[tuple[int, int]] | None:
@@ -37,16 +38,7 @@ def _shares(inst: Instance, s: int) -> list[tuple[int, int]] | None:
             return None
         t = min(sum(c.fwd) + sum(c.bwd) for c in full)
         speed.append(1.0 / t if t > 0 else 1.0)
-    n = len(speed)
-    raw = [U * x / sum(speed) for x in speed]
-    units = [max(1, math.floor(r)) for r in raw]
-    while sum(units) > U:
-        j = max((j for j in range(n) if units[j] > 1), key=lambda j: units[j] - raw[j])
-        units[j] -= 1
-    while sum(units) < U:
-        j = max(range(n), key=lambda j: raw[j] - units[j])
-        units[j] += 1
-    return [(U, u) for u in units]
+    return [(U, u) for u in units_in_proportion(speed, U)]
 
 
 def _per_layer(inst: Instance, s: int, shares, L: int):

@@ -13,6 +13,7 @@ same plan with the other set is as fast and fits too. Nothing else of the plan d
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,21 @@ def valid_unit_counts(spec: ModelSpec) -> tuple[int, ...]:
     """Partition granularities U (the rule is ``baton.model_spec.splits_into``, which plans are checked by);
     memoised, the search asks for them once per stage of every candidate."""
     return tuple(unit_counts(spec))
+
+
+def units_in_proportion(weights: list[float], U: int) -> list[int]:
+    """U units split in proportion to ``weights`` (largest remainder), at least one each: how the
+    constructive plan and HAP's baseline turn continuous shares into whole units."""
+    n = len(weights)
+    raw = [U * w / sum(weights) for w in weights]
+    units = [max(1, math.floor(r)) for r in raw]
+    while sum(units) > U:
+        j = max((j for j in range(n) if units[j] > 1), key=lambda j: units[j] - raw[j])
+        units[j] -= 1
+    while sum(units) < U:
+        j = max(range(n), key=lambda j: raw[j] - units[j])
+        units[j] += 1
+    return units
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
