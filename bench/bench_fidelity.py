@@ -20,8 +20,8 @@ even and uneven (3:1) units, and the plan ``baton solve`` picks for this cluster
 table. Reported per plan: iteration time and activation memory, predicted and measured, with their
 relative errors; then the mean absolute and worst relative error over the plans.
 
-Run: ``python bench/bench_fidelity.py [--rounds 4] [--steps 8] [--procs 2]``; writes bench/results/fidelity.json
-and bench/results/fidelity.md.
+Run: ``python bench/bench_fidelity.py [--rounds 4] [--steps 8] [--procs 2] [--variant fp32-eager|bf16-fused]``;
+writes bench/results/fidelity.json and .md (``fidelity_bf16_fused.*`` for the bf16, fused-attention variant).
 """
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ from runtime.report import build_report  # noqa: E402
 
 SPEC = PRESETS["small"]
 ATTN = ["attn_scores", "softmax", "attn_dropout", "attn_v"]
+VARIANTS = {
+    # name -> (model, attention operators a plan recomputes, result file stem)
+    "fp32-eager": (PRESETS["small"], ATTN, "fidelity"),
+    "bf16-fused": (PRESETS["small"].with_overrides(name="small-bf16-fused", dtype="bf16", attention="fused"), ["attn_core"],
+                   "fidelity_bf16_fused"),
+}
 
 
 def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
@@ -92,7 +98,9 @@ def write_cluster(dst: Path, procs: int, link) -> Path:
 
 def solver_plan(cluster_path: Path, profiles: Path, out: Path) -> Plan | None:
     """The plan `baton solve` picks under the measured table (None if the solver is not available)."""
-    cmd = [sys.executable, "-m", "cli", "solve", "--cluster", str(cluster_path), "--model", SPEC.name,
+    model = out.with_name("model.yaml")  # the spec as written, so a variant solves as itself
+    model.write_text(yaml.safe_dump(SPEC.to_dict()))
+    cmd = [sys.executable, "-m", "cli", "solve", "--cluster", str(cluster_path), "--model", str(model),
            "--global-batch", "8", "--profiles", str(profiles), "--out", str(out), "--time-limit", "60"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
@@ -109,7 +117,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="repetitions per operator measurement")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--only", default=None, help="run only the plans whose name contains this text")
+    ap.add_argument("--variant", default="fp32-eager", choices=tuple(VARIANTS),
+                    help="the small preset as it is (fp32, eager attention) or in bf16 with fused attention")
     args = ap.parse_args()
+    global SPEC, ATTN
+    SPEC, ATTN, stem = VARIANTS[args.variant]
     torch.set_num_threads(1)
     os.environ["BATON_PIN_CPUS"] = "1"
     work = Path(tempfile.mkdtemp(prefix="baton-fidelity-"))
@@ -126,7 +138,9 @@ def main() -> None:
     tables, links, histories, round_ms = [], [], {}, {}
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: measuring the link over gloo ...")
-        links.append(measure_links(world_size=2, spec=SPEC, micro_batches=(1, 2, 4)))
+        # The in-layer all-reduce measurement runs fp32 layers only; its GB/s figure carries over to a bf16
+        # twin of the same shape (the bytes it moves are priced from the model's own dtype).
+        links.append(measure_links(world_size=2, spec=SPEC.with_overrides(dtype="fp32"), micro_batches=(1, 2, 4)))
         if r == 0:
             cluster_path = write_cluster(work, args.procs, links[0])
         print(f"round {r + 1}/{args.rounds}: profiling {SPEC.name} on this CPU (micro-batches {mbs}, shares {shares}) ...")
@@ -186,7 +200,7 @@ def main() -> None:
     env = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(), "threads_per_process": 1,
            "pinned": True, "model": SPEC.to_dict(), "steps": args.steps, "rounds": args.rounds, "reps": args.reps, "link": link.to_dict(), "seconds": round(time.time() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fidelity.json").write_text(json.dumps({"summary": summary, "environment": env, "plans": rows}, indent=2) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps({"summary": summary, "environment": env, "plans": rows}, indent=2) + "\n")
     lines = ["| plan | devices | iteration ms measured | spread over rounds | predicted | error | activations MiB measured | predicted | worst device error |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -197,14 +211,14 @@ def main() -> None:
     lines += ["", f"Iteration time: mean absolute error {summary['iteration_time_mean_abs_rel_error']:.1%}, worst "
               f"{summary['iteration_time_worst_abs_rel_error']:.1%} (targets 5% / 10%). Activation memory: mean "
               f"{summary['activation_mean_abs_rel_error']:.2%}, worst {summary['activation_worst_abs_rel_error']:.2%} (target 2%).",
-              "", f"Model `{SPEC.name}` (fp32), {args.procs} CPU processes, one thread each, pinned; link measured over gloo: "
+              "", f"Model `{SPEC.name}` ({SPEC.dtype}, {SPEC.attention} attention), {args.procs} CPU processes, one thread each, pinned; link measured over gloo: "
               f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us per transfer; all-reduce {link.allreduce_bandwidth_gb_per_s:.2f} GB/s, "
               f"{link.allreduce_latency_us:.0f} us per ring step between idle ranks, {link.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s, "
               f"{link.tp_allreduce_latency_us:.0f} us inside the tensor-parallel layer; {args.rounds} rounds of "
               f"(profile on {args.procs} cores at once, median of {args.reps}; run every plan {args.steps} steps, first dropped). "
               "Measured: median over all kept steps; spread: (slowest - fastest round median) / median; predicted: from the "
               "median of the rounds' tables."]
-    (args.out / "fidelity.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
