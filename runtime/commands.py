@@ -34,6 +34,18 @@ from baton.plan import load_plan
 from runtime import profile_command
 
 
+def _new_run_dir() -> Path:
+    """``runs/<date>-<time>`` (with a suffix when a run started in the same second; ``runs`` is
+    $BATON_RUNS_DIR when set): a run without --run-dir or --save-dir still leaves its metrics somewhere
+    findable."""
+    base = Path(os.environ.get("BATON_RUNS_DIR") or "runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
 def register(app: typer.Typer) -> None:
     profile_command.register()  # `baton profile --device` measures with the runtime's layer
     __import__("runtime.data_export_commands").data_export_commands.register(app)  # data prepare, export, generate
@@ -62,6 +74,7 @@ def register(app: typer.Typer) -> None:
         eval_windows: int = typer.Option(0, "--eval-windows", help="At most this many validation windows (0: the whole val split)."),
         run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Directory for metrics.jsonl and resolved.yaml (default: --save-dir, else runs/<time>)."),
         log_every: int = typer.Option(10, "--log-every", help="When the output is not a terminal, print a progress line every N steps."),
+        trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace (JSON) of every rank's measured forward, backward, recompute, sends/receives, all-reduces and optimizer."),
         config: Optional[Path] = typer.Option(None, "--config", help="YAML file of options (keys: option names); the command line overrides it."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (cuda: an error without a GPU per plan device)."),
         gpus: Optional[str] = typer.Option(None, "--gpus", help="CUDA devices of the ranks in rank order, e.g. 0,1 (implies --device cuda)."),
@@ -84,16 +97,16 @@ def register(app: typer.Typer) -> None:
         options = resolve_options(ctx, config)
         (plan, steps, data, save_dir, save_every, keep, resume, allow_other_data, init_from, seed, lr, lr_min, warmup_steps,
          decay, clip_grad, weight_decay, eval_every, eval_windows, run_dir, log_every, device, gpus, timeout, report, cluster,
-         profiles) = (options[k] for k in (
+         profiles, trace) = (options[k] for k in (
             "plan", "steps", "data", "save_dir", "save_every", "keep", "resume", "allow_other_data", "init_from", "seed", "lr",
             "lr_min", "warmup_steps", "decay", "clip_grad", "weight_decay", "eval_every", "eval_windows", "run_dir",
-            "log_every", "device", "gpus", "timeout", "report", "cluster", "profiles"))
+            "log_every", "device", "gpus", "timeout", "report", "cluster", "profiles", "trace"))
         if plan is None:
             raise BatonError("missing: give --plan or a 'plan' key in --config", field="--plan")
         if not 1 <= log_every <= 10**9:
             raise BatonError(f"must be in 1..{10**9}, got {log_every}", field="--log-every")
         if run_dir is None:
-            run_dir = save_dir if save_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+            run_dir = save_dir if save_dir is not None else _new_run_dir()
             options["run_dir"] = run_dir
         the_plan = load_plan(plan)
         gpu_list = parse_gpus(gpus)
@@ -120,7 +133,7 @@ def register(app: typer.Typer) -> None:
                           eval_every=eval_every, eval_windows=eval_windows, run_dir=str(run_dir),
                           device=device, gpus=gpu_list, timeout_s=timeout,
                           cluster_path=str(cluster) if cluster else None, profiles_dir=str(profiles) if profiles else None,
-                          collect_all_ranks=report is not None)
+                          collect_all_ranks=report is not None, trace=str(trace) if trace else None)
         checked: dict = {}
         per_rank: dict = {}
         show = os.environ.get("RANK", "0") == "0"
@@ -155,7 +168,7 @@ def register(app: typer.Typer) -> None:
             where = f", checkpoint in {save_dir}" if save_dir else ""
             val = f", validation loss {last.val_loss:.4f}" if last.val_loss is not None else ""
             say(f"step {last.step + 1}: loss {last.loss:.4f}{val}{where}")
-            say(f"metrics in {Path(run_dir) / 'metrics.jsonl'}")
+            say(f"metrics in {Path(run_dir) / 'metrics.jsonl'}" + (f", trace in {trace}" if trace else ""))
             mfu = (f", MFU {speed.mfu:.2%} of {speed.peak_tflops:,.1f} TFLOP/s ({the_plan.model.dtype} catalog peak of the plan's "
                    "devices)") if speed.mfu is not None else ""
             say(f"throughput: {speed.tokens_per_s:,.0f} tokens/s averaged over {speed.steps} step(s){mfu}")

@@ -14,6 +14,10 @@ embedding on the first stage only, pipeline 0 only among data-parallel replicas)
 one small all-reduce, and clips the update when ``clip_grad`` is set: the update of any plan is the
 single-device one.
 
+With a ``tracer`` (``runtime.trace``, ``baton train --trace``) the step also records its spans: forward,
+backward and recompute per micro-batch, receives and sends, tensor-parallel and gradient all-reduces,
+the optimizer.
+
 The step returns a ``StepStats`` with what the planner predicts (per micro-batch forward, backward and
 recompute time, per-stage time, iteration time, peak saved-activation bytes), so a report can put
 measurement next to prediction.
@@ -202,11 +206,9 @@ class Engine:
 
     def _grad_square_sum(self) -> float:
         """Sum of squares of the gradients this rank counts (as they are: loss-scaled in fp16)."""
-        total = 0.0
-        for v in self._norm_views:
-            if v.numel():
-                total += float(torch.linalg.vector_norm(v, dtype=torch.float32)) ** 2
-        return total
+        norms = [torch.linalg.vector_norm(v, dtype=torch.float32) for v in self._norm_views if v.numel()]
+        # One host sync for all of them (a float() per parameter would stall a GPU once per tensor).
+        return float(torch.stack(norms).double().pow(2).sum()) if norms else 0.0
 
     def _bind_grads(self) -> None:
         """Make every ``.grad`` its view of the buffer again (a ``zero_grad()`` elsewhere sets them to
@@ -235,7 +237,7 @@ class Engine:
         t = t.detach().contiguous()
         for dst in targets:
             pending.append((dist.isend(t, dst), t))
-        if self.tracer is not None:
+        if self.tracer is not None and targets:
             self.tracer.add(f"send to {','.join(map(str, targets))}", "p2p", t0, time.perf_counter(), **trace_args)
 
     # --- one step ----------------------------------------------------------------------------------
@@ -339,7 +341,7 @@ class Engine:
         metrics[2] = self._grad_square_sum()
         metrics = self._all_reduce_cpu(metrics)
         if tracer is not None:
-            tracer.add("step all-reduce (loss, overflow, grad norm)", "allreduce", t_metrics, time.perf_counter(), step=step)
+            tracer.add("grad norm, step all-reduce", "allreduce", t_metrics, time.perf_counter(), step=step)
         stats.loss = float(metrics[0])
         stats.skipped = bool(metrics[1] > 0)
         stats.grad_norm = math.sqrt(float(metrics[2])) / scale if math.isfinite(float(metrics[2])) else math.inf
@@ -378,8 +380,7 @@ class Engine:
                     if self.first:
                         x = tokens.to(self.device)
                     else:
-                        buf = torch.empty(n, spec.seq_len, spec.hidden_dim, device=self.device, dtype=self.dtype)
-                        x = self.topo.recv(buf, fwd_src, timeout_s=self.timeout_s)
+                        x = self._recv(fwd_src, rows=n, validation_batch=index, mb=i)
                     y = self.model(x, MicroBatch(self.seed, 0, samples.to(self.device)),
                                    targets=targets.to(self.device) if self.last else None)
                     if self.last:

@@ -117,6 +117,8 @@ class TrainConfig:
     """Where the traceback of a failing rank is written (the system's temporary directory when None)."""
     collect_all_ranks: bool = False
     """Send every rank's step measurements back (for ``--report``), not just rank 0's."""
+    trace: str | None = None
+    """Write a Chrome/Perfetto trace of every rank's measured spans here (``runtime.trace``)."""
 
 
 def _finite(value: float, flag: str, *, minimum: float, inclusive: bool, maximum: float = math.inf) -> None:
@@ -186,8 +188,10 @@ def prepare(cfg: TrainConfig, on_notice=None) -> TrainConfig:
             raise BatonError("needs --data DIR, a token dataset with a validation split (`baton data prepare`)",
                              field="--eval-every")
         open_dataset(cfg.data, spec, need_val=True)
-    if cfg.run_dir is not None:
-        check_writable_dir(cfg.run_dir, "--run-dir")
+    if cfg.trace is not None:
+        from baton.cli_support import check_output_path
+
+        check_output_path(cfg.trace, "--trace")
     _finite(cfg.timeout_s, "--timeout", minimum=0.0, inclusive=False, maximum=MAX_TIMEOUT_S)
     if cfg.save_every < 0:
         raise BatonError(f"must be >= 0 (0: save only at the end), got {cfg.save_every}", field="--save-every")
@@ -207,6 +211,8 @@ def prepare(cfg: TrainConfig, on_notice=None) -> TrainConfig:
             notice(f"removed {p.name}, left by a run that died while saving")
     elif cfg.save_every or cfg.keep:
         raise BatonError("needs --save-dir", field="--save-every" if cfg.save_every else "--keep")
+    if cfg.run_dir is not None and cfg.run_dir != cfg.save_dir:  # the save dir was checked as --save-dir
+        check_writable_dir(cfg.run_dir, "--run-dir")
     if cfg.resume:
         if not cfg.save_dir:
             raise BatonError("--resume needs --save-dir (the directory holding the checkpoints)", field="--resume")
@@ -277,6 +283,10 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None, sto
     engine = Engine(plan, rank, device=device, seed=cfg.seed, lr=cfg.lr, weight_decay=cfg.weight_decay, full=full,
                     timeout_s=cfg.timeout_s, schedule=schedule_of(cfg), clip_grad=cfg.clip_grad)
     pin_rank(int(os.environ.get("LOCAL_RANK", rank)))  # after the engine made its groups (see runtime.affinity)
+    if cfg.trace:
+        from runtime.trace import Tracer
+
+        engine.tracer = Tracer()
     if reader is not None:
         reader.load_into(engine)
     data = TokenSource(spec, path=cfg.data, seed=cfg.seed, global_batch=plan.global_batch,
@@ -289,7 +299,10 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None, sto
         stats = engine.train_step(step, data)
         done = step + 1
         if val is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            t0 = time.perf_counter()
             stats.val_loss = engine.evaluate(val)
+            if engine.tracer is not None:
+                engine.tracer.add("validation", "eval", t0, time.perf_counter(), step=step)
         history.append(stats)
         if report is not None and rank == 0:
             report(stats)
@@ -301,6 +314,8 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None, sto
         if stopping:
             outcome["stopped_after"] = done
             break
+    if engine.tracer is not None:
+        outcome["trace"] = engine.tracer.events
     return history
 
 
@@ -333,6 +348,8 @@ def _worker(rank: int, world: int, cfg: TrainConfig, devices: RunDevices, init_m
                            stop_requested=stop.is_set, outcome=outcome)
         if cfg.collect_all_ranks:
             q.put(("rank_stats", rank, [asdict(s) for s in history]))
+        if "trace" in outcome:
+            q.put(("trace", rank, outcome.pop("trace")))
         dist.barrier()
         q.put(("done", rank, outcome))
     except BatonError as exc:
@@ -454,6 +471,11 @@ def _train_torchrun(cfg: TrainConfig, world: int, on_step, per_rank=None, checke
             dist.gather_object([asdict(s) for s in history], gathered, dst=0)
             if rank == 0 and per_rank is not None:
                 per_rank.update({r: [StepStats(**s) for s in h] for r, h in enumerate(gathered)})
+        if cfg.trace:
+            spans = [None] * world if rank == 0 else None
+            dist.gather_object(outcome.pop("trace", []), spans, dst=0)
+            if rank == 0:
+                _write_trace(cfg, dict(enumerate(spans)))
         dist.barrier()
         if "stopped_after" in outcome:
             kind = Terminated if signalled and signalled[0] == signal.SIGTERM else KeyboardInterrupt
@@ -487,7 +509,7 @@ def _train_spawned(cfg: TrainConfig, world: int, devices: RunDevices, on_step, p
 
 def _supervise(cfg: TrainConfig, world: int, procs, q, stop, on_step, per_rank, notice) -> list[StepStats]:
     """Follow the ranks' messages until all are done; raise the first failure's line, or the interrupt."""
-    history, done, outcomes = [], set(), {}
+    history, done, outcomes, traces = [], set(), {}, {}
     interrupt: KeyboardInterrupt | None = None
     last_news = time.monotonic()
     deadline = None  # once interrupted: how long the ranks get to finish the step and save
@@ -519,6 +541,8 @@ def _supervise(cfg: TrainConfig, world: int, procs, q, stop, on_step, per_rank, 
             elif msg[0] == "rank_stats":
                 if per_rank is not None:
                     per_rank[msg[1]] = [StepStats(**s) for s in msg[2]]
+            elif msg[0] == "trace":
+                traces[msg[1]] = msg[2]
             elif msg[0] == "done":
                 done.add(msg[1])
                 outcomes[msg[1]] = msg[2]
@@ -532,12 +556,20 @@ def _supervise(cfg: TrainConfig, world: int, procs, q, stop, on_step, per_rank, 
             deadline = time.monotonic() + cfg.timeout_s
             notice(f"{'terminated' if isinstance(exc, Terminated) else 'interrupted'}: the ranks finish this step and "
                    f"save a checkpoint (at most {cfg.timeout_s:g} s); interrupt again to stop at once without saving")
+    if cfg.trace and traces:
+        _write_trace(cfg, traces)  # before an interrupt's exception: the steps run so far are worth seeing
     if interrupt is not None:
         o = outcomes.get(0, {})
         if "stopped_after" in o:
             raise type(interrupt)(f"stopped after step {o['stopped_after']}; saved {o.get('saved')}")
         # The run reached its last step anyway: it ended normally.
     return history
+
+
+def _write_trace(cfg: TrainConfig, per_rank: dict) -> None:
+    from runtime.trace import write_chrome_trace
+
+    write_chrome_trace(cfg.trace, cfg.plan, per_rank)
 
 
 # --- which rank failed first -----------------------------------------------------------------------

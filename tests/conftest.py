@@ -45,3 +45,18 @@ def _own_profile_directory(tmp_path_factory):
         os.environ.pop("BATON_PROFILES", None)
     else:
         os.environ["BATON_PROFILES"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_runs_directory(tmp_path_factory):
+    """`baton train` without --run-dir or --save-dir makes runs/<time> in the working directory; tests
+    send those to a temporary directory instead of the checkout (BATON_RUNS_DIR)."""
+    import os
+
+    old = os.environ.get("BATON_RUNS_DIR")
+    os.environ["BATON_RUNS_DIR"] = str(tmp_path_factory.mktemp("runs"))
+    yield
+    if old is None:
+        os.environ.pop("BATON_RUNS_DIR", None)
+    else:
+        os.environ["BATON_RUNS_DIR"] = old

@@ -111,3 +111,67 @@ def test_bad_options_and_config_files_are_one_line_errors(setup, tmp_path, args,
     code, out, err = run_cli("train", "--plan", root / "plan.json", "--run-dir", tmp_path / "run", *args, *extra)
     _one_line_error(code, out, err, *needles)
     assert not (tmp_path / "run").exists()  # refused before any rank started: no run directory
+
+
+def test_trace_holds_every_ranks_measured_spans_on_one_clock(setup, tmp_path):
+    """Catches: ranks missing from the trace, spans of the wrong kind or count, recomputation or
+    all-reduces not recorded, and per-rank clocks that do not line up (a stage's forward of micro-batch
+    0 must start after the previous stage's has ended: it waits for its activation)."""
+    root, _ = setup
+    plan = plan_of(tiny(0.0), [[1, 1], [1]], [3, 1], [2, 1], m=2, recompute={2: ["gelu"]})
+    steps = 2
+    train(TrainConfig(plan=plan, steps=steps, data=str(root / "ds"), eval_every=2, timeout_s=60,
+                      trace=str(tmp_path / "t" / "trace.json")))
+    events = json.loads((tmp_path / "t" / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(names) == [0, 1, 2] and "stage 1" in names[2] and "d0:1" in names[1]
+    spans = [e for e in events if e["ph"] == "X"]
+
+    def of(rank, cat):
+        return [e for e in spans if e["pid"] == rank and e["cat"] == cat]
+
+    for rank in range(3):
+        assert len(of(rank, "forward")) == len(of(rank, "backward")) == steps * plan.num_microbatches
+        assert len(of(rank, "optimizer")) == steps and len(of(rank, "eval")) == 1
+        assert any(e["name"] == "grad norm, step all-reduce" for e in of(rank, "allreduce"))
+    assert of(2, "recompute") and not of(0, "recompute")  # only rank 2's plan entry recomputes
+    assert any(e["name"] == "tp all-reduce" for e in of(0, "allreduce")) and not any(e["name"] == "tp all-reduce" for e in of(2, "allreduce"))
+    assert any(e["name"].startswith("recv from") for e in of(2, "p2p")) and any(e["name"].startswith("send to") for e in of(0, "p2p"))
+    f0_stage0 = next(e for e in of(0, "forward") if e["args"] == {"step": 0, "mb": 0})
+    f0_stage1 = next(e for e in of(2, "forward") if e["args"] == {"step": 0, "mb": 0})
+    assert f0_stage1["ts"] >= f0_stage0["ts"] + f0_stage0["dur"]
+
+
+def test_metrics_log_writes_null_for_non_finite_counts_skips_and_feeds_tensorboard(setup, tmp_path, monkeypatch):
+    """An fp16 overflow step (inf grad norm, NaN loss) must still be valid JSON; TensorBoard, when
+    importable, gets the same scalars (a stand-in writer here: tensorboard is an optional dependency)."""
+    import math
+
+    import runtime.metrics as metrics
+    from runtime.engine import StepStats
+
+    _, plan = setup
+    scalars = []
+
+    class Board:
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(metrics, "_tensorboard", lambda run_dir: Board())
+    log = metrics.MetricsLog(tmp_path / "m", plan, peak_flops=1e12)
+    log.write(StepStats(step=0, loss=math.nan, iteration_ms=10.0, tokens=128, grad_norm=math.inf, skipped=True,
+                        memory_bytes=[1.0, 2.0, 3.0], lr=1e-3))
+    log.write(StepStats(step=1, loss=2.0, iteration_ms=10.0, tokens=128, grad_norm=0.5, memory_bytes=[1.0, 2.0, 3.0],
+                        lr=1e-3, val_loss=2.5))
+    log.close()
+    first, second = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert first["loss"] is None and first["grad_norm"] is None and first["skipped_steps"] == 1 and first["skipped"]
+    assert second["skipped_steps"] == 1 and second["val_loss"] == 2.5 and second["tokens_per_s"] == pytest.approx(12800)
+    assert ("val/loss", 2.5, 2) in scalars and ("train/loss", 2.0, 2) in scalars
+    assert not any(tag == "train/loss" and step == 1 for tag, _, step in scalars)  # NaN is not plotted
