@@ -33,30 +33,20 @@ def run_cli(*args: str):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _own_profile_directory(tmp_path_factory):
-    """Every test reads the shipped tables and an empty user directory of its own, never the developer's
-    ~/.local/share/baton (a table left there would shadow the shipped ones and change results)."""
+def _own_user_directories(tmp_path_factory):
+    """Tests never touch the developer's directories: profile lookups see the shipped tables and an empty
+    user directory (a table left in ~/.local/share/baton would shadow the shipped ones and change results),
+    and `baton train` without --run-dir or --save-dir writes runs/<time> into a temporary directory
+    instead of the checkout."""
     import os
 
-    old = os.environ.get("BATON_PROFILES")
-    os.environ["BATON_PROFILES"] = str(tmp_path_factory.mktemp("user-profiles"))
+    dirs = {"BATON_PROFILES": "user-profiles", "BATON_RUNS_DIR": "runs"}
+    old = {k: os.environ.get(k) for k in dirs}
+    for key, name in dirs.items():
+        os.environ[key] = str(tmp_path_factory.mktemp(name))
     yield
-    if old is None:
-        os.environ.pop("BATON_PROFILES", None)
-    else:
-        os.environ["BATON_PROFILES"] = old
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _own_runs_directory(tmp_path_factory):
-    """`baton train` without --run-dir or --save-dir makes runs/<time> in the working directory; tests
-    send those to a temporary directory instead of the checkout (BATON_RUNS_DIR)."""
-    import os
-
-    old = os.environ.get("BATON_RUNS_DIR")
-    os.environ["BATON_RUNS_DIR"] = str(tmp_path_factory.mktemp("runs"))
-    yield
-    if old is None:
-        os.environ.pop("BATON_RUNS_DIR", None)
-    else:
-        os.environ["BATON_RUNS_DIR"] = old
+    for key, value in old.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
