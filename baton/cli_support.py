@@ -57,13 +57,19 @@ def check_output_path(path: str | Path, flag: str) -> None:
         raise BatonError("is a directory, expected a file name", source=str(p), field=flag)
     if p.exists() and not os.access(p, os.W_OK):
         raise BatonError("file is not writable", source=str(p), field=flag)
-    parent = p.parent
+    require_writable_ancestor(p, flag, "cannot be written")
+
+
+def require_writable_ancestor(path: Path, flag: str, what: str) -> None:
+    """The nearest existing ancestor of ``path`` is a directory we may write into, so ``path`` (a file or a
+    directory still to be made) can be created there; otherwise one error saying ``what`` went wrong."""
+    parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise BatonError(f"cannot be written: {parent} is not a directory", source=str(p), field=flag)
+        raise BatonError(f"{what}: {parent} is not a directory", source=str(path), field=flag)
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise BatonError(f"cannot be written: directory {parent} is not writable", source=str(p), field=flag)
+        raise BatonError(f"{what}: directory {parent} is not writable", source=str(path), field=flag)
 
 
 def guarded(fn):

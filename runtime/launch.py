@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from baton.cli_support import require_writable_ancestor
 from baton.errors import BatonError
 from baton.plan import Plan
 from runtime.affinity import pin_rank, pinning_requested
@@ -139,13 +140,7 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
         if not os.access(p, os.W_OK | os.X_OK):
             raise BatonError("directory is not writable", source=str(p), field=flag)
         return
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise BatonError(f"cannot be created: {parent} is not a directory", source=str(p), field=flag)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise BatonError(f"cannot be created: {parent} is not writable", source=str(p), field=flag)
+    require_writable_ancestor(p, flag, "cannot be created")
 
 
 def _check_same_data(meta: dict, cfg: TrainConfig, ckpt: Path) -> None:
