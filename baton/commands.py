@@ -46,9 +46,20 @@ def render_report(report: PlanReport, *, title: str) -> None:
                        f"{s.first_layer}-{s.first_layer + s.num_layers - 1}" if s.num_layers else "-",
                        f"{s.fwd_ms:.2f}", f"{s.bwd_ms:.2f}", f"{s.allreduce_ms:.2f}", f"{s.send_fwd_ms:.2f}")
     console.print(stages)
+    if len(report.replica_pipeline_ms) > 1 or report.zero_stage:
+        reps = Table(show_lines=False)
+        for col in ("replica", "devices", "stages", "micro-batch", "micro-batches", "samples", "pipeline ms"):
+            reps.add_column(col, justify="right")
+        for r, ms in enumerate(report.replica_pipeline_ms):
+            mine = [d for d in report.devices if d.pipeline == r]
+            b = mine[0].micro_batch_size
+            m = round(report.replica_samples[r] / b)
+            reps.add_row(str(r), str(len(mine)), str(1 + max(d.stage for d in mine)), str(b), str(m),
+                         str(report.replica_samples[r]), f"{ms:.1f}")
+        console.print(reps)
     devs = Table(show_lines=False)
     for col in ("device", "gpu", "stage", "units", "recompute", "fwd ms", "bwd ms", "recomp ms", "weights+grads+opt GiB",
-                "activations GiB", "peak / capacity GiB", "fits"):
+                "activations GiB", *(("state owned",) if report.zero_stage else ()), "peak / capacity GiB", "fits"):
         devs.add_column(col, justify="left" if col in ("device", "gpu", "recompute") else "right",
                         overflow="fold" if col == "recompute" else "ellipsis")
     multi = len({d.pipeline for d in report.devices}) > 1
@@ -57,12 +68,14 @@ def render_report(report: PlanReport, *, title: str) -> None:
         devs.add_row(Text(d.id), Text(d.gpu), f"r{d.pipeline}.s{d.stage}" if multi else str(d.stage), str(d.units),
                      Text(",".join(d.recompute) or "-"),
                      f"{d.fwd_ms:.2f}", f"{d.bwd_ms:.2f}", f"{d.recompute_ms:.2f}", _gib(static),
-                     _gib(d.activation_bytes + d.transient_bytes), f"{_gib(d.peak_memory_bytes)} / {_gib(d.capacity_bytes)}",
+                     _gib(d.activation_bytes + d.transient_bytes), *((f"{d.owned_fraction:.0%}",) if report.zero_stage else ()),
+                     f"{_gib(d.peak_memory_bytes)} / {_gib(d.capacity_bytes)}",
                      "[green]yes[/]" if d.fits else "[bold red]NO[/]")
     console.print(devs)
     console.print(
         f"iteration [bold]{report.iteration_time_ms:.1f} ms[/] (pipeline {report.pipeline_ms:.1f}, embedding sync "
         f"{report.embedding_sync_ms:.1f}, data-parallel sync {report.dp_sync_ms:.1f}, optimizer {report.optimizer_ms:.1f})  "
+        + (f"optimizer state sharded (stage {report.zero_stage})  " if report.zero_stage else "") +
         f"throughput [bold]{report.tokens_per_s:,.0f} tokens/s[/]  MFU {report.mfu:.1%}  "
         f"efficiency vs ideal [bold]{report.efficiency_vs_ideal:.1%}[/] (ideal {report.ideal_tokens_per_s:,.0f} tokens/s)",
         highlight=False)

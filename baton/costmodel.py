@@ -26,6 +26,7 @@ from baton.cluster import ClusterSpec, Link
 from baton.memory import RecomputeSpace, recompute_space, tensor_bytes
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD, layer_operators, operator_flops, padded_vocab
+from baton.peers import replicated_param_count, split_param_count
 from baton.profile import Profile, ProfileSet
 
 BLOCKS = ("attn", "mlp")
@@ -303,37 +304,42 @@ class DeviceMemory:
 
 
 def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes, held_bytes, transient_bytes,
-                  edge: EdgeCost) -> DeviceMemory:
-    """Eq. 7 and 8 for a device holding ``num_layers`` layers with the given per-layer figures.
+                  edge: EdgeCost, owned_fraction=1.0, sync_buffer_bytes=0.0) -> DeviceMemory:
+    """Eq. 7 and 8 for a device holding ``num_layers`` layers with the given per-layer figures; with
+    sharded optimizer state (eq. 14) it keeps the state of ``owned_fraction`` of its weights, and the
+    gradient sync after the backward pass stages ``sync_buffer_bytes`` while no activation is alive.
 
     Plain arithmetic, so it runs element-wise on numpy arrays (every recompute set at once, or every
     layer count) with bit-for-bit the numbers it gives for one float: the planner's memory limits and
     the evaluator's "fits" are the same comparisons.
     """
     weights = num_layers * param_bytes + edge.param_bytes
-    opt = optimizer_bytes(weights, spec)
+    opt = optimizer_bytes(weights * owned_fraction, spec)
     activ = slot.in_flight * (num_layers * held_bytes + edge.saved_bytes)
     transient = transient_bytes * (np.asarray(num_layers) > 0)  # one layer's buffer, once any layer is held
-    peak = 2 * weights + opt + activ + transient + slot.reserve_bytes
+    peak = 2 * weights + opt + np.maximum(activ + transient, sync_buffer_bytes) + slot.reserve_bytes
     return DeviceMemory(weights_bytes=weights, grads_bytes=weights, optimizer_bytes=opt, activation_bytes=activ,
                         transient_bytes=transient, reserve_bytes=slot.reserve_bytes, peak_bytes=peak)
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def fitting_layers(slot: DeviceSlot, spec: ModelSpec, micro_batch: int, share: float, space: RecomputeSpace, cap: int) -> np.ndarray:
+def fitting_layers(slot: DeviceSlot, spec: ModelSpec, micro_batch: int, share: float, space: RecomputeSpace, cap: int,
+                   owned_fraction: float = 1.0) -> np.ndarray:
     """``max_layers_that_fit`` for the prices of (slot's GPU, micro_batch, share) over ``space``, memoised
     (read-only result): many skeletons put alike devices at alike positions."""
     return max_layers_that_fit(slot, spec, layer_prices(slot.profile, spec, micro_batch, share, space),
-                               edge_cost(slot, spec, micro_batch, share), cap)
+                               edge_cost(slot, spec, micro_batch, share), cap, owned_fraction=owned_fraction)
 
 
-def max_layers_that_fit(slot: DeviceSlot, spec: ModelSpec, prices: LayerPrices, edge: EdgeCost, cap: int) -> np.ndarray:
+def max_layers_that_fit(slot: DeviceSlot, spec: ModelSpec, prices: LayerPrices, edge: EdgeCost, cap: int, *,
+                        owned_fraction: float = 1.0) -> np.ndarray:
     """Per recompute set of ``prices``: the largest L in [0, cap] with ``device_memory(L)`` within capacity
     (memory grows with L), or -1 when not even L = 0 fits. Exact: every answer is checked with
-    ``device_memory`` itself, the comparison the evaluator makes."""
+    ``device_memory`` itself, the comparison the evaluator makes. The sharded sync's staging buffer (eq. 14)
+    is not counted here: it never coexists with activations, and its own limit depends on the peers."""
     def peak(L):
         return device_memory(slot, spec, L, param_bytes=prices.param_bytes, held_bytes=prices.held_bytes,
-                             transient_bytes=prices.transient_bytes, edge=edge).peak_bytes
+                             transient_bytes=prices.transient_bytes, edge=edge, owned_fraction=owned_fraction).peak_bytes
 
     cap_arr = np.full(len(prices.held_bytes), cap, dtype=np.int64)
     p0, p1 = peak(np.zeros_like(cap_arr)), peak(np.ones_like(cap_arr))
@@ -426,6 +432,72 @@ def data_parallel_sync_line(cluster: ClusterSpec, peers: Sequence[str]) -> tuple
     link = cluster.slowest_link(list(peers))
     zero = allreduce_ms(0.0, len(peers), link)
     return (allreduce_ms(1e9, len(peers), link) - zero) / 1e9, zero
+
+
+# -- data parallelism over peer groups (eq. 13-15) ---------------------------------------------------
+
+
+def layer_param_count(spec: ModelSpec, share: float) -> float:
+    """Parameters of one layer a rank at ``share`` holds: the split ones times the share, the replicated
+    ones whole (``baton.peers`` cuts the same counts into pieces)."""
+    return split_param_count(spec) * share + replicated_param_count(spec)
+
+
+def edge_param_count(spec: ModelSpec, share: float, *, first: bool, last: bool) -> float:
+    """Embedding-side parameters a rank at vocabulary ``share`` holds: its token-embedding rows and the
+    position embedding on the first stage, its tied-head rows (a separate copy when the last stage is not
+    the first) and the final LayerNorm on the last."""
+    rows = padded_vocab(spec) * spec.hidden_dim * share
+    n = 0.0
+    if first:
+        n += rows + spec.seq_len * spec.hidden_dim
+    if last:
+        n += (0.0 if first else rows) + 2 * spec.hidden_dim
+    return n
+
+
+def ring_step_ms(chunk_bytes: float, n: int, link: Link | None) -> float:
+    """A ring reduce-scatter or all-gather of ``n`` chunks of ``chunk_bytes`` each (eq. 13): n - 1 steps,
+    each moving one chunk over the group's slowest link with its collective figures."""
+    if n <= 1 or link is None:
+        return 0.0
+    return (n - 1) * (chunk_bytes / (link.collective_bandwidth_gb_per_s * 1e9) * 1e3 + link.collective_latency_us * 1e-3)
+
+
+def group_sync_ms(cluster: ClusterSpec, spec: ModelSpec, holders: Sequence[str], num_params: float, largest_shard: float,
+                  zero_stage: int) -> float:
+    """Eq. 13: one peer group's collectives after the backward pass. Stage 0: an all-reduce of the group's
+    gradients (eq. 5). Stage 1: a reduce-scatter of the gradients to their owners and an all-gather of the
+    updated weights, both with every chunk padded to the largest shard (collectives take equal chunks; for
+    equal shards the two cost exactly the all-reduce)."""
+    link = cluster.slowest_link(list(holders)) if len(holders) > 1 else None
+    if zero_stage == 0:
+        return allreduce_ms(num_params * spec.dtype_bytes, len(holders), link)
+    return 2 * ring_step_ms(largest_shard * spec.dtype_bytes, len(holders), link)
+
+
+def sync_buffer_bytes(spec: ModelSpec, group_size: int, largest_shard: float, zero_stage: int) -> float:
+    """Eq. 14: stage 1's padded staging of one group's collectives (its n padded chunks and the owner's
+    reduced chunk), alive only while the group syncs; 0 at stage 0 (the all-reduce runs in place)."""
+    if zero_stage == 0 or group_size <= 1:
+        return 0.0
+    return (group_size + 1) * largest_shard * spec.dtype_bytes
+
+
+def sync_schedule_ms(groups: Sequence[tuple[Sequence[str], float]]) -> float:
+    """Eq. 15: T_dp when every device runs its groups' blocking collectives in the given order: a group
+    starts when all its holders are free and holds them for its time; the last to finish ends the sync.
+    Groups of disjoint holders run side by side (for replicas of one shape: the slowest position)."""
+    free: dict[str, float] = {}
+    end = 0.0
+    for holders, ms in groups:
+        if len(holders) <= 1:
+            continue
+        t = max(free.get(h, 0.0) for h in holders) + ms
+        for h in holders:
+            free[h] = t
+        end = max(end, t)
+    return end
 
 
 def model_flops_per_sample(spec: ModelSpec, seq_len: int | None = None) -> float:

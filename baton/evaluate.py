@@ -5,8 +5,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (BLOCKS, data_parallel_sync_line, device_memory, device_slot, edge_cost, embedding_sync_ms, layer_cost,
-                             layer_train_ms, model_flops_per_s, peak_flops, pipeline_transfers, stage_constants, stage_time_ms)
+from baton.costmodel import (BLOCKS, device_memory, device_slot, edge_cost, embedding_sync_ms, group_sync_ms, layer_cost,
+                             layer_train_ms, model_flops_per_s, peak_flops, pipeline_transfers, stage_constants, stage_time_ms,
+                             sync_buffer_bytes, sync_schedule_ms)
+from baton.peers import held_params, owned_fractions, owned_params, peer_groups
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD
@@ -58,7 +60,13 @@ class DeviceReport:
     fits: bool
     """peak_memory_bytes <= capacity_bytes."""
     optimizer_ms: float
-    """Its Adam step (eq. 10)."""
+    """Its Adam step (eq. 10) over the weights it owns."""
+    owned_fraction: float
+    """Share of its weights whose optimizer state it keeps (1 unless the state is sharded, eq. 14)."""
+    sync_buffer_bytes: float
+    """Staging of its largest group's sharded sync (eq. 14), alive only after the backward pass."""
+    micro_batch_size: int
+    """Its replica's micro-batch size."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,10 +103,16 @@ class PlanReport:
     """Pipeline time + embedding sync + data-parallel sync + optimizer step."""
     pipeline_ms: float
     """Exact 1F1B time of the slowest replica."""
+    replica_pipeline_ms: list
+    """Exact 1F1B time of every replica, with its own micro-batch size and count."""
+    replica_samples: list
+    """Samples each replica trains on per iteration (they add up to global_batch)."""
     embedding_sync_ms: float
     """Tied-embedding gradient all-reduce between first and last stage."""
     dp_sync_ms: float
-    """Gradient all-reduce across data-parallel replicas."""
+    """Gradient sync across data-parallel replicas: the peer groups' collectives in order (eq. 13, 15)."""
+    zero_stage: int
+    """Sharding stage of the training state (0 replicated, 1 optimizer state)."""
     optimizer_ms: float
     """Slowest device's Adam step."""
     tokens_per_s: float
@@ -133,12 +147,19 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     """
     check_against_cluster(plan, cluster, source=plan_source)
     spec = plan.model
-    mb, m = plan.micro_batch_size, plan.num_microbatches
+    groups = peer_groups(plan)
+    largest = [max(owned_fractions(plan, g)) * g.num_params for g in groups]
+    held, owned = held_params(plan), owned_params(plan)
+    buffer = {i: 0.0 for i in held}
+    for g, big in zip(groups, largest):
+        for h in g.holders:
+            buffer[h] = max(buffer[h], sync_buffer_bytes(spec, g.size, big, plan.zero_stage))
     stage_reports: list[StageReport] = []
     device_reports: list[DeviceReport] = []
     pipeline_times = []
     for pi, pipe in enumerate(plan.pipelines):
         p = len(pipe.stages)
+        mb, m = plan.batch(pi)
         fwd, bwd, sf, sb = [], [], [], []
         for si, stage in enumerate(pipe.stages):
             ids = stage.device_ids
@@ -161,8 +182,10 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                 pipeline=pi, index=si, devices=ids, first_layer=stage.first_layer, num_layers=L, fwd_ms=fwd[-1], bwd_ms=bwd[-1],
                 allreduce_ms=2 * L * const.allreduce_ms, send_fwd_ms=send_f, send_bwd_ms=send_b))
             for d, slot, lc, edge in zip(stage.devices, slots, costs, edges):
+                own = owned[d.id] / held[d.id]
                 mem = device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
-                                    transient_bytes=lc.transient_bytes, edge=edge)
+                                    transient_bytes=lc.transient_bytes, edge=edge, owned_fraction=own,
+                                    sync_buffer_bytes=buffer[d.id])
                 dev = cluster.device(d.id)
                 device_reports.append(DeviceReport(
                     id=d.id, gpu=dev.gpu.name, pipeline=pi, stage=si, units=d.units, share=d.units / stage.units_per_layer,
@@ -174,19 +197,14 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                     transient_bytes=float(mem.transient_bytes), reserve_bytes=float(mem.reserve_bytes),
                     peak_memory_bytes=float(mem.peak_bytes), capacity_bytes=float(slot.memory_bytes),
                     fits=bool(mem.peak_bytes <= slot.memory_bytes),
-                    optimizer_ms=float(slot.optimizer_ms_per_byte * mem.weights_bytes)))
+                    optimizer_ms=float(slot.optimizer_ms_per_byte * mem.weights_bytes * own), owned_fraction=own,
+                    sync_buffer_bytes=buffer[d.id], micro_batch_size=mb))
         timing = PipelineTiming(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), send_fwd_ms=tuple(sf), send_bwd_ms=tuple(sb))
         pipeline_times.append(iteration_time_1f1b(timing, m))
 
     emb_sync = embedding_sync_ms(cluster, spec, [[s.device_ids for s in pipe.stages] for pipe in plan.pipelines])
-    dp_sync = 0.0
-    if len(plan.pipelines) > 1:
-        by_id = {r.id: r for r in device_reports}
-        for si, stage in enumerate(plan.pipelines[0].stages):
-            for k in range(len(stage.devices)):
-                peers = [pipe.stages[si].devices[k].id for pipe in plan.pipelines]
-                per_byte, fixed = data_parallel_sync_line(cluster, peers)
-                dp_sync = max(dp_sync, per_byte * by_id[peers[0]].grads_bytes + fixed)
+    dp_sync = sync_schedule_ms([(g.holders, group_sync_ms(cluster, spec, g.holders, g.num_params, big, plan.zero_stage))
+                                for g, big in zip(groups, largest)])
     opt = max(r.optimizer_ms for r in device_reports)
     total = max(pipeline_times) + emb_sync + dp_sync + opt
 
@@ -194,9 +212,11 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     tokens_per_s = tokens / (total / 1e3)
     used = [cluster.device(i) for i in plan.device_ids()]
     mfu = model_flops_per_s(spec, plan.global_batch, total) / peak_flops([d.gpu for d in used], spec)
-    ideal = ideal_tokens_per_s(spec, [d.gpu.name for d in used], profiles, mb)
+    ideal = ideal_tokens_per_s(spec, [d.gpu.name for d in used], profiles, plan.micro_batch_size)
     return PlanReport(
-        iteration_time_ms=total, pipeline_ms=max(pipeline_times), embedding_sync_ms=emb_sync, dp_sync_ms=dp_sync,
+        iteration_time_ms=total, pipeline_ms=max(pipeline_times), replica_pipeline_ms=pipeline_times,
+        replica_samples=[plan.samples(i) for i in range(len(plan.pipelines))],
+        embedding_sync_ms=emb_sync, dp_sync_ms=dp_sync, zero_stage=plan.zero_stage,
         optimizer_ms=opt, tokens_per_s=tokens_per_s, mfu=mfu, ideal_tokens_per_s=ideal,
         efficiency_vs_ideal=tokens_per_s / ideal, global_batch=plan.global_batch,
         fits=all(r.fits for r in device_reports), stages=stage_reports, devices=device_reports)

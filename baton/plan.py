@@ -1,9 +1,13 @@
 """A training plan as plain data: what every device holds and recomputes. JSON in, JSON out.
 
-A plan has one or more identical pipelines (data-parallel replicas); each pipeline is a list of
-stages in order; each stage is a tensor-parallel group of devices that holds a contiguous range of
-layers, cuts every layer into ``units_per_layer`` units (groups of heads and the matching FFN columns)
-and gives each device its own number of units and its own set of recomputed operators.
+A plan has one or more pipelines (data-parallel replicas); each pipeline is a list of stages in order;
+each stage is a tensor-parallel group of devices that holds a contiguous range of layers, cuts every
+layer into ``units_per_layer`` units (groups of heads and the matching FFN columns) and gives each device
+its own number of units and its own set of recomputed operators. Replicas may differ in shape and each
+may train on its own micro-batch size and number of micro-batches (Poplar); with ``zero_stage`` 1 the
+optimizer state (fp32 master weights and Adam moments) of the devices that hold the same parameters is
+sharded between them by each device's ``shard_ratio`` (Cephalo). Who holds the same parameters is
+``baton.peers``' business.
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from baton.fields import Fields, excerpt, load_json
 from baton.model_spec import ModelSpec, from_mapping as model_from_mapping, splits_into
 from baton.operators import operator_names
 
-FORMAT = "baton-plan/1"
+FORMAT = "baton-plan/2"
+READABLE_FORMATS = ("baton-plan/1", FORMAT)
+"""/1 had one batch for all replicas, identical replicas and no sharding; it reads as such a /2 plan."""
 
 # Upper bounds (README, "Errors"): beyond them a plan is a typo, and would make the runtime or the
 # evaluator allocate without end.
@@ -27,6 +33,8 @@ MAX_GLOBAL_BATCH = 1 << 20
 """Samples per iteration."""
 MAX_MICROBATCHES = 1 << 16
 """Micro-batches per pipeline per iteration."""
+SUPPORTED_ZERO_STAGES = (0, 1)
+"""Sharding stages the cost model, planner and runtime implement."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +47,10 @@ class DeviceShare:
     """Tensor-parallel units of every layer of the stage this device holds (at least one)."""
     recompute: tuple[str, ...] = ()
     """Operators whose activations this device drops in the forward pass and recomputes in backward."""
+    shard_ratio: float | None = None
+    """With ``zero_stage`` >= 1: this device's weight in the split of the optimizer state of every peer set
+    it belongs to (the part it owns is its ratio over the sum of the set's ratios; 0 owns nothing). None:
+    equal parts. For replicas of one shape, the ratios at each position add up to 1."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +81,10 @@ class Pipeline:
 
     stages: tuple[Stage, ...]
     """First stage holds the embedding, last the final LayerNorm, LM head and loss."""
+    micro_batch_size: int | None = None
+    """Samples per micro-batch of this replica; None: the plan's ``micro_batch_size``."""
+    num_microbatches: int | None = None
+    """Micro-batches this replica runs per iteration; None: the plan's ``num_microbatches``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,17 +96,35 @@ class Plan:
     cluster: str
     """Name of the cluster spec the device ids refer to."""
     micro_batch_size: int
-    """Samples per micro-batch."""
+    """Samples per micro-batch of every replica that does not give its own."""
     num_microbatches: int
-    """Micro-batches per pipeline per iteration (gradient accumulation steps)."""
+    """Micro-batches per iteration (gradient accumulation steps) of every replica that does not give its own."""
     pipelines: tuple[Pipeline, ...]
-    """Data-parallel replicas; all have the same layer ranges and unit counts per position."""
+    """Data-parallel replicas; they may differ in devices, stages, layers and units."""
     info: dict = field(default_factory=dict)
     """Free-form provenance (solver, objective, gap); ignored by validation."""
+    zero_stage: int = 0
+    """Sharding of the training state across devices holding the same parameters: 0 none, 1 the optimizer
+    state (fp32 master weights and Adam moments) by ``shard_ratio``."""
+
+    def batch(self, replica: int) -> tuple[int, int]:
+        """(micro-batch size, micro-batches) of one replica."""
+        pipe = self.pipelines[replica]
+        return (pipe.micro_batch_size or self.micro_batch_size, pipe.num_microbatches or self.num_microbatches)
+
+    def samples(self, replica: int) -> int:
+        """Samples one replica trains on per iteration."""
+        b, m = self.batch(replica)
+        return b * m
+
+    @property
+    def uniform_batches(self) -> bool:
+        """Every replica runs the plan's micro-batch size and count."""
+        return all(self.batch(i) == (self.micro_batch_size, self.num_microbatches) for i in range(len(self.pipelines)))
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch_size * self.num_microbatches * len(self.pipelines)
+        return sum(self.samples(i) for i in range(len(self.pipelines)))
 
     @property
     def num_stages(self) -> int:
@@ -107,16 +141,23 @@ class Plan:
             "cluster": self.cluster,
             "micro_batch_size": self.micro_batch_size,
             "num_microbatches": self.num_microbatches,
-            "pipelines": [
-                {"stages": [
-                    {"first_layer": s.first_layer, "num_layers": s.num_layers, "units_per_layer": s.units_per_layer,
-                     "devices": [{"id": d.id, "units": d.units, "recompute": list(d.recompute)} for d in s.devices]}
-                    for s in p.stages]}
-                for p in self.pipelines
-            ],
+            "zero_stage": self.zero_stage,
+            "pipelines": [self._pipeline_dict(i) for i in range(len(self.pipelines))],
             "info": self.info,
         }
         return data
+
+    def _pipeline_dict(self, i: int) -> dict:
+        p = self.pipelines[i]
+        out = {}
+        if self.batch(i) != (self.micro_batch_size, self.num_microbatches):
+            out["micro_batch_size"], out["num_microbatches"] = self.batch(i)
+        out["stages"] = [
+            {"first_layer": s.first_layer, "num_layers": s.num_layers, "units_per_layer": s.units_per_layer,
+             "devices": [{"id": d.id, "units": d.units, "recompute": list(d.recompute),
+                          **({"shard_ratio": d.shard_ratio} if d.shard_ratio is not None else {})} for d in s.devices]}
+            for s in p.stages]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -128,15 +169,17 @@ class Plan:
 def from_dict(data, *, source: str = "<plan>") -> Plan:
     """Parse a plan mapping (as written by ``Plan.to_dict``) and validate it."""
     top = Fields(data, source=source)
-    top.check_known({"format", "model", "cluster", "micro_batch_size", "num_microbatches", "pipelines", "info"})
+    top.check_known({"format", "model", "cluster", "micro_batch_size", "num_microbatches", "zero_stage", "pipelines", "info"})
     fmt = top.string("format", default=FORMAT)
-    if fmt != FORMAT:
-        raise top.error("format", f"unsupported plan format {excerpt(fmt)} (expected '{FORMAT}')")
+    if fmt not in READABLE_FORMATS:
+        raise top.error("format", f"unsupported plan format {excerpt(fmt)} (expected one of {', '.join(READABLE_FORMATS)})")
     model = model_from_mapping(top.raw("model"), source=f"{source}: model")
     pipelines = []
     for pi, raw_p in enumerate(top.sequence("pipelines")):
         pf = Fields(raw_p, source=source, prefix=f"pipelines[{pi}]")
-        pf.check_known({"stages"})
+        pf.check_known({"stages", "micro_batch_size", "num_microbatches"})
+        own_b = pf.integer("micro_batch_size", maximum=MAX_GLOBAL_BATCH, default=None)
+        own_m = pf.integer("num_microbatches", maximum=MAX_MICROBATCHES, default=None)
         stages = []
         for si, raw_s in enumerate(pf.sequence("stages")):
             sf = Fields(raw_s, source=source, prefix=f"{pf.prefix}.stages[{si}]")
@@ -144,21 +187,22 @@ def from_dict(data, *, source: str = "<plan>") -> Plan:
             devices = []
             for di, raw_d in enumerate(sf.sequence("devices")):
                 df = Fields(raw_d, source=source, prefix=f"{sf.prefix}.devices[{di}]")
-                df.check_known({"id", "units", "recompute"})
+                df.check_known({"id", "units", "recompute", "shard_ratio"})
                 recompute = df.raw("recompute", default=[])
                 if not isinstance(recompute, list) or not all(isinstance(x, str) for x in recompute):
                     raise df.error("recompute", "expected a list of operator names")
-                devices.append(DeviceShare(id=df.string("id"), units=df.integer("units", maximum=1024), recompute=tuple(recompute)))
+                devices.append(DeviceShare(id=df.string("id"), units=df.integer("units", maximum=1024), recompute=tuple(recompute),
+                                           shard_ratio=df.number("shard_ratio", allow_zero=True, maximum=1.0, default=None)))
             stages.append(Stage(
                 first_layer=sf.integer("first_layer", minimum=0, maximum=model.num_layers),
                 num_layers=sf.integer("num_layers", minimum=0, maximum=model.num_layers),
                 units_per_layer=sf.integer("units_per_layer", maximum=model.num_heads), devices=tuple(devices)))
-        pipelines.append(Pipeline(stages=tuple(stages)))
+        pipelines.append(Pipeline(stages=tuple(stages), micro_batch_size=own_b, num_microbatches=own_m))
     info = top.raw("info", default={})
     plan = Plan(
         model=model, cluster=top.string("cluster"), micro_batch_size=top.integer("micro_batch_size", maximum=MAX_GLOBAL_BATCH),
         num_microbatches=top.integer("num_microbatches", maximum=MAX_MICROBATCHES), pipelines=tuple(pipelines),
-        info=info if isinstance(info, dict) else {},
+        info=info if isinstance(info, dict) else {}, zero_stage=top.integer("zero_stage", minimum=0, maximum=3, default=0),
     )
     return validate(plan, source=source)
 
@@ -175,12 +219,14 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
     if len(plan.device_ids()) > MAX_DEVICES:
         raise err("pipelines", f"{len(plan.device_ids())} devices, more than the {MAX_DEVICES} a plan may have")
     if plan.global_batch > MAX_GLOBAL_BATCH:
-        raise err("micro_batch_size", f"global batch {plan.global_batch} (micro-batch size x micro-batches x pipelines) "
-                                      f"is more than {MAX_GLOBAL_BATCH}")
-    shape0 = None
+        raise err("micro_batch_size", f"global batch {plan.global_batch} (micro-batch size x micro-batches, summed over "
+                                      f"the pipelines) is more than {MAX_GLOBAL_BATCH}")
+    for pi, pipe in enumerate(plan.pipelines):
+        for name, value in (("micro_batch_size", pipe.micro_batch_size), ("num_microbatches", pipe.num_microbatches)):
+            if value is not None and value < 1:
+                raise err(f"pipelines[{pi}].{name}", f"must be >= 1, got {value}")
     for pi, pipe in enumerate(plan.pipelines):
         next_layer = 0
-        shape = []
         for si, stage in enumerate(pipe.stages):
             where = f"pipelines[{pi}].stages[{si}]"
             if stage.first_layer != next_layer:
@@ -206,13 +252,28 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
                     if name not in known_ops:
                         raise err(f"{where}.devices[{di}].recompute",
                                   f"unknown operator {excerpt(name)} (known: {', '.join(sorted(known_ops))})")
-            shape.append((stage.first_layer, stage.num_layers, U, tuple(d.units for d in stage.devices)))
         if next_layer != spec.num_layers:
             raise err(f"pipelines[{pi}].stages", f"stages cover {next_layer} layers, the model has {spec.num_layers}")
-        if shape0 is None:
-            shape0 = shape
-        elif shape != shape0:
-            raise err(f"pipelines[{pi}]", "data-parallel replicas must have the same stages, layers and units as pipelines[0]")
+    if plan.zero_stage not in SUPPORTED_ZERO_STAGES:
+        raise err("zero_stage", f"sharding stage {plan.zero_stage} is not supported (supported: "
+                                f"{', '.join(map(str, SUPPORTED_ZERO_STAGES))}: 0 replicated, 1 optimizer state sharded)")
+    ratios = {d.id: d.shard_ratio for p in plan.pipelines for s in p.stages for d in s.devices}
+    if plan.zero_stage == 0:
+        given = next(((pi, si, di) for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)
+                      for di, d in enumerate(s.devices) if d.shard_ratio is not None), None)
+        if given is not None:
+            pi, si, di = given
+            raise err(f"pipelines[{pi}].stages[{si}].devices[{di}].shard_ratio", "a shard ratio needs zero_stage >= 1")
+    else:
+        from baton.peers import peer_groups  # the peer sets come from the plan's shapes
+
+        for g in peer_groups(plan):
+            mine = [ratios[h] for h in g.holders]
+            if any(r is None for r in mine) and any(r is not None for r in mine):
+                raise err("pipelines", f"devices {', '.join(g.holders)} hold the same parameters: give all or none of them a shard_ratio")
+            if all(r is not None for r in mine) and sum(mine) <= 0:
+                raise err("pipelines", f"devices {', '.join(g.holders)} hold the same parameters and all have shard_ratio 0: "
+                                       "one of them must own the optimizer state")
     if spec.seq_len <= 0:
         raise err("model.seq_len", "must be positive")
     return plan
