@@ -31,6 +31,10 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
 
 
+MAX_DEVICE_ROWS = 48
+"""Beyond this many devices the device table prints one row per set of devices that print alike."""
+
+
 def render_report(report: PlanReport, *, title: str) -> None:
     """Rich tables of stages and devices, then the headline figures.
 
@@ -41,21 +45,33 @@ def render_report(report: PlanReport, *, title: str) -> None:
     stages = Table(title=Text(title), show_lines=False)
     for col in ("replica", "stage", "devices", "layers", "F ms", "B ms", "TP all-reduce ms", "send ms"):
         stages.add_column(col, justify="right" if "ms" in col or col in ("replica", "stage") else "left")
+    grouped_stages = len(report.stages) > MAX_DEVICE_ROWS
+    stage_rows: dict[tuple, tuple[tuple, list]] = {}
     for s in report.stages:
-        stages.add_row(str(s.pipeline), str(s.index), Text(" ".join(s.devices)),
-                       f"{s.first_layer}-{s.first_layer + s.num_layers - 1}" if s.num_layers else "-",
-                       f"{s.fwd_ms:.2f}", f"{s.bwd_ms:.2f}", f"{s.allreduce_ms:.2f}", f"{s.send_fwd_ms:.2f}")
+        cells = (str(s.index), f"{s.first_layer}-{s.first_layer + s.num_layers - 1}" if s.num_layers else "-",
+                 f"{s.fwd_ms:.2f}", f"{s.bwd_ms:.2f}", f"{s.allreduce_ms:.2f}", f"{s.send_fwd_ms:.2f}")
+        key = (len(s.devices), *cells) if grouped_stages else (s.pipeline, s.index)
+        stage_rows.setdefault(key, (cells, []))[1].append(s)
+    for cells, members in stage_rows.values():
+        first = members[0]
+        label = str(first.pipeline) if len(members) == 1 else f"{first.pipeline} (+{len(members) - 1} alike)"
+        stages.add_row(label, cells[0], Text(" ".join(first.devices)), *cells[1:])
     console.print(stages)
     if len(report.replica_pipeline_ms) > 1 or report.zero_stage:
         reps = Table(show_lines=False)
         for col in ("replica", "devices", "stages", "micro-batch", "micro-batches", "samples", "pipeline ms"):
             reps.add_column(col, justify="right")
+        alike: dict[tuple, tuple[tuple, list[int]]] = {}
         for r, ms in enumerate(report.replica_pipeline_ms):
             mine = [d for d in report.devices if d.pipeline == r]
             b = mine[0].micro_batch_size
-            m = round(report.replica_samples[r] / b)
-            reps.add_row(str(r), str(len(mine)), str(1 + max(d.stage for d in mine)), str(b), str(m),
-                         str(report.replica_samples[r]), f"{ms:.1f}")
+            cells = (str(len(mine)), str(1 + max(d.stage for d in mine)), str(b), str(report.replica_samples[r] // b),
+                     str(report.replica_samples[r]), f"{ms:.1f}")
+            key = cells if len(report.replica_pipeline_ms) > MAX_DEVICE_ROWS else (r,)
+            alike.setdefault(key, (cells, []))[1].append(r)
+        for cells, members in alike.values():
+            label = str(members[0]) if len(members) == 1 else f"{members[0]} (+{len(members) - 1} alike)"
+            reps.add_row(label, *cells)
         console.print(reps)
     devs = Table(show_lines=False)
     for col in ("device", "gpu", "stage", "units", "recompute", "fwd ms", "bwd ms", "recomp ms", "weights+grads+opt GiB",
@@ -63,14 +79,20 @@ def render_report(report: PlanReport, *, title: str) -> None:
         devs.add_column(col, justify="left" if col in ("device", "gpu", "recompute") else "right",
                         overflow="fold" if col == "recompute" else "ellipsis")
     multi = len({d.pipeline for d in report.devices}) > 1
+    rows: dict[tuple, tuple[tuple, list[str]]] = {}
     for d in report.devices:
         static = d.weights_bytes + d.grads_bytes + d.optimizer_bytes
-        devs.add_row(Text(d.id), Text(d.gpu), f"r{d.pipeline}.s{d.stage}" if multi else str(d.stage), str(d.units),
-                     Text(",".join(d.recompute) or "-"),
-                     f"{d.fwd_ms:.2f}", f"{d.bwd_ms:.2f}", f"{d.recompute_ms:.2f}", _gib(static),
-                     _gib(d.activation_bytes + d.transient_bytes), *((f"{d.owned_fraction:.0%}",) if report.zero_stage else ()),
-                     f"{_gib(d.peak_memory_bytes)} / {_gib(d.capacity_bytes)}",
-                     "[green]yes[/]" if d.fits else "[bold red]NO[/]")
+        grouped = len(report.devices) > MAX_DEVICE_ROWS
+        cells = (d.gpu, f"r{d.pipeline}.s{d.stage}" if multi and not grouped else str(d.stage), str(d.units), ",".join(d.recompute) or "-",
+                 f"{d.fwd_ms:.2f}", f"{d.bwd_ms:.2f}", f"{d.recompute_ms:.2f}", _gib(static),
+                 _gib(d.activation_bytes + d.transient_bytes), *((f"{d.owned_fraction:.0%}",) if report.zero_stage else ()),
+                 f"{_gib(d.peak_memory_bytes)} / {_gib(d.capacity_bytes)}", d.fits)
+        # On large clusters devices that print alike share a row (one row per device is unreadable at 1,024).
+        rows.setdefault(cells if grouped else (d.id,), (cells, []))[1].append(d.id)
+    for cells, ids in rows.values():
+        name = ids[0] if len(ids) == 1 else f"{ids[0]} (+{len(ids) - 1} alike)"
+        devs.add_row(Text(name), Text(cells[0]), cells[1], cells[2], Text(cells[3]), *cells[4:-1],
+                     "[green]yes[/]" if cells[-1] else "[bold red]NO[/]")
     console.print(devs)
     console.print(
         f"iteration [bold]{report.iteration_time_ms:.1f} ms[/] (pipeline {report.pipeline_ms:.1f}, embedding sync "

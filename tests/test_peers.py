@@ -236,3 +236,22 @@ def test_owned_fractions_add_up_per_group(seed):
         assert sum(owned_fractions(plan, g)) == pytest.approx(1.0)
     owned, held = owned_params(plan), held_params(plan)
     assert all(0 < owned[d] <= held[d] for d in held)
+
+
+def test_show_prints_replicas_and_groups_alike_rows_on_large_plans(tmp_path):
+    """`baton show` lists every replica's batch and the owned state share; beyond MAX_DEVICE_ROWS devices
+    alike replicas, stages and devices share a row, so a 64-replica plan stays a few lines long."""
+    from baton.plan import save_plan
+    from tests.conftest import run_cli
+
+    cluster = load_cluster(ROOT / "clusters" / "scale_64.yaml")
+    spec = PRESETS["gpt3-350m"]
+    pipes = tuple(Pipeline(stages=(Stage(first_layer=0, num_layers=spec.num_layers, units_per_layer=1,
+                                         devices=(DeviceShare(id=d.id, units=1),)),), num_microbatches=1 + (i % 2))
+                  for i, d in enumerate(cluster.devices))
+    plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=1, num_microbatches=2, pipelines=pipes, zero_stage=1))
+    save_plan(plan, tmp_path / "dp.json")
+    code, out, err = run_cli("show", tmp_path / "dp.json", "--cluster", ROOT / "clusters" / "scale_64.yaml")
+    assert code == 0, out + err
+    assert "alike" in out and "state owned" in out and "micro-batches" in out
+    assert len(out.splitlines()) < 45
