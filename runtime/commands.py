@@ -11,7 +11,9 @@ every machine with one process per plan device; ranks follow ``plan.device_ids()
 
 Before any rank starts, the plan's predicted peak memory per device is checked against the devices the
 ranks will use (``runtime.devices``). At the end it prints the average tokens/s and MFU (and, for fp16,
-the steps skipped for overflowing gradients); ``--report`` adds them to the report.
+the steps skipped for overflowing gradients); ``--report`` adds them to the report. ``--report-timeline
+PATH.png`` draws one step as predicted and as measured (``runtime.report.timeline_figure``); it records the
+spans ``--trace`` records, into a temporary file when no --trace is given.
 
 Every step is also a JSON line in the run directory's ``metrics.jsonl`` (``--run-dir``; default the
 save directory, else a new ``runs/<time>`` directory), whatever the output is; when the output is not a
@@ -80,7 +82,8 @@ def register(app: typer.Typer) -> None:
         gpus: Optional[str] = typer.Option(None, "--gpus", help="CUDA devices of the ranks in rank order, e.g. 0,1 (implies --device cuda)."),
         timeout: float = typer.Option(300.0, "--timeout", help="Seconds a rank may wait on a peer (any collective or receive) before failing."),
         report: Optional[Path] = typer.Option(None, "--report", help="Write measured vs predicted times and memory (JSON)."),
-        cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster YAML the plan was made for: the pre-flight memory check and MFU use it (default: the shipped spec of the plan's cluster); --report needs it."),
+        report_timeline: Optional[Path] = typer.Option(None, "--report-timeline", help="Draw one step after the first as predicted and as measured by every rank, two timelines over one time axis (PNG; the format follows the suffix); needs --cluster."),
+        cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster YAML the plan was made for: the pre-flight memory check and MFU use it (default: the shipped spec of the plan's cluster); --report and --report-timeline need it."),
         profiles: Optional[Path] = typer.Option(None, "--profiles", help="Profile tables for the predictions (default: the shipped ones)."),
     ) -> None:
         """Train the plan's model with exactly the plan's pipeline, tensor splits and recomputation.
@@ -97,10 +100,10 @@ def register(app: typer.Typer) -> None:
         options = resolve_options(ctx, config)
         (plan, steps, data, save_dir, save_every, keep, resume, allow_other_data, init_from, seed, lr, lr_min, warmup_steps,
          decay, clip_grad, weight_decay, eval_every, eval_windows, run_dir, log_every, device, gpus, timeout, report, cluster,
-         profiles, trace) = (options[k] for k in (
+         profiles, trace, report_timeline) = (options[k] for k in (
             "plan", "steps", "data", "save_dir", "save_every", "keep", "resume", "allow_other_data", "init_from", "seed", "lr",
             "lr_min", "warmup_steps", "decay", "clip_grad", "weight_decay", "eval_every", "eval_windows", "run_dir",
-            "log_every", "device", "gpus", "timeout", "report", "cluster", "profiles", "trace"))
+            "log_every", "device", "gpus", "timeout", "report", "cluster", "profiles", "trace", "report_timeline"))
         if plan is None:
             raise BatonError("missing: give --plan or a 'plan' key in --config", field="--plan")
         if not 1 <= log_every <= 10**9:
@@ -112,19 +115,30 @@ def register(app: typer.Typer) -> None:
         gpu_list = parse_gpus(gpus)
         if report is not None:
             check_output_path(report, "--report")  # before training, not after it
+        if report_timeline is not None:
+            check_output_path(report_timeline, "--report-timeline")
         predict = None
-        if report is not None:
+        if report is not None or report_timeline is not None:
             from baton.cluster import load_cluster
             from baton.errors import BatonError
             from baton.evaluate import evaluate
             from baton.profile import ProfileSet
 
             if cluster is None:
-                raise BatonError("--report needs --cluster (the cluster YAML the plan was made for) to predict", field="--cluster")
+                flag = "--report" if report is not None else "--report-timeline"
+                raise BatonError(f"{flag} needs --cluster (the cluster YAML the plan was made for) to predict", field="--cluster")
             c = load_cluster(cluster)
             ps = ProfileSet(the_plan.model, directory=profiles)
             evaluate(the_plan, c, ps, plan_source=str(plan))  # fail before training on a missing profile or device
             predict = (c, ps)
+        spans_file, scratch = trace, None
+        if report_timeline is not None and trace is None:
+            # The picture needs every rank's spans, which exist only as a trace: record one the user did not
+            # ask for into a temporary directory (removed at the end, or by its finaliser on any error).
+            import tempfile
+
+            scratch = tempfile.TemporaryDirectory(prefix="baton-timeline-")
+            spans_file = Path(scratch.name) / "trace.json"
         cfg = TrainConfig(plan=the_plan, steps=steps, data=str(data) if data else None,
                           save_dir=str(save_dir) if save_dir else None, save_every=save_every, keep=keep, resume=resume,
                           allow_other_data=allow_other_data,
@@ -133,7 +147,7 @@ def register(app: typer.Typer) -> None:
                           eval_every=eval_every, eval_windows=eval_windows, run_dir=str(run_dir),
                           device=device, gpus=gpu_list, timeout_s=timeout,
                           cluster_path=str(cluster) if cluster else None, profiles_dir=str(profiles) if profiles else None,
-                          collect_all_ranks=report is not None, trace=str(trace) if trace else None)
+                          collect_all_ranks=report is not None, trace=str(spans_file) if spans_file else None)
         checked: dict = {}
         per_rank: dict = {}
         show = os.environ.get("RANK", "0") == "0"
@@ -189,3 +203,13 @@ def register(app: typer.Typer) -> None:
                 table.add_row(*(Text(cell) for cell in row))  # device ids are the user's text: never markup
             console.print(table)
             say(f"wrote {report}")
+        if report_timeline is not None and show and history:
+            from baton.pictures import save_figure
+            from runtime.report import timeline_figure
+            from runtime.trace import read_spans
+
+            fig, step = timeline_figure(the_plan, predict[0], predict[1], read_spans(spans_file), history)
+            save_figure(fig, report_timeline)
+            say(f"wrote {report_timeline} (step {step + 1}, predicted and measured)")
+        if scratch is not None:
+            scratch.cleanup()

@@ -1,5 +1,6 @@
 """The run directory's metrics: one JSON line per step (``metrics.jsonl``), and TensorBoard event files
-when ``tensorboard`` is installed (an optional dependency: without it they are silently not written).
+with the same numbers (tags ``train/<key>`` and ``val/loss``, step as in the record) when ``tensorboard``
+is installed (the optional extra ``baton[tensorboard]``: without it they are silently not written).
 
 The log is written by the process that hears rank 0's steps (the launcher, or rank 0 under torchrun)
 whether or not the output is a terminal, and flushed every line, so ``tail -f`` and a crashed run both
@@ -46,6 +47,9 @@ class MetricsLog:
         """The latest record written."""
         self._file = None
         self._board = None
+        # Imported now, before any rank starts: at the first step the import (about a second on a loaded
+        # machine) would hold up the launcher, and an interrupt landing in it would cost that step's line.
+        self._writer_class = _summary_writer_class()
 
     def record(self, s) -> dict:
         """The JSON record of ``s`` (a ``runtime.engine.StepStats`` of rank 0)."""
@@ -66,7 +70,7 @@ class MetricsLog:
         if self._file is None:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.dir / METRICS_FILE, "a", encoding="utf-8")
-            self._board = _tensorboard(self.dir)
+            self._board = self._writer_class(log_dir=str(self.dir)) if self._writer_class is not None else None
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         if self._board is not None:
@@ -84,13 +88,13 @@ class MetricsLog:
             self._board.close()
 
 
-def _tensorboard(run_dir: Path):
-    """A SummaryWriter into ``run_dir`` when tensorboard is installed, else None (it is optional)."""
+def _summary_writer_class():
+    """torch's TensorBoard ``SummaryWriter`` when tensorboard is installed, else None (it is optional)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(log_dir=str(run_dir))
+    return SummaryWriter
 
 
 def readable(rec: dict, total_steps: int, eta_s: float | None) -> str:

@@ -11,14 +11,23 @@ Memory per device besides activations (eq. 7/8), measured from the rank's tensor
 weights and gradients in the compute dtype, and the optimizer state (fp32 master weights in fp16/bf16,
 AdamW's two fp32 moments). Throughput: the run's average tokens/s and MFU (``runtime.meters``), next
 to the evaluator's; for fp16, the final loss scale and the steps skipped for overflowing gradients.
+
+``--report-timeline PATH.png`` draws one step (``timeline_step``: the median one after the first) twice over
+one time axis: the evaluator's 1F1B timeline and the spans every rank recorded (``runtime.trace``), on the
+same rows (devices) in the same colours (``baton.pictures``). What the runtime records but the cost model
+folds into other terms or leaves out is drawn too: waits for a peer (receives, send completion; gaps and
+transfers in the prediction), tensor-parallel all-reduces (inside the predicted passes) and the step's small
+loss / grad-norm all-reduce (not predicted). A rank's tied-embedding and data-parallel all-reduces are one
+span, drawn as the data-parallel sync when the plan has replicas.
 """
 from __future__ import annotations
 
 import json
 import statistics
+from typing import TYPE_CHECKING
 
 from baton.cluster import ClusterSpec
-from baton.evaluate import evaluate
+from baton.evaluate import PlanReport, evaluate
 from baton.profile import ProfileSet
 from baton.atomic import write_atomically
 from baton.plan import Plan
@@ -26,6 +35,9 @@ from baton.costmodel import peak_flops
 from runtime.engine import StepStats
 from runtime.meters import Throughput, throughput
 from runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from baton.pictures import Timeline
 
 
 def _rel(measured: float, predicted: float) -> float | None:
@@ -130,6 +142,82 @@ def _gradient_sync_sets(plan: Plan) -> list[list[int]]:
             sets.remove(other)
         sets.append(joined)
     return sorted(sorted(s) for s in sets)
+
+
+def timeline_step(history: list[StepStats]) -> int:
+    """The step ``--report-timeline`` draws: of the steps after the first (which pays for warm-up) that ran
+    no validation, the one of median time (rank 0's; the lower median); the first only when it is alone."""
+    later = [s for s in history[1:] if s.val_loss is None] or history[1:] or history
+    ordered = sorted(later, key=lambda s: s.iteration_ms)
+    return ordered[(len(ordered) - 1) // 2].step
+
+
+def _span_kind(event: dict, rank: int, topo: Topology, sync_kind: dict[int, str]) -> str | None:
+    """The picture's kind of block for a trace span of ``rank`` (None: not drawn)."""
+    cat, name = event["cat"], event["name"]
+    if cat in ("forward", "backward", "recompute", "optimizer"):
+        return cat
+    if cat == "p2p":
+        if not name.startswith("send to "):
+            return "wait"  # a receive (waiting for the peer included) or the wait for posted sends
+        target = int(name.removeprefix("send to ").split(",")[0])
+        downstream = topo.position(target).stage > topo.position(rank).stage
+        return "send activations" if downstream else "send gradients"
+    if cat == "allreduce":
+        if name == "tp all-reduce":
+            return "tp all-reduce"
+        if name.startswith("gradient sync"):
+            return sync_kind.get(rank)  # a rank in no gradient all-reduce waits for nothing there
+        return "step all-reduce"
+    return None  # validation, and anything the engine may record later
+
+
+def measured_timeline(plan: Plan, pred: PlanReport, spans: dict[int, list[dict]], step: int) -> Timeline:
+    """The spans of ``step`` that every rank recorded (``runtime.trace.read_spans``: rank -> complete events,
+    microseconds) as blocks on the rows of ``pred``'s devices, in ms from the earliest span of the step."""
+    from baton.pictures import Block, Timeline, timeline_rows
+
+    topo = Topology(plan)
+    sync_kind = {r: "embedding sync" for g in topo.tied_rank_lists() for r in g}
+    sync_kind.update({r: "data-parallel sync" for g in topo.dp_rank_lists() for r in g})
+    row_of = {d.id: y for y, d in enumerate(pred.devices)}
+    ids = plan.device_ids()
+    chosen = {r: [e for e in events if e.get("args", {}).get("step") == step] for r, events in spans.items()}
+    starts = [e["ts"] for events in chosen.values() for e in events]
+    if not starts:
+        raise ValueError(f"the trace holds no span of step {step}")
+    origin = min(starts)
+    blocks = []
+    for rank in sorted(chosen):
+        for e in chosen[rank]:
+            kind = _span_kind(e, rank, topo, sync_kind)
+            if kind is None:
+                continue
+            a = (e["ts"] - origin) / 1e3
+            label = e["name"] if kind in ("forward", "backward") else ""
+            blocks.append(Block(row_of[ids[rank]], kind, a, a + e["dur"] / 1e3, label))
+    return Timeline(timeline_rows(pred), blocks, max((b.end_ms for b in blocks), default=0.0))
+
+
+def timeline_figure(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, spans: dict[int, list[dict]],
+                    history: list[StepStats]):
+    """The picture ``--report-timeline`` writes, and the step it shows (``timeline_step``)."""
+    from baton import pictures
+
+    pred = evaluate(plan, cluster, profiles)
+    step = timeline_step(history)
+    measured = measured_timeline(plan, pred, spans, step)
+    took = next(s.iteration_ms for s in history if s.step == step)
+    why = "the run's only step, warm-up included" if len(history) == 1 else "the median step after the first"
+    ratio = f", measured {measured.end_ms / pred.iteration_time_ms:.2g}x as long" if pred.iteration_time_ms > 0 else ""
+    fig = pictures.comparison_figure(
+        pictures.predicted_timeline(pred, plan.num_microbatches), measured,
+        title=f"{plan.model.name} on {plan.cluster}: {plan.num_microbatches} micro-batch(es) of {plan.micro_batch_size}, "
+              f"{len(plan.device_ids())} device(s)",
+        predicted_title=f"predicted (the evaluator, docs/cost-model.md): {pred.iteration_time_ms:.1f} ms{ratio}",
+        measured_title=f"measured: step {step + 1} ({why}), {measured.end_ms:.1f} ms from its first span to its last "
+                       f"(rank 0's step: {took:.1f} ms)")
+    return fig, step
 
 
 def write_report(report: dict, path) -> None:

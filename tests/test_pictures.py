@@ -90,3 +90,64 @@ def test_show_plan_errors_are_one_line_and_write_nothing(tmp_path):
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
     assert not (tmp_path / "t.png").exists()
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+
+
+def test_predicted_timeline_data_follows_the_schedule_on_every_device_row(tmp_path):
+    """The blocks handed to matplotlib: one row per device in plan order, each row with its own stage's
+    passes, recomputation only on the device that recomputes (inside its backward passes), transfers only
+    where there is a next or previous stage, and every device's optimizer step ending the iteration."""
+    from baton import pictures
+
+    plan = load_plan(_replicated_plan(tmp_path))
+    report = evaluate(plan, load_cluster(CPU4), ProfileSet(plan.model))
+    timeline = pictures.predicted_timeline(report, plan.num_microbatches)
+    assert [r.label.split()[2] for r in timeline.rows] == plan.device_ids()
+    schedules = pictures.replica_schedules(report, plan.num_microbatches)
+    for y, d in enumerate(report.devices):
+        mine = [b for b in timeline.blocks if b.row == y]
+        passes = [(b.label, b.start_ms, b.end_ms) for b in mine if b.kind in ("forward", "backward")]
+        assert passes == [(f"{k}{i}", a, b) for k, i, a, b in schedules[d.pipeline][d.stage]]
+        kinds = {b.kind for b in mine}
+        assert ("recompute" in kinds) == (d.id == "local:0")
+        assert ("send activations" in kinds) == (d.stage == 0) and ("send gradients" in kinds) == (d.stage == 1)
+        assert max(b.end_ms for b in mine if b.kind == "optimizer") <= report.iteration_time_ms + 1e-9
+    recompute = [b for b in timeline.blocks if b.kind == "recompute"]
+    backward = [b for b in timeline.blocks if b.kind == "backward" and b.row == 0]
+    assert len(recompute) == plan.num_microbatches
+    assert all(any(b.start_ms == r.start_ms and r.end_ms <= b.end_ms for b in backward) for r in recompute)
+    with pytest.raises(ValueError, match="same rows"):
+        pictures.comparison_figure(timeline, pictures.Timeline(timeline.rows[:1], [], 1.0), title="", predicted_title="",
+                                   measured_title="")
+
+
+def test_timeline_of_a_1024_device_plan_shows_one_device_per_stage_and_says_so():
+    """A 1024-GPU plan (32 replicas of 4 stages, 8-way tensor parallel) would need 1024 rows, over 400
+    inches of picture: it is drawn as one row per stage of replica 0, with a note, in a picture of
+    ordinary size."""
+    from dataclasses import replace
+
+    from baton import pictures
+    from baton.plan import validate
+
+    spec = PRESETS["gpt3-1.3b"]
+    pipes = []
+    for r in range(32):
+        stages = [[(f"{kind}-node-{r}:{j}", 1) for j in range(8)] for kind in ("h100", "a100-80gb", "v100-32gb", "a10g")]
+        one = simple_plan(spec, cluster="scale_1024", stages=stages, layers=[9, 7, 5, 3], units_per_layer=8,
+                          micro_batch_size=1, num_microbatches=8)
+        pipes.append(one.pipelines[0])
+    plan = validate(replace(one, pipelines=tuple(pipes)))
+    report = evaluate(plan, load_cluster(ROOT / "clusters" / "scale_1024.yaml"), ProfileSet(plan.model))
+    rows = pictures.timeline_rows(report)
+    assert len(rows) == 1024
+    keep, note = pictures._visible(rows)
+    assert [rows[i].label.split()[2] for i in keep] == ["h100-node-0:0", "a100-80gb-node-0:0", "v100-32gb-node-0:0", "a10g-node-0:0"]
+    assert note.startswith("showing 4 of 1024 devices")
+    fig = pictures.timeline_figure(report, plan.num_microbatches, title="t")
+    try:
+        assert len(fig.axes[0].get_yticks()) == 4 and fig.get_size_inches()[1] < 6
+        assert any(t.get_text() == note for t in fig.texts)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

@@ -70,12 +70,13 @@ def test_report_predicts_activation_memory_exactly(tmp_path, measured_profiles, 
     assert "measured vs predicted" in res.stdout and "optimizer ms" in res.stdout
 
 
-def test_report_needs_a_cluster(tmp_path):
+@pytest.mark.parametrize("flag, name", [("--report", "r.json"), ("--report-timeline", "t.png")])
+def test_report_needs_a_cluster(tmp_path, flag, name):
     plan = simple_plan(TINY, cluster="cpu2", stages=[[("local:0", 1)]], layers=[4], units_per_layer=1)
     save_plan(plan, tmp_path / "plan.json")
-    res = baton("train", "--plan", tmp_path / "plan.json", "--steps", "1", "--report", tmp_path / "r.json")
-    assert res.returncode == 2 and "--report needs --cluster" in res.stderr and "Traceback" not in res.stderr
-    assert not (tmp_path / "r.json").exists()
+    res = baton("train", "--plan", tmp_path / "plan.json", "--steps", "1", flag, tmp_path / name)
+    assert res.returncode == 2 and f"{flag} needs --cluster" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / name).exists()
 
 
 def test_profile_solve_train_report_end_to_end(tmp_path, measured_profiles):
@@ -104,3 +105,93 @@ def test_gradient_sync_sets_join_tied_stages_and_replicas():
     assert _gradient_sync_sets(three) == [[0, 2]]  # the middle stage takes part in none
     one = simple_plan(TINY, cluster="cpu4", stages=[[("local:0", 2), ("local:1", 2)]], layers=[4], units_per_layer=4)
     assert _gradient_sync_sets(one) == []
+
+
+def test_report_timeline_draws_every_ranks_measured_step_beside_the_prediction(tmp_path, measured_profiles, monkeypatch):
+    """`baton train --report-timeline` from a real 2-process run, checked on the data handed to matplotlib.
+
+    Catches: a rank's spans drawn on another device's row (the two stages run different 1F1B orders), spans
+    of another step or out of order, recomputation or syncs on the wrong rows, per-rank clocks that do not
+    line up (stage 1's first forward waits for stage 0's), rows that differ between the panels, a step
+    other than the median one after the first, and a trace file left behind that the user did not ask for."""
+    import tempfile
+
+    from baton import pictures
+    from baton.pipeline import schedule_1f1b
+    from tests.conftest import run_cli
+
+    plan = simple_plan(TINY, cluster="cpu2", stages=[[("local:0", 1)], [("local:1", 1)]], layers=[3, 1], units_per_layer=1,
+                       micro_batch_size=2, num_microbatches=3, recompute={"local:0": ["attn_scores", "softmax", "attn_dropout", "attn_v"]})
+    save_plan(plan, tmp_path / "plan.json")
+    drawn = []
+    draw = pictures.comparison_figure
+
+    def spy(predicted, measured, **titles):
+        drawn.append((predicted, measured, titles, draw(predicted, measured, **titles)))
+        return drawn[-1][-1]
+
+    monkeypatch.setattr(pictures, "comparison_figure", spy)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where an unrequested trace would be left
+    png = tmp_path / "timeline.png"
+    code, out, err = run_cli("train", "--plan", tmp_path / "plan.json", "--steps", 3, "--report-timeline", png,
+                             "--cluster", ROOT / "clusters" / "cpu2.yaml", "--profiles", measured_profiles,
+                             "--run-dir", tmp_path / "run", "--timeout", 120)
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in scratch.iterdir() if p.name.startswith("baton-timeline-")]
+    assert not [p for p in (tmp_path / "run").iterdir() if p.suffix == ".json"]  # no trace in the run directory
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    chosen = min(records[1:], key=lambda r: r["step_ms"])["step"]  # the lower median of steps 2 and 3
+    assert f"(step {chosen}, predicted and measured)" in out
+
+    (predicted, measured, titles, fig), = drawn
+    ids = plan.device_ids()
+    assert [r.label for r in predicted.rows] == [r.label for r in measured.rows]
+    assert [ids[i] in r.label for i, r in enumerate(measured.rows)] == [True, True]  # one row per device, in rank order
+    assert [len(ax.get_yticks()) for ax in fig.axes[:2]] == [2, 2] and f"step {chosen} " in titles["measured_title"]
+    blocks = measured.blocks
+    assert min(b.start_ms for b in blocks) == 0.0 and max(b.end_ms for b in blocks) == measured.end_ms
+    assert all(b.end_ms >= b.start_ms for b in blocks)
+
+    def of(row, *kinds):
+        return sorted((b for b in blocks if b.row == row and b.kind in kinds), key=lambda b: b.start_ms)
+
+    for row in (0, 1):
+        # This stage's passes, in time order, are exactly its own 1F1B order (stage 0 runs F0 F1 B0 F2 B1 B2,
+        # stage 1 F0 B0 F1 B1 F2 B2), so no pass is on another row, missing, repeated or from another step.
+        assert [b.label for b in of(row, "forward", "backward")] == [f"{k}{i}" for k, i in schedule_1f1b(2, 3, row)]
+        passes = of(row, "forward", "backward")
+        assert all(a.end_ms <= b.start_ms + 1e-6 for a, b in zip(passes, passes[1:]))  # one rank runs one pass at a time
+        sync, norm, opt = of(row, "embedding sync"), of(row, "step all-reduce"), of(row, "optimizer")
+        assert len(sync) == len(norm) == len(opt) == 1  # the tied embedding joins the two stages
+        assert passes[-1].end_ms <= sync[0].start_ms <= norm[0].start_ms <= opt[0].start_ms
+        assert of(row, "wait") and of(row, "send activations" if row == 0 else "send gradients")
+    backward0 = of(0, "backward")
+    assert of(0, "recompute") and not of(1, "recompute")
+    assert all(any(b.start_ms <= r.start_ms and r.end_ms <= b.end_ms for b in backward0) for r in of(0, "recompute"))
+    assert of(1, "forward")[0].start_ms >= of(0, "forward")[0].end_ms  # one clock for both ranks
+    # The predicted panel: the evaluator's step on the same rows.
+    from baton.cluster import load_cluster
+    from baton.evaluate import evaluate
+    from baton.profile import ProfileSet
+
+    pred = evaluate(plan, load_cluster(ROOT / "clusters" / "cpu2.yaml"), ProfileSet(TINY, directory=measured_profiles))
+    assert predicted.end_ms == pytest.approx(pred.iteration_time_ms)
+    assert [b.label for b in sorted((b for b in predicted.blocks if b.row == 1 and b.kind in ("forward", "backward")),
+                                    key=lambda b: b.start_ms)] == [f"{k}{i}" for k, i in schedule_1f1b(2, 3, 1)]
+
+
+def test_timeline_step_is_the_median_step_after_the_first_without_validation():
+    from runtime.engine import StepStats
+    from runtime.report import timeline_step
+
+    def steps(*ms, val=()):
+        return [StepStats(step=i, loss=1.0, iteration_ms=t, val_loss=1.0 if i in val else None) for i, t in enumerate(ms)]
+
+    assert timeline_step(steps(100.0)) == 0  # alone: the first step
+    assert timeline_step(steps(100.0, 9.0)) == 1
+    assert timeline_step(steps(100.0, 9.0, 5.0, 7.0)) == 3  # the first step's warm-up never counts
+    assert timeline_step(steps(100.0, 9.0, 5.0, 7.0, val=(3,))) == 2  # a validation step draws validation too
+    assert timeline_step(steps(100.0, 9.0, val=(1,))) == 1  # unless every later step ran one

@@ -116,19 +116,25 @@ def test_bad_options_and_config_files_are_one_line_errors(setup, tmp_path, args,
 def test_trace_holds_every_ranks_measured_spans_on_one_clock(setup, tmp_path):
     """Catches: ranks missing from the trace, spans of the wrong kind or count, recomputation or
     all-reduces not recorded, and per-rank clocks that do not line up (a stage's forward of micro-batch
-    0 must start after the previous stage's has ended: it waits for its activation)."""
+    0 must start after the previous stage's has ended: it waits for its activation). The file also keeps
+    the rules Perfetto's JSON importer applies (tests/test_trace_format.py)."""
+    from runtime.trace import pid_of
+    from tests.test_trace_format import perfetto_json_problems
+
     root, _ = setup
     plan = plan_of(tiny(0.0), [[1, 1], [1]], [3, 1], [2, 1], m=2, recompute={2: ["gelu"]})
     steps = 2
     train(TrainConfig(plan=plan, steps=steps, data=str(root / "ds"), eval_every=2, timeout_s=60,
                       trace=str(tmp_path / "t" / "trace.json")))
-    events = json.loads((tmp_path / "t" / "trace.json").read_text())["traceEvents"]
+    trace = json.loads((tmp_path / "t" / "trace.json").read_text())
+    assert perfetto_json_problems(trace) == []
+    events = trace["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert sorted(names) == [0, 1, 2] and "stage 1" in names[2] and "d0:1" in names[1]
+    assert sorted(names) == [pid_of(r) for r in range(3)] and "stage 1" in names[pid_of(2)] and "d0:1" in names[pid_of(1)]
     spans = [e for e in events if e["ph"] == "X"]
 
     def of(rank, cat):
-        return [e for e in spans if e["pid"] == rank and e["cat"] == cat]
+        return [e for e in spans if e["pid"] == pid_of(rank) and e["cat"] == cat]
 
     for rank in range(3):
         assert len(of(rank, "forward")) == len(of(rank, "backward")) == steps * plan.num_microbatches
@@ -163,7 +169,7 @@ def test_metrics_log_writes_null_for_non_finite_counts_skips_and_feeds_tensorboa
         def close(self):
             pass
 
-    monkeypatch.setattr(metrics, "_tensorboard", lambda run_dir: Board())
+    monkeypatch.setattr(metrics, "_summary_writer_class", lambda: lambda log_dir: Board())
     log = metrics.MetricsLog(tmp_path / "m", plan, peak_flops=1e12)
     log.write(StepStats(step=0, loss=math.nan, iteration_ms=10.0, tokens=128, grad_norm=math.inf, skipped=True,
                         memory_bytes=[1.0, 2.0, 3.0], lr=1e-3))
@@ -175,3 +181,32 @@ def test_metrics_log_writes_null_for_non_finite_counts_skips_and_feeds_tensorboa
     assert second["skipped_steps"] == 1 and second["val_loss"] == 2.5 and second["tokens_per_s"] == pytest.approx(12800)
     assert ("val/loss", 2.5, 2) in scalars and ("train/loss", 2.0, 2) in scalars
     assert not any(tag == "train/loss" and step == 1 for tag, _, step in scalars)  # NaN is not plotted
+
+
+def test_tensorboard_event_files_hold_the_metrics_log_step_by_step(setup, tmp_path):
+    """A real run with tensorboard installed, read back by TensorBoard's own reader: every scalar of every
+    step equals the metrics.jsonl line of that step (float32, as TensorBoard stores it). Catches: event
+    files not written or not flushed, scalars on the wrong step (metrics.jsonl counts steps done, from 1),
+    a metric missing, and validation losses on steps that ran no validation."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[tensorboard]'); "
+                                              "the event files are optional")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _ = setup
+    plan = plan_of(tiny(0.0), [[1], [1]], [3, 1], [1, 1], m=2)
+    run = tmp_path / "run"
+    train(TrainConfig(plan=plan, steps=3, data=str(root / "ds"), eval_every=2, lr=1e-3, warmup_steps=1, decay="cosine",
+                      timeout_s=60, run_dir=str(run)))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    board = EventAccumulator(str(run), size_guidance={"scalars": 0})  # 0: keep every point
+    board.Reload()
+    tags = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
+            "mfu": "train/mfu", "step_ms": "train/step_ms", "val_loss": "val/loss"}
+    assert set(board.Tags()["scalars"]) == set(tags.values())
+    for key, tag in tags.items():
+        want = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        got = [(e.step, e.value) for e in board.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in want], tag
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), tag
+    assert [e.step for e in board.Scalars("val/loss")] == [2, 3]  # every 2 steps and at the end
