@@ -259,18 +259,28 @@ def comparison_figure(predicted: Timeline, measured: Timeline, *, title: str, pr
 
 MEMORY_TERMS = (("weights", "weights_bytes", "#1f77b4"), ("gradients", "grads_bytes", "#ff7f0e"),
                 ("optimizer", "optimizer_bytes", "#2ca02c"), ("activations", "activation_bytes", "#d62728"),
-                ("recompute buffer", "transient_bytes", "#9467bd"), ("reserve", "reserve_bytes", "#c7c7c7"))
-"""The terms of a device's predicted peak (``baton.memory``), in the order they are stacked."""
+                ("recompute buffer", "transient_bytes", "#9467bd"),
+                ("sync staging beyond activations", "sync_staging_excess", "#8c564b"), ("reserve", "reserve_bytes", "#c7c7c7"))
+"""The terms of a device's predicted peak (``baton.costmodel.device_memory``), in the order they are stacked."""
+
+
+def _term_bytes(d, attr: str) -> float:
+    if attr == "sync_staging_excess":
+        # Eq. 14: the sharded sync's staging and the activations are never alive together; the peak takes the larger.
+        return max(0.0, d.sync_buffer_bytes - d.activation_bytes - d.transient_bytes)
+    return getattr(d, attr)
 
 
 def memory_figure(report: PlanReport, *, title: str):
-    """Each device's predicted peak memory, term by term, against its capacity (GiB)."""
-    rows = [(r.label, d, None) for r, d in zip(timeline_rows(report), report.devices)]
+    """Each device's predicted peak memory, term by term, against its capacity (GiB). Beyond ``MAX_ROWS``
+    devices, devices whose bars would be identical share one bar, and if that is still too many the fullest
+    ``MAX_ROWS`` (against capacity) are drawn, with a note."""
+    rows, note = _memory_rows(report)
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.42 * len(rows)))
     ys = range(len(rows))
     left = [0.0] * len(rows)
     for label, attr, colour in MEMORY_TERMS:
-        widths = [getattr(d, attr) / GIB for _, d, _ in rows]
+        widths = [_term_bytes(d, attr) / GIB for _, d, _ in rows]
         ax.barh(ys, widths, left=left, height=0.7, color=colour, label=label)
         left = [a + b for a, b in zip(left, widths)]
     caps = [d.capacity_bytes / GIB for _, d, _ in rows]
@@ -289,8 +299,26 @@ def memory_figure(report: PlanReport, *, title: str):
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, markerscale=0.4)
+    if note:
+        _note(fig, note)
     fig.tight_layout()
     return fig
+
+
+def _memory_rows(report: PlanReport) -> tuple[list, str]:
+    rows = [(r.label, d, None) for r, d in zip(timeline_rows(report), report.devices)]
+    if len(rows) <= MAX_ROWS:
+        return rows, ""
+    alike: dict[tuple, list] = {}
+    for label, d, _ in rows:
+        key = (d.gpu, round(d.capacity_bytes), *(round(_term_bytes(d, attr)) for _, attr, _ in MEMORY_TERMS))
+        alike.setdefault(key, []).append((label, d))
+    groups = [(f"{m[0][0]} (+{len(m) - 1} alike)" if len(m) > 1 else m[0][0], m[0][1], None) for m in alike.values()]
+    note = f"{len(rows)} devices in {len(groups)} bars (devices with identical bars share one)"
+    if len(groups) > MAX_ROWS:
+        groups = sorted(groups, key=lambda g: -g[1].peak_memory_bytes / max(g[1].capacity_bytes, 1))[:MAX_ROWS]
+        note += f"; the {MAX_ROWS} fullest against capacity are drawn"
+    return groups, note
 
 
 def save_figure(fig, path: str | Path) -> None:

@@ -151,3 +151,34 @@ def test_timeline_of_a_1024_device_plan_shows_one_device_per_stage_and_says_so()
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+def test_memory_picture_groups_alike_devices_and_counts_the_sync_staging(tmp_path):
+    """64 single-device replicas with sharded state, all of it owned by one device: alike devices share a
+    bar, and every bar still ends at its devices' predicted peak, the staging of the sharded sync (eq. 14)
+    included where it exceeds the activations it never coexists with."""
+    from baton import pictures
+    from baton.model_spec import PRESETS
+    from baton.plan import DeviceShare, Pipeline, Plan, Stage, validate
+
+    cluster = load_cluster(ROOT / "clusters" / "scale_64.yaml")
+    spec = PRESETS["gpt3-350m"]
+    pipes = tuple(Pipeline(stages=(Stage(first_layer=0, num_layers=spec.num_layers, units_per_layer=1,
+                                         devices=(DeviceShare(id=d.id, units=1, shard_ratio=1.0 if i == 0 else 0.0),)),))
+                  for i, d in enumerate(cluster.devices))
+    plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=1, num_microbatches=1, pipelines=pipes, zero_stage=1))
+    report = evaluate(plan, cluster, ProfileSet(spec))
+    assert report.devices[0].sync_buffer_bytes > report.devices[0].activation_bytes
+    fig = pictures.memory_figure(report, title="m")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(labels) == 3 and sum("alike" in x for x in labels) == 2  # the owner, then the other A100s and the V100s
+    n = len(labels)
+    bars = ax.patches
+    assert len(bars) == n * len(pictures.MEMORY_TERMS)
+    peaks = {d.id: d.peak_memory_bytes for d in report.devices}
+    for row, label in enumerate(labels):
+        width = sum(p.get_width() for p in bars[row::n])
+        dev = next(d for d in report.devices if d.id in label)
+        assert width == pytest.approx(peaks[dev.id] / 1024**3, rel=1e-9)
+    assert "64 devices in 3 bars" in " ".join(t.get_text() for t in fig.texts)
