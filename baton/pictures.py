@@ -155,15 +155,23 @@ def predicted_timeline(report: PlanReport, num_microbatches: int) -> Timeline:
     return Timeline(timeline_rows(report), blocks, report.iteration_time_ms)
 
 
-def _visible(rows: list[Row]) -> tuple[list[int], str]:
+def _visible(timeline: Timeline) -> tuple[list[int], str]:
     """The rows drawn, and a note when some are left out: all up to ``MAX_ROWS``; beyond that the first
-    tensor-parallel rank of each stage of replica 0 (every device of a stage runs the stage's passes), at most
-    ``MAX_ROWS`` of them."""
+    tensor-parallel rank of each stage (every device of a stage runs the stage's passes) of replica 0 and of
+    the replica whose passes end last (replicas may differ in shape and batch), at most ``MAX_ROWS`` of them."""
+    rows = timeline.rows
     if len(rows) <= MAX_ROWS:
         return list(range(len(rows))), ""
-    keep = [i for i, r in enumerate(rows) if r.pipeline == 0 and r.tp_rank == 0]
+    ends: dict[int, float] = {}
+    for b in timeline.blocks:
+        if b.label:
+            ends[rows[b.row].pipeline] = max(ends.get(rows[b.row].pipeline, 0.0), b.end_ms)
+    slowest = max(ends, key=ends.get) if ends else 0
+    shown = sorted({0, slowest})
+    keep = [i for i, r in enumerate(rows) if r.pipeline in shown and r.tp_rank == 0]
+    which = "replica 0" if shown == [0] else f"replicas 0 and {slowest} (the last to finish its passes)"
     note = (f"showing {min(len(keep), MAX_ROWS)} of {len(rows)} devices: tensor-parallel rank 0 of each stage of "
-            "replica 0 (the other devices of a stage run the same passes)")
+            f"{which} (the other devices of a stage run the same passes)")
     if len(keep) > MAX_ROWS:
         note += f"; the first {MAX_ROWS} stages"
     return keep[:MAX_ROWS], note
@@ -223,7 +231,7 @@ def _note(fig, note: str) -> None:
 def timeline_figure(report: PlanReport, num_microbatches: int, *, title: str):
     """The predicted 1F1B timeline of every replica, one row per device (``predicted_timeline``)."""
     timeline = predicted_timeline(report, num_microbatches)
-    keep, note = _visible(timeline.rows)
+    keep, note = _visible(timeline)
     fig, ax = plt.subplots(figsize=(14, 1.6 + 0.42 * len(keep) + (0.3 if note else 0)))
     end = timeline.end_ms
     kinds = _draw_panel(ax, timeline, keep, x_max=end * 1.06, end_label=f"{end:.1f} ms")
@@ -240,7 +248,7 @@ def comparison_figure(predicted: Timeline, measured: Timeline, *, title: str, pr
     one below, with the same rows, colours and kinds of block."""
     if [r.label for r in predicted.rows] != [r.label for r in measured.rows]:
         raise ValueError("the predicted and measured timelines must have the same rows")
-    keep, note = _visible(predicted.rows)
+    keep, note = _visible(predicted)
     x_max = max(predicted.end_ms, measured.end_ms) * 1.06
     panel_in = 0.9 + 0.42 * len(keep)
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(14, 1.2 + 2 * panel_in + (0.3 if note else 0)))

@@ -140,7 +140,7 @@ def test_timeline_of_a_1024_device_plan_shows_one_device_per_stage_and_says_so()
     report = evaluate(plan, load_cluster(ROOT / "clusters" / "scale_1024.yaml"), ProfileSet(plan.model))
     rows = pictures.timeline_rows(report)
     assert len(rows) == 1024
-    keep, note = pictures._visible(rows)
+    keep, note = pictures._visible(pictures.predicted_timeline(report, plan.num_microbatches))
     assert [rows[i].label.split()[2] for i in keep] == ["h100-node-0:0", "a100-80gb-node-0:0", "v100-32gb-node-0:0", "a10g-node-0:0"]
     assert note.startswith("showing 4 of 1024 devices")
     fig = pictures.timeline_figure(report, plan.num_microbatches, title="t")
@@ -182,3 +182,7 @@ def test_memory_picture_groups_alike_devices_and_counts_the_sync_staging(tmp_pat
         dev = next(d for d in report.devices if d.id in label)
         assert width == pytest.approx(peaks[dev.id] / 1024**3, rel=1e-9)
     assert "64 devices in 3 bars" in " ".join(t.get_text() for t in fig.texts)
+    # The timeline of so many replicas shows replica 0 and the slowest one (a V100 here), and says so.
+    keep, note = pictures._visible(pictures.predicted_timeline(report, 1))
+    rows = pictures.timeline_rows(report)
+    assert [rows[i].label.split()[2].split("-")[0] for i in keep] == ["a100", "v100"] and "the last to finish" in note
