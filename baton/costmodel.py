@@ -476,12 +476,50 @@ def group_sync_ms(cluster: ClusterSpec, spec: ModelSpec, holders: Sequence[str],
     return 2 * ring_step_ms(largest_shard * spec.dtype_bytes, len(holders), link)
 
 
-def sync_buffer_bytes(spec: ModelSpec, group_size: int, largest_shard: float, zero_stage: int) -> float:
-    """Eq. 14: stage 1's padded staging of one group's collectives (its n padded chunks and the owner's
-    reduced chunk), alive only while the group syncs; 0 at stage 0 (the all-reduce runs in place)."""
-    if zero_stage == 0 or group_size <= 1:
+def sync_buffer_bytes(spec: ModelSpec, group_size: int, largest_shard: float, zero_stage: int, *, num_params: float = 0.0,
+                      whole: bool = True) -> float:
+    """Eq. 14: what one group's sync stages, alive only while the group syncs (after the backward pass).
+    Stage 0: nothing when the group is everything its holders hold (the all-reduce runs on the gradient
+    buffer itself), else a copy of the group's ``num_params`` gradients. Stage 1: the n chunks padded to the
+    largest shard and the owner's reduced chunk. Nothing for a group of one."""
+    if group_size <= 1:
         return 0.0
+    if zero_stage == 0:
+        return 0.0 if whole else num_params * spec.dtype_bytes
     return (group_size + 1) * largest_shard * spec.dtype_bytes
+
+
+def data_parallel_sync_ms(cluster: ClusterSpec, spec: ModelSpec, groups: Sequence[tuple[Sequence[str], float, float]],
+                          zero_stage: int) -> float:
+    """Eq. 15: T_dp of ``groups`` = (holders, parameters, largest shard) in the runtime's order. Stage 0: the
+    groups' all-reduces scheduled as ``sync_schedule_ms`` does. Stage 1: every group's reduce-scatter in
+    order, then (after the owners' step) every group's all-gather in order: two schedules of one ring pass
+    each, as clipping and the fp16 overflow check need every reduced gradient before any update."""
+    if zero_stage == 0:
+        return sync_schedule_ms([(h, group_sync_ms(cluster, spec, h, n, big, 0)) for h, n, big in groups])
+    one_pass = [(h, group_sync_ms(cluster, spec, h, n, big, 1) / 2) for h, n, big in groups]
+    return 2 * sync_schedule_ms(one_pass)
+
+
+def max_layers_with_sync_buffer(slot: DeviceSlot, spec: ModelSpec, param_bytes: float, edge: EdgeCost, cap: int, *,
+                                owned_fraction, group_size: int, shard_params_per_layer, shard_params_fixed) -> np.ndarray:
+    """Eq. 8's second branch with eq. 14: the largest L in [0, cap] at which the device still fits while its
+    group syncs at stage 1, 2 W + O(owned_fraction) + sync buffer + reserve <= C, when the group's largest
+    shard holds ``shard_params_per_layer * L + shard_params_fixed`` parameters; -1 when not even L = 0 fits.
+    (The first branch, activations and recompute buffer, is ``max_layers_that_fit``'s: the evaluator's peak
+    is the larger of the two, so a device fits iff both do.) ``owned_fraction`` and the shard figures may be
+    numpy arrays; they broadcast together and the answer has their shape. Exact: every L is checked with
+    ``device_memory`` itself, the comparison the evaluator makes."""
+    shape = np.broadcast(np.asarray(owned_fraction), np.asarray(shard_params_per_layer), np.asarray(shard_params_fixed)).shape
+    L = np.arange(cap + 1, dtype=np.int64).reshape((1,) * len(shape) + (cap + 1,))
+    own = np.asarray(owned_fraction, dtype=float)[..., None]
+    shard = np.asarray(shard_params_per_layer, dtype=float)[..., None] * L + np.asarray(shard_params_fixed, dtype=float)[..., None]
+    no_activations = EdgeCost(fwd_ms=edge.fwd_ms, bwd_ms=edge.bwd_ms, saved_bytes=0.0, param_bytes=edge.param_bytes)
+    peak = device_memory(slot, spec, L, param_bytes=param_bytes, held_bytes=0.0, transient_bytes=0.0, edge=no_activations,
+                         owned_fraction=own, sync_buffer_bytes=sync_buffer_bytes(spec, group_size, shard, 1)).peak_bytes
+    fits = np.broadcast_to(peak <= slot.memory_bytes, shape + (cap + 1,))
+    count = np.where(fits.all(axis=-1), cap + 1, np.argmin(fits, axis=-1))  # memory grows with L: a prefix fits
+    return count - 1
 
 
 def sync_schedule_ms(groups: Sequence[tuple[Sequence[str], float]]) -> float:

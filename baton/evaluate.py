@@ -5,9 +5,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (BLOCKS, device_memory, device_slot, edge_cost, embedding_sync_ms, group_sync_ms, layer_cost,
+from baton.costmodel import (BLOCKS, device_memory, device_slot, edge_cost, embedding_sync_ms, layer_cost,
                              layer_train_ms, model_flops_per_s, peak_flops, pipeline_transfers, stage_constants, stage_time_ms,
-                             sync_buffer_bytes, sync_schedule_ms)
+                             data_parallel_sync_ms, sync_buffer_bytes)
 from baton.peers import held_params, owned_fractions, owned_params, peer_groups
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
@@ -153,7 +153,8 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     buffer = {i: 0.0 for i in held}
     for g, big in zip(groups, largest):
         for h in g.holders:
-            buffer[h] = max(buffer[h], sync_buffer_bytes(spec, g.size, big, plan.zero_stage))
+            whole = all(held[x] == g.num_params for x in g.holders)  # the group is all its holders hold
+            buffer[h] = max(buffer[h], sync_buffer_bytes(spec, g.size, big, plan.zero_stage, num_params=g.num_params, whole=whole))
     stage_reports: list[StageReport] = []
     device_reports: list[DeviceReport] = []
     pipeline_times = []
@@ -203,8 +204,8 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
         pipeline_times.append(iteration_time_1f1b(timing, m))
 
     emb_sync = embedding_sync_ms(cluster, spec, [[s.device_ids for s in pipe.stages] for pipe in plan.pipelines])
-    dp_sync = sync_schedule_ms([(g.holders, group_sync_ms(cluster, spec, g.holders, g.num_params, big, plan.zero_stage))
-                                for g, big in zip(groups, largest)])
+    dp_sync = data_parallel_sync_ms(cluster, spec, [(g.holders, g.num_params, big) for g, big in zip(groups, largest)],
+                                    plan.zero_stage)
     opt = max(r.optimizer_ms for r in device_reports)
     total = max(pipeline_times) + emb_sync + dp_sync + opt
 

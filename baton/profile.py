@@ -214,6 +214,9 @@ class Profile:
         else:
             cols = [at(mb) for mb in mbs]
             vals = [_interp([float(m) for m in mbs], [c[i] for c in cols], float(micro_batch)) for i in range(len(self.VALUE_COLUMNS))]
+            # Parameters do not grow with the batch: a table of one micro-batch size would otherwise scale
+            # them with it, as it rightly scales times and activations.
+            vals[self.VALUE_COLUMNS.index("param_bytes")] = cols[0][self.VALUE_COLUMNS.index("param_bytes")]
         return OpCost(**{k: float(v) for k, v in zip(self.VALUE_COLUMNS, vals)})
 
     def optimizer_sample(self) -> tuple[float, float] | None:

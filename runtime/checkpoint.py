@@ -11,9 +11,13 @@ A checkpoint is a directory ``<save-dir>/step-000123/`` holding
   scale (``loss_scale``: scale, clean steps, skipped steps; fp16 runs only), data source, and the size
   and SHA-256 of every other file (``files``).
 
-Rank 0 gathers the slices point-to-point (any split sizes, gloo or NCCL), writes into a temporary
+Rank 0 gathers the state point-to-point from the ranks that keep it (``runtime.replica_sync``: every
+peer group's first holder, or with ``zero_stage`` 1 each owner of a shard; any split sizes, gloo or
+NCCL), writes into a temporary
 directory beside the final one and renames it, so a partly written checkpoint never has the final name.
-Loading uses safetensors and JSON only (no pickle); every rank reads the slices it needs.
+Loading uses safetensors and JSON only (no pickle); every rank reads the slices it needs (with
+``zero_stage`` 1, the moments of its owned shards only). Nothing in a checkpoint depends on the plan: a run
+saved under one sharding stage, replica shapes and batch split resumes under any other.
 
 Resuming picks the newest checkpoint whose files match their checksums (``find_resumable``) and says
 which newer ones it skipped and why: a checkpoint damaged on disk costs the steps since the previous
@@ -181,79 +185,59 @@ def read_meta(path: str | Path, spec: ModelSpec) -> dict:
 # --- saving ---------------------------------------------------------------------------------------
 
 
-def _owners(engine, name: str) -> list[tuple[int, object]]:
-    """(rank, slice) of the pipeline-0 ranks whose local tensors make up parameter ``name``."""
-    topo, spec = engine.topo, engine.plan.model
-    out = []
-    for si, stage in enumerate(engine.plan.pipelines[0].stages):
-        holds = (name.startswith("wte.") and si in (0, topo.num_stages - 1)) or \
-                (name.startswith("wpe.") and si == 0) or \
-                (name.startswith("ln_f.") and si == topo.num_stages - 1) or \
-                (name.startswith("h.") and int(name.split(".")[1]) in stage.layers)
-        if not holds:
+def _gather_full_state(engine) -> dict[str, torch.Tensor] | None:
+    """Collective. On rank 0: parameter name -> (3, *full shape) fp32, the (master) weights and both
+    AdamW moments (zeros before the first step); None on the other ranks.
+
+    The state is read group by group (``baton.peers``' peer groups, ``runtime.replica_sync``), from the
+    ranks that keep it: at stage 0 each group's first holder (all holders have the same), at stage 1
+    each owner of a shard; only the pieces a group is the first to hold are read. Each region of a full
+    tensor is assembled from the shards that cover it and written into place; ranks send point-to-point
+    in the same order rank 0 receives, so any split sizes work on gloo and NCCL."""
+    rank, spec, sync = dist.get_rank(), engine.plan.model, engine.sync
+    full = {name: torch.zeros((3, *shape)) for name, shape in parameter_shapes(spec).items()} if rank == 0 else None
+    for index, layout in enumerate(sync.layouts):
+        owners = sync.state_owners(index)
+        if rank != 0 and all(r != rank for r, _, _ in owners):
             continue
-        for r in topo.ranks[0][si]:
-            pos = topo.position(r)
-            where = parameter_slice(spec, name, pos.heads, pos.ffn_cols)
-            out.append((r, where))
-            if where is None:
-                return out  # replicated: one copy is enough
-    return out
-
-
-def _local_shape(shape, where):
-    if where is None:
-        return tuple(shape)
-    dim, pieces = where
-    s = list(shape)
-    s[dim] = sum(b - a for a, b in pieces)
-    return tuple(s)
-
-
-def _local_state(engine, name: str) -> torch.Tensor:
-    """(3, *local shape), fp32: the (master) parameter and its two AdamW moments (zeros before the first step)."""
-    p = engine.master_parameters()[name]
-    st = engine.optimizer.state.get(p, {})
-    m = st.get("exp_avg", torch.zeros_like(p))
-    v = st.get("exp_avg_sq", torch.zeros_like(p))
-    return torch.stack([p.detach(), m, v])
-
-
-def _optimizer_step_count(engine) -> int:
-    for st in engine.optimizer.state.values():
-        if "step" in st:
-            return int(st["step"])
-    return 0
+        for e in layout.entries:
+            if not any(a < e.offset + e.numel and e.offset < b for a, b in layout.counted):
+                continue  # a copy of pieces an earlier group holds (a TP rank's LayerNorms, the head's rows)
+            region = torch.empty((3, e.numel)) if rank == 0 else None
+            for r, lo, hi in owners:
+                a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+                if a >= b:
+                    continue
+                if r == rank:
+                    part = engine.state_range(index, a, b)
+                    if rank == 0:
+                        region[:, a - e.offset:b - e.offset] = part.cpu()
+                    else:
+                        dist.send(part.contiguous(), 0)
+                elif rank == 0:
+                    part = torch.empty((3, b - a), device=engine.device)
+                    dist.recv(part, r)
+                    region[:, a - e.offset:b - e.offset] = part.cpu()
+            if rank == 0:
+                for k in range(3):
+                    put_slice(full[e.name][k], region[k].view(e.shape), e.where)
+    return full
 
 
 def save_checkpoint(engine, save_dir: str | Path, *, step: int, samples_seen: int, extra: dict, keep: int = 0) -> Path:
     """Collective: every rank calls it. Rank 0 writes ``save_dir/step-XXXXXX`` atomically, then keeps
     only the ``keep`` newest checkpoints (0: all)."""
     rank, spec = dist.get_rank(), engine.plan.model
-    tensors, moments = {}, {}
-    for name, shape in parameter_shapes(spec).items():
-        owners = _owners(engine, name)
-        if rank == 0:
-            full = torch.empty((3, *shape))
-            for r, where in owners:
-                if r == 0:
-                    local = _local_state(engine, name)
-                else:
-                    local = torch.empty((3, *_local_shape(shape, where)), device=engine.device)
-                    dist.recv(local, r)
-                local = local.cpu()
-                for k in range(3):
-                    put_slice(full[k], local[k], where)
-            tensors[name], moments[f"exp_avg.{name}"], moments[f"exp_avg_sq.{name}"] = full[0], full[1], full[2]
-        elif any(r == rank for r, _ in owners):
-            dist.send(_local_state(engine, name).contiguous(), 0)
+    full = _gather_full_state(engine)
     final = Path(save_dir) / checkpoint_name(step)
     if rank == 0:
-        g = engine.optimizer.param_groups[0]
+        tensors = {name: t[0] for name, t in full.items()}
+        moments = {f"{kind}.{name}": t[k] for name, t in full.items() for k, kind in ((1, "exp_avg"), (2, "exp_avg_sq"))}
+        g = engine.optimizer_settings()
         # The schedule is a function of the step, so its settings (and the step) are its whole state.
         meta = {"format": FORMAT, "model": spec.to_dict(), "step": step, "samples_seen": samples_seen,
-                "seed": engine.seed, "optimizer": {"name": "adamw", "step": _optimizer_step_count(engine), "lr": g["lr"],
-                                                   "betas": list(g["betas"]), "eps": g["eps"],
+                "seed": engine.seed, "optimizer": {"name": "adamw", "step": engine.optimizer_steps(), "lr": g["lr"],
+                                                   "betas": g["betas"], "eps": g["eps"],
                                                    "weight_decay": engine.weight_decay, "weight_decay_skips": "biases, LayerNorms",
                                                    "clip_grad": engine.clip_grad,
                                                    "schedule": engine.schedule.as_dict()}, **extra}
@@ -345,9 +329,27 @@ class CheckpointReader:
             except (KeyError, TypeError, ValueError) as exc:
                 raise BatonError(f"malformed loss_scale in meta.json: {exc}", source=str(self.path)) from None
         steps = int(self.meta.get("optimizer", {}).get("step", 0))
+        file = "optimizer.safetensors"
+        if engine.sharded:
+            # Each rank reads the regions of its owned shards; one full tensor of each kind is kept at a time.
+            if steps == 0:
+                engine.precision.load_moments(None, 0)
+                return
+            with self._open(file) as fh:
+                cache: dict = {}
+
+                def full_of(kind: str, name: str) -> torch.Tensor:
+                    if (kind, name) not in cache:
+                        if len(cache) >= 2:
+                            cache.clear()
+                        key = f"{kind}.{name}"
+                        cache[(kind, name)] = self._finite(file, key, fh.get_tensor(key))
+                    return cache[(kind, name)]
+
+                engine.precision.load_moments(full_of, steps)
+            return
         if steps == 0:
             return
-        file = "optimizer.safetensors"
         with self._open(file) as fh:
             for name, p in engine.master_parameters().items():
                 where = parameter_slice(self.spec, name, engine.pos.heads, engine.pos.ffn_cols)

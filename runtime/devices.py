@@ -156,7 +156,8 @@ def resolve_cluster(plan: Plan, path: str | Path | None) -> tuple[ClusterSpec, s
 
 
 def prediction_profiles(plan: Plan, cluster: ClusterSpec, directory: str | Path | None) -> ProfileSet:
-    """The tables of the plan's GPU types: found ones (measured first), else derived at the plan's micro-batch."""
+    """The tables of the plan's GPU types: found ones (measured first), else derived at the micro-batch sizes
+    of the plan's replicas."""
     spec, tables = plan.model, {}
     for gpu in {cluster.device(i).gpu.name for i in plan.device_ids()}:
         try:
@@ -164,7 +165,8 @@ def prediction_profiles(plan: Plan, cluster: ClusterSpec, directory: str | Path 
         except BatonError as exc:
             if "no profile for GPU" not in exc.message:
                 raise
-            tables[gpu] = Profile(derive_table(spec, gpu, micro_batches=(plan.micro_batch_size,)), source=f"<derived {gpu}>")
+            sizes = tuple(sorted({plan.batch(i)[0] for i in range(len(plan.pipelines))}))  # replicas may differ
+            tables[gpu] = Profile(derive_table(spec, gpu, micro_batches=sizes), source=f"<derived {gpu}>")
     return ProfileSet(spec, directory=directory, tables=tables)
 
 

@@ -1,6 +1,13 @@
 """One rank's training step: a 1F1B pipeline schedule over point-to-point sends, gradient
 synchronisation (tied embedding, data-parallel replicas) and the optimizer.
 
+Replicas may differ in shape and batch: replica r runs its own ``plan.batch(r)`` = (b_r, m_r), m_r
+micro-batches of b_r samples, on samples [sum_{q<r} b_q m_q, + b_r m_r) of each global batch in the
+batch's canonical order, and every micro-batch's loss is divided by the global batch's token count, so
+the summed update is the single-device update on the whole global batch. Gradients are summed across
+replicas over ``baton.peers``' peer groups (``runtime.replica_sync``); with ``zero_stage`` 1 the
+optimizer state is sharded over each group's holders (``runtime.sharded_optimizer``).
+
 The model spec's dtype decides the precision (``runtime.precision``): the stage's parameters,
 activations, pipeline messages and gradients are in the compute dtype, the stage's cross-entropy works
 in fp32 (the head keeps an fp32 softmax, as docs/cost-model.md counts), and AdamW updates fp32 master
@@ -9,9 +16,9 @@ is skipped on every rank.
 
 Optimisation (``runtime.schedule``): the learning rate of every step comes from an ``LRSchedule``; weight
 decay skips biases and LayerNorms; the global gradient norm is summed over every parameter of the model
-exactly once (a TP shard on its rank, a parameter replicated over TP ranks on TP rank 0 only, the tied
-embedding on the first stage only, pipeline 0 only among data-parallel replicas), rides on the step's
-one small all-reduce, and clips the update when ``clip_grad`` is set: the update of any plan is the
+exactly once (each piece in the first peer group that holds it, by the group's first holder, or at
+``zero_stage`` 1 by the element's owner: ``ReplicaSync.norm_views``), rides on the step's one small
+all-reduce, and clips the update when ``clip_grad`` is set: the update of any plan is the
 single-device one.
 
 With a ``tracer`` (``runtime.trace``, ``baton train --trace``) the step also records its spans: forward,
@@ -38,7 +45,9 @@ from baton.plan import Plan
 from runtime.model import init_parameter, parameter_shapes
 from runtime.meters import SavedBytes
 from runtime.precision import LossScaleSettings, MasterWeights, compute_dtype
+from runtime.replica_sync import ReplicaSync
 from runtime.schedule import LRSchedule, clip_coefficient, decays
+from runtime.sharded_optimizer import ShardedAdamW
 from runtime.slicing import parameter_slice, take_slice
 from runtime.stage import StageModel
 from runtime.tp_layer import MicroBatch
@@ -71,9 +80,12 @@ class StepStats:
     """Time in tensor-parallel all-reduces over the step's passes, waits for peers included (None on
     CUDA, where the call returns before the GPU runs it)."""
     grad_sync_ms: float = 0.0
-    """Tied-embedding and data-parallel gradient all-reduces on this rank (waits for peers included)."""
+    """Tied-embedding all-reduce and the data-parallel gradient collectives on this rank (all-reduces, or at
+    ``zero_stage`` 1 the reduce-scatters; waits for peers included)."""
     optimizer_ms: float = 0.0
-    """The AdamW update on this rank."""
+    """The AdamW update on this rank (at ``zero_stage`` 1 with the all-gathers of the updated weights)."""
+    gather_ms: float = 0.0
+    """At ``zero_stage`` 1: the all-gathers of the updated weights on this rank (part of optimizer_ms)."""
     peak_saved_bytes: int = 0
     """Peak bytes of activations kept for backward on this rank during the step."""
     peak_allocated_bytes: int = 0
@@ -91,9 +103,9 @@ class StepStats:
     grads_bytes: int = 0
     """Measured after the step: their gradients (eq. 8's second W_d)."""
     master_bytes: int = 0
-    """Measured after the step: fp32 master weights (fp16/bf16 only)."""
+    """Measured after the step: fp32 master weights (fp16/bf16 only; at ``zero_stage`` 1 the owned shards')."""
     moments_bytes: int = 0
-    """Measured after the step: AdamW's fp32 moments."""
+    """Measured after the step: AdamW's fp32 moments (at ``zero_stage`` 1 the owned shards')."""
     lr: float = 0.0
     """Learning rate this step's update used."""
     grad_norm: float = 0.0
@@ -127,22 +139,36 @@ class Engine:
         self.device = torch.device(device)
         self.topo = Topology(plan)
         self.pos = self.topo.position(rank)
+        # Every group of the run (tensor-parallel, peer, tied), created on every rank in one order.
         self.groups = self.topo.groups(self.pos, timeout_s=timeout_s)
         spec, stage = plan.model, self.topo.stage(self.pos)
-        self.first, self.last = self.pos.stage == 0, self.pos.stage == plan.num_stages - 1
+        self.first, self.last = self.pos.first, self.pos.last
+        self.num_stages = self.pos.num_stages
+        """Stages of this rank's pipeline."""
+        self.micro_batch_size, self.num_microbatches = plan.batch(self.pos.pipeline)
+        """This replica's micro-batch size and count."""
+        self.first_sample = sum(plan.samples(r) for r in range(self.pos.pipeline))
+        """Index in the global batch of this replica's first sample."""
         self.model = StageModel(spec, layers=stage.layers, heads=self.pos.heads, ffn_cols=self.pos.ffn_cols,
                                 first=self.first, last=self.last, recompute=self.pos.recompute,
                                 tp_group=self.groups.tp)
         self.model.load_full(full or (lambda name: init_parameter(spec, name, seed)))
         self.model.to(self.device)
         self.dtype = compute_dtype(spec.dtype)
-        # Casts the module to the compute dtype after copying the fp32 masters (fp16/bf16).
-        self.precision = MasterWeights(self.model, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
-                                       weight_decay=weight_decay, loss_scale=loss_scale,
-                                       decays=[decays(n) for n, _ in self.model.named_parameters()])
+        self.sync = ReplicaSync(plan, self.topo, self.pos, self.model, self.groups.peers)
+        # Both cast the module to the compute dtype after copying the fp32 masters (fp16/bf16).
+        if plan.zero_stage >= 1:
+            self.precision = ShardedAdamW(self.model, self.sync, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                          weight_decay=weight_decay, loss_scale=loss_scale)
+        else:
+            self.precision = MasterWeights(self.model, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                           weight_decay=weight_decay, loss_scale=loss_scale,
+                                           decays=[decays(n) for n, _ in self.model.named_parameters()])
         self.optimizer = self.precision.optimizer
+        """The torch AdamW over this rank's (master) parameters; None with sharded state (``zero_stage`` 1)."""
         self.grad_buffer = self._contiguous_grads()
-        self._norm_views = self._counted_grads()
+        self.sync.bind_grads(self.grad_buffer, {n: v for (n, _), (_, v) in zip(self.model.named_parameters(), self._grad_views)})
+        self._norm_views = self.sync.norm_views()
         self.measure = measure
         self.samples_per_step = plan.global_batch
         self.tracer = None
@@ -150,6 +176,10 @@ class Engine:
 
     def load_full(self, full) -> None:
         """Set this rank's weights (and fp32 master weights) from ``full(name) -> full fp32 tensor``."""
+        if isinstance(self.precision, ShardedAdamW):
+            self.model.load_full(full)  # the compute-dtype weights, rounded from the full values
+            self.precision.load_masters(full)
+            return
         if not self.precision.mixed:
             self.model.load_full(full)
             return
@@ -164,10 +194,48 @@ class Engine:
         self.precision.load_full_values(values)
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
-        """Parameter name -> the fp32 tensor AdamW updates (the parameter itself in fp32): what
-        checkpoints save and restore, with its AdamW state in ``self.optimizer.state``."""
+        """Parameter name -> the fp32 tensor AdamW updates (the parameter itself in fp32), with its AdamW
+        state in ``self.optimizer.state``. Not at ``zero_stage`` 1, where a rank keeps master weights
+        of its owned shards only (``state_range``)."""
         masters = self.precision.master_of()
         return {name: masters[id(p)] for name, p in self.model.named_parameters()}
+
+    @property
+    def sharded(self) -> bool:
+        """The optimizer state is sharded over peer groups (``zero_stage`` 1)."""
+        return isinstance(self.precision, ShardedAdamW)
+
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (AdamW's bias-correction step; skipped steps not counted)."""
+        if self.sharded:
+            return self.precision.steps
+        for st in self.optimizer.state.values():
+            if "step" in st:
+                return int(st["step"])
+        return 0
+
+    def optimizer_settings(self) -> dict:
+        """lr (of the last step), betas and eps of the AdamW update."""
+        if self.sharded:
+            return {"lr": self.precision.lr, "betas": list(self.precision.betas), "eps": self.precision.eps}
+        g = self.optimizer.param_groups[0]
+        return {"lr": g["lr"], "betas": list(g["betas"]), "eps": g["eps"]}
+
+    @torch.no_grad()
+    def state_range(self, index: int, lo: int, hi: int) -> torch.Tensor:
+        """(3, hi - lo) fp32: (master) weights, exp_avg and exp_avg_sq of flat elements [lo, hi) of peer
+        group ``index`` (``ReplicaSync.state_owners`` says which rank keeps which range): what checkpoints save."""
+        if self.sharded:
+            return self.precision.state_range(index, lo, hi)
+        sg = self.sync.mine_by_index(index)
+        masters = self.master_parameters()
+        out = torch.zeros((3, hi - lo), dtype=torch.float32, device=self.device)
+        self.sync.copy(sg, masters.__getitem__, lo, hi, out[0], into_buffer=True)
+        for k, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+            def moment(name, key=key):
+                return self.optimizer.state.get(masters[name], {}).get(key, torch.zeros_like(masters[name]))
+            self.sync.copy(sg, moment, lo, hi, out[k], into_buffer=True)
+        return out
 
     def _contiguous_grads(self) -> torch.Tensor:
         """One flat buffer whose views are every parameter's ``.grad``: backward accumulates into it in
@@ -183,26 +251,6 @@ class Engine:
             offset += p.numel()
         self._bind_grads()
         return buffer
-
-    def _counted_grads(self) -> list[torch.Tensor]:
-        """The gradient views this rank adds to the global norm, so that every element of the full
-        model's gradient is counted exactly once over all ranks (see the module docstring). The
-        embedding's padding rows (past vocab_size) are left out: the single-device model has none."""
-        pos, spec = self.pos, self.plan.model
-        if pos.pipeline != 0:
-            return []  # replicas hold the same summed gradients as pipeline 0
-        views = dict(zip((n for n, _ in self.model.named_parameters()), (v for _, v in self._grad_views)))
-        out = []
-        for name, view in views.items():
-            if name == "wte.weight":
-                if not self.first:
-                    continue  # the tied head's rows on the last stage hold the same summed gradient
-                rows = self.model.vocab
-                view = view[: max(0, min(rows.stop, spec.vocab_size) - rows.start)]
-            elif parameter_slice(spec, name, pos.heads, pos.ffn_cols) is None and pos.tp_rank != 0:
-                continue  # replicated on the stage's TP ranks (LayerNorms, row-parallel biases, wpe, ln_f)
-            out.append(view)
-        return out
 
     def _grad_square_sum(self) -> float:
         """Sum of squares of the gradients this rank counts (as they are: loss-scaled in fp16)."""
@@ -224,7 +272,7 @@ class Engine:
     # --- point-to-point ----------------------------------------------------------------------------
     def _recv(self, src: int, rows: int | None = None, **trace_args) -> torch.Tensor:
         spec = self.plan.model
-        rows = self.plan.micro_batch_size if rows is None else rows
+        rows = self.micro_batch_size if rows is None else rows
         buf = torch.empty(rows, spec.seq_len, spec.hidden_dim, device=self.device, dtype=self.dtype)
         t0 = time.perf_counter()
         out = self.topo.recv(buf, src, timeout_s=self.timeout_s)
@@ -244,7 +292,7 @@ class Engine:
     def forward_backward(self, step: int, data) -> StepStats:
         """Run the 1F1B schedule of one step and leave the synchronised gradients in ``.grad``."""
         plan, spec, pos, topo = self.plan, self.plan.model, self.pos, self.topo
-        m, mbs = plan.num_microbatches, plan.micro_batch_size
+        m, mbs = self.num_microbatches, self.micro_batch_size
         denom = self.samples_per_step * spec.seq_len
         sync = self.device.type == "cuda"
         self._bind_grads()
@@ -265,8 +313,8 @@ class Engine:
         pending, inflight, loss_sum = [], {}, 0.0
         fwd_src, bwd_src = topo.forward_source(pos), topo.backward_source(pos)
         fwd_dst, bwd_dst = topo.forward_targets(pos), topo.backward_targets(pos)
-        for kind, i in schedule_1f1b(plan.num_stages, m, pos.stage):
-            samples = torch.arange(mbs) + (pos.pipeline * m + i) * mbs
+        for kind, i in schedule_1f1b(self.num_stages, m, pos.stage):
+            samples = torch.arange(mbs) + self.first_sample + i * mbs
             if kind == "F":
                 tokens, targets = data.batch(step, samples) if (self.first or self.last) else (None, None)
                 x = tokens.to(self.device) if self.first else self._recv(fwd_src, step=step, mb=i).requires_grad_()
@@ -325,7 +373,8 @@ class Engine:
             torch.cuda.synchronize()
         stats.grad_sync_ms = (time.perf_counter() - t0) * 1e3
         if tracer is not None:
-            tracer.add("gradient sync (tied, data-parallel)", "allreduce", t0, t0 + stats.grad_sync_ms / 1e3, step=step)
+            tracer.add("gradient sync (tied, data-parallel)" if not self.sharded else
+                       "gradient sync (tied, data-parallel reduce-scatter)", "allreduce", t0, t0 + stats.grad_sync_ms / 1e3, step=step)
         t_metrics = time.perf_counter()
         my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
         # One small all-reduce carries the global loss, every stage's compute time and (fp16) the count of
@@ -363,7 +412,7 @@ class Engine:
         Each batch of the source is split over pipelines and micro-batches as a training step's is, and
         run forward only (every stage receives, computes and sends on, in micro-batch order). A batch's
         samples past the source's last window are not run at all, so every window counts once."""
-        plan, spec, pos, m, mbs = self.plan, self.plan.model, self.pos, self.plan.num_microbatches, self.plan.micro_batch_size
+        plan, spec, pos, m, mbs = self.plan, self.plan.model, self.pos, self.num_microbatches, self.micro_batch_size
         fwd_src, fwd_dst = self.topo.forward_source(pos), self.topo.forward_targets(pos)
         self.model.eval()
         pending, loss_sum = [], 0.0
@@ -371,7 +420,7 @@ class Engine:
             for index in range(source.num_batches):
                 windows = min(source.global_batch, source.num_windows - index * source.global_batch)
                 for i in range(m):
-                    first_sample = (pos.pipeline * m + i) * mbs
+                    first_sample = self.first_sample + i * mbs
                     n = min(mbs, windows - first_sample)  # a prefix of the micro-batch: the same on every rank
                     if n <= 0:
                         continue
@@ -401,12 +450,12 @@ class Engine:
 
     def _sync_grads(self) -> None:
         """Sum the tied embedding's two gradients (first and last stage), then sum the replicas'
-        gradients (each micro-batch loss is already divided by the global batch's token count)."""
+        gradients over the peer groups (each micro-batch loss is already divided by the global batch's
+        token count): all-reduces, or at ``zero_stage`` 1 reduce-scatters to the owners."""
         if self.groups.tied is not None and hasattr(self.model, "wte"):
             # Each rank holds its own vocabulary rows; the two stages may split them differently.
             self.model.sum_tied_gradient(self.groups.tied)
-        if self.groups.dp is not None:
-            dist.all_reduce(self.grad_buffer, group=self.groups.dp)
+        self.sync.sync_grads()
 
     def train_step(self, step: int, data) -> StepStats:
         """Forward, backward, gradient sync, clipping and one AdamW update at the schedule's learning
@@ -425,6 +474,7 @@ class Engine:
             torch.cuda.synchronize()
             stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)  # the update included
         stats.optimizer_ms = (time.perf_counter() - t1) * 1e3
+        stats.gather_ms = getattr(self.precision, "gather_ms", 0.0)
         if self.tracer is not None:
             self.tracer.add("optimizer", "optimizer", t1, t1 + stats.optimizer_ms / 1e3, step=step, lr=stats.lr)
         stats.iteration_ms = (time.perf_counter() - t0) * 1e3

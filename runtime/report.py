@@ -50,7 +50,6 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
     steps against the catalog peaks of ``cluster`` when None)."""
     pred = evaluate(plan, cluster, profiles)
     ids = plan.device_ids()
-    m = plan.num_microbatches
     steps = {r: (h[1:] if len(h) > 1 else h) for r, h in per_rank.items()}
     rank0 = steps[0]
     measured_iter = statistics.median(s.iteration_ms for s in rank0)
@@ -80,14 +79,16 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
         })
     stages = []
     for s in pred.stages:
-        if s.pipeline != 0:
-            continue
-        measured_stage = statistics.median(st.stage_ms[s.index] for st in rank0) / m
+        m = plan.batch(s.pipeline)[1]
         rank = ids.index(s.devices[0])
         hist = steps.get(rank, [])
+        if s.pipeline == 0:
+            measured_stage = statistics.median(st.stage_ms[s.index] for st in rank0) / m
+        else:  # stage_ms covers replica 0's stages; elsewhere TP rank 0's own passes per micro-batch
+            measured_stage = statistics.median(statistics.mean(st.forward_ms) + statistics.mean(st.backward_ms) for st in hist)
         timed = [st.tp_allreduce_ms for st in hist]
         measured_ar = statistics.median(timed) / m if timed and None not in timed else None
-        stages.append({"index": s.index, "devices": s.devices,
+        stages.append({"pipeline": s.pipeline, "index": s.index, "devices": s.devices,
                        "measured_ms": measured_stage, "predicted_ms": s.fwd_ms + s.bwd_ms,
                        "rel_error": _rel(measured_stage, s.fwd_ms + s.bwd_ms),
                        "allreduce_measured_ms": measured_ar, "allreduce_predicted_ms": s.allreduce_ms})
@@ -101,11 +102,29 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
     sync_m = statistics.median(max((min(per_step(k, "grad_sync_ms", g) or [0.0]) for g in sets), default=0.0)
                                for k in range(len(rank0)))
     opt_m = statistics.median(max(per_step(k, "optimizer_ms", list(steps))) for k in range(len(rank0)))
+    gather_m = statistics.median(max(per_step(k, "gather_ms", list(steps))) for k in range(len(rank0)))
+    # At zero_stage 1 the data-parallel sync is two passes (eq. 15): the reduce-scatters before the step's
+    # norm, the all-gathers after the owners' update (measured inside the optimizer step).
+    reduce_pred = pred.dp_sync_ms / 2 if plan.zero_stage else pred.dp_sync_ms
     phases = {
         "pipeline_ms": {"measured": measured_iter - sync_m - opt_m, "predicted": pred.pipeline_ms},
-        "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + pred.dp_sync_ms},
-        "optimizer_ms": {"measured": opt_m, "predicted": pred.optimizer_ms},
+        "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + reduce_pred},
+        "optimizer_ms": {"measured": opt_m - gather_m, "predicted": pred.optimizer_ms},
     }
+    if plan.zero_stage:
+        phases["gather_ms"] = {"measured": gather_m, "predicted": pred.dp_sync_ms - reduce_pred}
+    replicas = []
+    for r in range(len(plan.pipelines)):
+        ranks = [k for k, i in enumerate(ids) if next(d for d in pred.devices if d.id == i).pipeline == r]
+        # A replica's pipeline: its slowest rank's step before the gradient sync (which includes waiting
+        # for slower replicas) and the optimizer.
+        own = statistics.median(max(st.iteration_ms - st.grad_sync_ms - st.optimizer_ms
+                                    for st in (steps[k][j] for k in ranks if k in steps and j < len(steps[k])))
+                                for j in range(len(rank0)))
+        b, mr = plan.batch(r)
+        replicas.append({"pipeline": r, "micro_batch_size": b, "num_microbatches": mr, "samples": b * mr,
+                         "pipeline_ms": {"measured": own, "predicted": pred.replica_pipeline_ms[r],
+                                         "rel_error": _rel(own, pred.replica_pipeline_ms[r])}})
     for v in phases.values():
         v["rel_error"] = _rel(v["measured"], v["predicted"])
     if speed is None:
@@ -114,7 +133,8 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
     last0 = per_rank[0][-1]
     return {
         "plan": {"model": plan.model.name, "cluster": plan.cluster, "global_batch": plan.global_batch,
-                 "micro_batch_size": plan.micro_batch_size, "num_microbatches": m, "devices": ids},
+                 "micro_batch_size": plan.micro_batch_size, "num_microbatches": plan.num_microbatches,
+                 "zero_stage": plan.zero_stage, "devices": ids},
         "steps_measured": len(rank0),
         "iteration_time_ms": {"measured": measured_iter, "predicted": pred.iteration_time_ms,
                               "rel_error": _rel(measured_iter, pred.iteration_time_ms)},
@@ -124,6 +144,7 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
                        "peak_tflops": speed.peak_tflops, "mfu": {"measured": speed.mfu, "predicted": pred.mfu}},
         "precision": {"dtype": plan.model.dtype, "loss_scale": last0.loss_scale, "skipped_steps": speed.skipped_steps},
         "phases": phases,
+        "replicas": replicas,
         "stages": stages,
         "devices": devices,
         "prediction": pred.to_dict(),
@@ -212,8 +233,10 @@ def timeline_figure(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, span
     ratio = f", measured {measured.end_ms / pred.iteration_time_ms:.2g}x as long" if pred.iteration_time_ms > 0 else ""
     fig = pictures.comparison_figure(
         pictures.predicted_timeline(pred, plan.num_microbatches), measured,
-        title=f"{plan.model.name} on {plan.cluster}: {plan.num_microbatches} micro-batch(es) of {plan.micro_batch_size}, "
-              f"{len(plan.device_ids())} device(s)",
+        title=f"{plan.model.name} on {plan.cluster}: "
+              + (f"{plan.num_microbatches} micro-batch(es) of {plan.micro_batch_size}" if plan.uniform_batches
+                 else "replicas' batches " + ", ".join(f"{m}x{b}" for b, m in map(plan.batch, range(len(plan.pipelines)))))
+              + f", {len(plan.device_ids())} device(s)",
         predicted_title=f"predicted (the evaluator, docs/cost-model.md): {pred.iteration_time_ms:.1f} ms{ratio}",
         measured_title=f"measured: step {step + 1} ({why}), {measured.end_ms:.1f} ms from its first span to its last "
                        f"(rank 0's step: {took:.1f} ms)")
@@ -232,8 +255,14 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
     rows = [("iteration ms", f"{it['measured']:.1f}", f"{it['predicted']:.1f}", pct(it["rel_error"]))]
     for name, v in report.get("phases", {}).items():
         rows.append((f"  {name.removesuffix('_ms').replace('_', ' ')} ms", f"{v['measured']:.1f}", f"{v['predicted']:.1f}", pct(v["rel_error"])))
+    many = len(report.get("replicas", ())) > 1
+    for r in report.get("replicas", ()) if many else ():
+        v = r["pipeline_ms"]
+        rows.append((f"replica {r['pipeline']} pipeline ms ({r['num_microbatches']} x {r['micro_batch_size']})",
+                     f"{v['measured']:.1f}", f"{v['predicted']:.1f}", pct(v["rel_error"])))
     for s in report["stages"]:
-        rows.append((f"stage {s['index']} ms / micro-batch", f"{s['measured_ms']:.2f}", f"{s['predicted_ms']:.2f}", pct(s["rel_error"])))
+        where = f"replica {s['pipeline']} stage {s['index']}" if many else f"stage {s['index']}"
+        rows.append((f"{where} ms / micro-batch", f"{s['measured_ms']:.2f}", f"{s['predicted_ms']:.2f}", pct(s["rel_error"])))
     tp = report.get("throughput")
     if tp:
         rows.append(("tokens/s (average)", f"{tp['tokens_per_s']:,.0f}", f"{report['tokens_per_s']['predicted']:,.0f}",

@@ -81,3 +81,76 @@ def put_slice(full: torch.Tensor, local: torch.Tensor, where) -> None:
         if n > 0:
             full.narrow(dim, a, n).copy_(local.narrow(dim, offset, n))
         offset += b - a
+
+
+# --- peer-group pieces (baton.peers.Block): which regions of which tensors -------------------------------
+
+_REPLICATED_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias")
+"""A layer's parameters every TP rank holds whole (LayerNorms, row-parallel biases), as a 'replicated' piece lists them."""
+
+
+def _whole(total: int, fraction) -> int:
+    n = fraction * total
+    if n != int(n):
+        raise ValueError(f"{fraction} of {total} is not a whole number")
+    return int(n)
+
+
+def block_slices(spec: ModelSpec, block) -> list[tuple[str, object]]:
+    """The regions of full tensors that make up a piece of the parameters (``baton.peers.Block``), in a
+    fixed order every holder agrees on: (parameter name, where) with ``where`` one range ``(dim, [(start,
+    stop)])`` of the full tensor, or None for the whole tensor. A holder's copy of the piece is these
+    regions of its local tensors (``local_region``), flattened row-major one after another.
+
+    A 'units' piece of heads and FFN columns [lo, hi) of a layer is its q, k and v rows of ``c_attn`` (weight,
+    then bias), its input columns of the attention's ``c_proj``, its rows of ``c_fc`` (weight, bias) and its
+    input columns of the MLP's ``c_proj``."""
+    C, hs, a, F_ = spec.hidden_dim, spec.head_dim, spec.num_heads, spec.ffn_dim
+    if block.part == "vocab":
+        vp = padded_vocab(spec)
+        return [("wte.weight", (0, [(_whole(vp, block.lo), _whole(vp, block.hi))]))]
+    if block.part == "positions":
+        return [("wpe.weight", None)]
+    if block.part == "final_norm":
+        return [("ln_f.weight", None), ("ln_f.bias", None)]
+    p = f"h.{block.layer}."
+    if block.part == "replicated":
+        return [(p + n, None) for n in _REPLICATED_PARAMS]
+    if block.part != "units":
+        raise ValueError(f"unknown piece {block.part!r}")
+    q0, q1 = _whole(a, block.lo) * hs, _whole(a, block.hi) * hs
+    f0, f1 = _whole(F_, block.lo), _whole(F_, block.hi)
+    qkv = [(k * C + q0, k * C + q1) for k in range(3)]
+    return ([(p + "attn.c_attn.weight", (0, [r])) for r in qkv] + [(p + "attn.c_attn.bias", (0, [r])) for r in qkv]
+            + [(p + "attn.c_proj.weight", (1, [(q0, q1)])), (p + "mlp.c_fc.weight", (0, [(f0, f1)])),
+               (p + "mlp.c_fc.bias", (0, [(f0, f1)])), (p + "mlp.c_proj.weight", (1, [(f0, f1)]))])
+
+
+def local_region(local_where, piece_where):
+    """Where the region ``piece_where`` of a full tensor lies in a rank's local tensor, whose own place in
+    the full one is ``local_where`` (``parameter_slice``'s answer): None when it is the whole local tensor,
+    else ``(dim, start, length)`` to ``narrow`` it by."""
+    if piece_where == local_where:
+        return None
+    if piece_where is None or local_where is None:
+        raise ValueError(f"a region {piece_where} of a tensor held as {local_where}")
+    (dim, [(x, y)]), (local_dim, pieces) = piece_where, local_where
+    if dim != local_dim:
+        raise ValueError(f"a region along dim {dim} of a tensor split along dim {local_dim}")
+    before = 0
+    for a, b in pieces:
+        if a <= x and y <= b:
+            return dim, before + x - a, y - x
+        before += b - a
+    raise ValueError(f"rows/columns {x}..{y} are not held by this rank ({pieces})")
+
+
+def region_shape(full_shape, where) -> tuple[int, ...]:
+    """Shape of the region ``where`` (``parameter_slice`` format) of a tensor of ``full_shape``
+    (rows past the end of the embedding included)."""
+    if where is None:
+        return tuple(full_shape)
+    dim, pieces = where
+    s = list(full_shape)
+    s[dim] = sum(b - a for a, b in pieces)
+    return tuple(s)

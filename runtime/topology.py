@@ -1,6 +1,10 @@
 """Who is who in a run: a plan's devices as ranks, their slices of each layer, their peers and groups.
 
 Ranks follow ``plan.device_ids()``: pipeline by pipeline, stage by stage, tensor-parallel rank by rank.
+Replicas may differ in shape (stages, layers, TP splits); each replica's pipeline arithmetic uses its own
+stages. Gradients are summed across replicas over ``baton.peers``' peer groups: one process group per
+distinct set of holders (``peer_rank_lists``).
+
 Pairing between stages (the cost model assumes exactly this): rank j of stage s+1 receives its input
 activation from rank (j mod n_s) of stage s; in backward rank i of stage s receives its input-gradient
 from rank (i mod n_{s+1}) of stage s+1. Every rank of a stage holds the full activation, so any pairing
@@ -8,12 +12,13 @@ is correct; this one spreads the transfers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from baton.peers import peer_groups
 from baton.plan import Plan, Stage
 
 
@@ -35,6 +40,18 @@ class Position:
     """FFN columns this rank holds in every layer of its stage."""
     recompute: frozenset[str]
     """Operators this rank recomputes."""
+    num_stages: int = 1
+    """Stages of this rank's pipeline (replicas may have different numbers)."""
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank is on its pipeline's first stage (it holds the embedding)."""
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether this rank is on its pipeline's last stage (it holds the final LayerNorm, head and loss)."""
+        return self.stage == self.num_stages - 1
 
 
 class Topology:
@@ -52,7 +69,13 @@ class Topology:
             self.ranks.append(stages)
         self.world_size = r
         self.num_stages = plan.num_stages
+        """Stages of pipeline 0 (other replicas may have another number: ``stages_of``)."""
         self.num_replicas = len(plan.pipelines)
+        self.rank_of = {d: i for i, d in enumerate(plan.device_ids())}
+        """Device id -> global rank."""
+
+    def stages_of(self, pipeline: int) -> int:
+        return len(self.ranks[pipeline])
 
     def stage(self, pos: Position) -> Stage:
         return self.plan.pipelines[pos.pipeline].stages[pos.stage]
@@ -71,7 +94,7 @@ class Topology:
                         rank=rank, pipeline=pi, stage=si, tp_rank=j,
                         heads=range(units_before * hpu, (units_before + units) * hpu),
                         ffn_cols=range(units_before * fpu, (units_before + units) * fpu),
-                        recompute=frozenset(stage.devices[j].recompute))
+                        recompute=frozenset(stage.devices[j].recompute), num_stages=len(stages))
         raise ValueError(f"rank {rank} is not in the plan ({self.world_size} devices)")
 
     # --- pipeline peers -------------------------------------------------------------------------
@@ -84,14 +107,14 @@ class Topology:
 
     def forward_targets(self, pos: Position) -> list[int]:
         """Ranks of the next stage this rank sends its output activation to."""
-        if pos.stage == self.num_stages - 1:
+        if pos.last:
             return []
         n = len(self.ranks[pos.pipeline][pos.stage])
         return [r for j, r in enumerate(self.ranks[pos.pipeline][pos.stage + 1]) if j % n == pos.tp_rank]
 
     def backward_source(self, pos: Position) -> int | None:
         """Rank of the next stage that sends this rank the gradient of its output."""
-        if pos.stage == self.num_stages - 1:
+        if pos.last:
             return None
         nxt = self.ranks[pos.pipeline][pos.stage + 1]
         return nxt[pos.tp_rank % len(nxt)]
@@ -108,16 +131,25 @@ class Topology:
         """The ranks of every stage of more than one device."""
         return [ranks for stages in self.ranks for ranks in stages if len(ranks) > 1]
 
+    def peer_rank_lists(self) -> list[list[int]]:
+        """The distinct holder sets of two or more ranks among the plan's peer groups (``baton.peers``), in
+        the order of their first group: the ranks that sum gradients across replicas (for replicas of one
+        shape, the same (stage, TP rank) position in every replica)."""
+        out, seen = [], set()
+        for g in peer_groups(self.plan):
+            ranks = sorted(self.rank_of[h] for h in g.holders)
+            if len(ranks) > 1 and tuple(ranks) not in seen:
+                seen.add(tuple(ranks))
+                out.append(ranks)
+        return out
+
     def dp_rank_lists(self) -> list[list[int]]:
-        """The same (stage, TP rank) position across replicas (none for one replica)."""
-        if self.num_replicas == 1:
-            return []
-        return [[self.ranks[pi][si][j] for pi in range(self.num_replicas)]
-                for si in range(self.num_stages) for j in range(len(self.ranks[0][si]))]
+        """Ranks joined by a data-parallel gradient collective: ``peer_rank_lists`` (none for one replica)."""
+        return self.peer_rank_lists()
 
     def tied_rank_lists(self) -> list[list[int]]:
-        """First and last stage of each replica, which sum the tied embedding's gradient (none for one stage)."""
-        return [stages[0] + stages[-1] for stages in self.ranks] if self.num_stages > 1 else []
+        """First and last stage of each replica of more than one stage, which sum the tied embedding's gradient."""
+        return [stages[0] + stages[-1] for stages in self.ranks if len(stages) > 1]
 
     def groups(self, pos: Position, *, timeout_s: float | None = None) -> "Groups":
         """Create every group (same order on all ranks, as new_group requires) and keep this rank's.
@@ -125,13 +157,16 @@ class Topology:
         ``timeout_s`` bounds every collective of these groups: without it ``new_group`` keeps torch's
         30-minute default whatever the default group was given, so a stopped peer would hang the
         tensor-parallel all-reduces for half an hour."""
-        mine = {}
+        mine: dict = {"peers": {}}
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-        for kind, lists in (("tp", self.tp_rank_lists()), ("dp", self.dp_rank_lists()), ("tied", self.tied_rank_lists())):
+        for kind, lists in (("tp", self.tp_rank_lists()), ("peers", self.peer_rank_lists()), ("tied", self.tied_rank_lists())):
             for ranks in lists:
                 g = dist.new_group(ranks, timeout=timeout)
                 if pos.rank in ranks:
-                    mine[kind] = g
+                    if kind == "peers":
+                        mine["peers"][tuple(ranks)] = g
+                    else:
+                        mine[kind] = g
         return Groups(**mine)
 
 
@@ -163,5 +198,6 @@ class Groups:
     """This rank's process groups (None where the group would have one member)."""
 
     tp: object = None
-    dp: object = None
     tied: object = None
+    peers: dict = field(default_factory=dict)
+    """Sorted holder ranks -> process group, for every peer set of two or more ranks this rank is in."""

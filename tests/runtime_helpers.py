@@ -173,3 +173,34 @@ def assert_parity(plan, *, steps=3, seed=0, lr=1e-3, tol=1e-5):
             err = rel_err(g, want)
             assert err <= tol, f"rank {res['position'].rank}: grad of {name} off by {err:.2e} (relative)"
     return results
+
+
+# --- replicas of different shapes (heterogeneous data parallelism) ---------------------------------
+
+
+def replicas_plan(spec, replicas: list[dict], *, zero_stage: int = 0, ratios=None, cluster: str = "cpu4") -> Plan:
+    """A plan of several replicas, each its own shape and batch: ``replicas[r]`` has ``stages`` ([[units,
+    ...], ...]), ``layers``, ``units`` (per stage, or one for all) and optionally ``m``, ``mbs`` and
+    ``recompute`` (flat device index in the replica -> operators). Device ids are ``local:<rank>`` (the
+    cpu4 cluster's, for up to 4 devices). ``ratios``: one ``shard_ratio`` per device in rank order (or
+    None for equal shares)."""
+    from baton.plan import Pipeline
+
+    pipes, rank = [], 0
+    for rep in replicas:
+        ids = [f"local:{rank + j}" for j in range(sum(len(st) for st in rep["stages"]))]
+        it = iter(ids)
+        groups = [[(next(it), u) for u in st] for st in rep["stages"]]
+        rec = {ids[j]: ops for j, ops in (rep.get("recompute") or {}).items()}
+        p = simple_plan(spec, cluster=cluster, stages=groups, layers=rep["layers"], units_per_layer=rep["units"],
+                        recompute=rec).pipelines[0]
+        pipes.append(Pipeline(stages=p.stages, micro_batch_size=rep.get("mbs", 2), num_microbatches=rep.get("m", 1)))
+        rank += len(ids)
+    if ratios is not None:
+        flat = iter(ratios)
+        pipes = [replace(p, stages=tuple(replace(s, devices=tuple(replace(d, shard_ratio=next(flat)) for d in s.devices))
+                                         for s in p.stages)) for p in pipes]
+    first = pipes[0]
+    plan = Plan(model=spec, cluster=cluster, micro_batch_size=first.micro_batch_size, num_microbatches=first.num_microbatches,
+                pipelines=tuple(pipes), zero_stage=zero_stage)
+    return validate(plan)

@@ -255,3 +255,31 @@ def test_show_prints_replicas_and_groups_alike_rows_on_large_plans(tmp_path):
     assert code == 0, out + err
     assert "alike" in out and "state owned" in out and "micro-batches" in out
     assert len(out.splitlines()) < 45
+
+
+def test_unlike_replicas_stage_their_groups_and_shard_in_two_passes(gpu_setup):
+    """Replicas of different shapes: a device's groups are parts of what it holds, so stage 0 copies each into
+    a staging buffer (eq. 14) and the groups share devices, so their collectives queue (eq. 15); at stage 1
+    every reduce-scatter runs before every all-gather: two schedules of one ring pass each."""
+    from baton.costmodel import ring_step_ms
+
+    spec, cluster, profiles = gpu_setup
+    a = simple_plan(spec, cluster="a100x2_t4x2", stages=[[("a100:0", 16)], [("a100:1", 16)]], layers=[12, 12], units_per_layer=16)
+    b = simple_plan(spec, cluster="a100x2_t4x2", stages=[[("t4:0", 8), ("t4:1", 8)]], layers=[24], units_per_layer=16,
+                    recompute={"t4:0": ["attn_core"], "t4:1": ["attn_core"]})
+    plan = validate(replace(a, pipelines=a.pipelines + b.pipelines, micro_batch_size=1, num_microbatches=4))
+    groups = peer_groups(plan)
+    rep0 = evaluate(plan, cluster, profiles)
+    for d in rep0.devices:
+        mine = [g for g in groups if d.id in g.holders and g.size > 1]
+        assert len(mine) > 1
+        assert d.sync_buffer_bytes == pytest.approx(max(g.num_params for g in mine) * spec.dtype_bytes)
+    want0 = sync_schedule_ms([(g.holders, allreduce_ms(g.num_params * spec.dtype_bytes, g.size, cluster.slowest_link(list(g.holders))))
+                              for g in groups])
+    assert rep0.dp_sync_ms == pytest.approx(want0, rel=1e-12)
+    sharded = validate(replace(plan, zero_stage=1))
+    rep1 = evaluate(sharded, cluster, profiles)
+    ring = [(g.holders, ring_step_ms(max(owned_fractions(sharded, g)) * g.num_params * spec.dtype_bytes, g.size,
+                                     cluster.slowest_link(list(g.holders)))) for g in groups]
+    assert rep1.dp_sync_ms == pytest.approx(2 * sync_schedule_ms(ring), rel=1e-12)
+    assert rep1.dp_sync_ms >= sync_schedule_ms([(h, 2 * t) for h, t in ring]) - 1e-9

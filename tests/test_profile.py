@@ -97,3 +97,15 @@ def test_shipped_tables_cover_catalog_and_presets(root):
         for model in ("gpt3-1.3b", "gpt3-6.7b", "llama2-7b"):
             s = PRESETS[model].seq_len
             assert f"{gpu}__{model}__s{s}.csv" in names
+
+
+def test_parameter_bytes_do_not_follow_the_micro_batch():
+    """A table of one micro-batch size extends times and activations proportionally to other sizes, but
+    a layer holds the same parameters whatever the batch (a replica with its own micro-batch size read half
+    the weights from a table measured at twice its size)."""
+    df = derive_table(TINY, "t4", micro_batches=(2,))
+    prof = Profile(df)
+    for op in ("qkv", "fc1", "ln1", "embedding", "head"):
+        at2, at1, at5 = prof.cost(op, 2), prof.cost(op, 1), prof.cost(op, 5)
+        assert at1.param_bytes == at2.param_bytes == at5.param_bytes
+        assert at1.fwd_ms == pytest.approx(at2.fwd_ms / 2) and at5.saved_bytes == pytest.approx(at2.saved_bytes * 2.5)

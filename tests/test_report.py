@@ -195,3 +195,39 @@ def test_timeline_step_is_the_median_step_after_the_first_without_validation():
     assert timeline_step(steps(100.0, 9.0, 5.0, 7.0)) == 3  # the first step's warm-up never counts
     assert timeline_step(steps(100.0, 9.0, 5.0, 7.0, val=(3,))) == 2  # a validation step draws validation too
     assert timeline_step(steps(100.0, 9.0, val=(1,))) == 1  # unless every later step ran one
+
+
+def test_report_of_uneven_replicas_with_sharded_state(tmp_path, measured_profiles):
+    """Two single-device replicas with their own batches (2 x 2 and 1 x 2) and the optimizer state split
+    0.7/0.3: the report has a row per replica, the stages of both, the reduce-scatter and all-gather phases
+    of eq. 15, and each device's state bytes as predicted for its owned share."""
+    from dataclasses import replace
+
+    from baton.plan import validate
+
+    a = simple_plan(TINY, cluster="cpu2", stages=[[("local:0", 1)]], layers=[4], units_per_layer=1)
+    b = simple_plan(TINY, cluster="cpu2", stages=[[("local:1", 1)]], layers=[4], units_per_layer=1)
+    pipes = (replace(a.pipelines[0], micro_batch_size=2, num_microbatches=2), replace(b.pipelines[0], micro_batch_size=1, num_microbatches=2))
+    pipes = tuple(replace(p, stages=(replace(p.stages[0], devices=(replace(p.stages[0].devices[0], shard_ratio=r),)),))
+                  for p, r in zip(pipes, (0.7, 0.3)))
+    plan = validate(replace(a, pipelines=pipes, zero_stage=1))
+    save_plan(plan, tmp_path / "plan.json")
+    out = tmp_path / "report.json"
+    res = baton("train", "--plan", tmp_path / "plan.json", "--steps", "3", "--report", out,
+                "--cluster", ROOT / "clusters" / "cpu2.yaml", "--profiles", measured_profiles, "--timeout", "120")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(out.read_text())
+    assert [(r["samples"], r["micro_batch_size"]) for r in rep["replicas"]] == [(4, 2), (2, 1)]
+    assert rep["replicas"][0]["pipeline_ms"]["predicted"] > rep["replicas"][1]["pipeline_ms"]["predicted"]
+    assert all(r["pipeline_ms"]["measured"] > 0 for r in rep["replicas"])
+    assert [(s["pipeline"], s["index"]) for s in rep["stages"]] == [(0, 0), (1, 0)]
+    phases = rep["phases"]
+    assert set(phases) == {"pipeline_ms", "grad_sync_ms", "gather_ms", "optimizer_ms"}
+    assert phases["gather_ms"]["measured"] > 0 and phases["gather_ms"]["predicted"] == pytest.approx(phases["grad_sync_ms"]["predicted"])
+    assert sum(v["measured"] for v in phases.values()) == pytest.approx(rep["iteration_time_ms"]["measured"])
+    assert sum(v["predicted"] for v in phases.values()) == pytest.approx(rep["iteration_time_ms"]["predicted"])
+    for d, share in zip(rep["devices"], (0.7, 0.3)):
+        # fp32: no master copy, two moments of the owned share (whole parameters: a few bytes per group off)
+        assert d["measured"]["optimizer_bytes"] == pytest.approx(d["predicted"]["optimizer_bytes"], abs=64)
+        assert d["predicted"]["optimizer_bytes"] == pytest.approx(share * d["predicted"]["weights_bytes"] * 2, rel=1e-9)
+    assert "replica 1 pipeline ms" in res.stdout and "gather ms" in res.stdout
