@@ -4,6 +4,9 @@ Set-up (explicit, because CPU processes share this machine's cores):
 * one torch thread per process, and each process pinned to one core (rank r on core r mod cores;
   BATON_PIN_CPUS=1), both while profiling and while training, so an operator runs under the same
   conditions in the table and in the run; gloo's I/O threads are left free to run on any core;
+* the operator profilers and the training ranks keep the host memory they free for reuse
+  (``runtime.host_memory``): with glibc's defaults a rank faulted 1,000-20,000 fresh pages in per
+  step, depending on its allocation history, and ran up to ~18% slower than the table;
 * the operator table is measured on every core at once (``profile_table(concurrent=procs)``: training
   keeps every core busy, and a layer runs ~14% slower beside a busy core than beside an idle one),
   median of repetitions after warm-up, for the ``small`` preset (6 layers, width 256, 8 heads,

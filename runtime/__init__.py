@@ -9,6 +9,9 @@ slicing.py          which slice of each full parameter a rank holds (checkpoints
 meters.py           operator calls, recompute time and saved activation bytes, measured while training
 topology.py         plan devices -> ranks, stage pairing, process groups
 engine.py           the 1F1B step, gradient sync, AdamW, StepStats
+replica_sync.py     gradient sync over baton.peers' peer groups: all-reduces, or ZeRO-1 reduce-scatter/all-gather
+sharded_optimizer.py  AdamW over the owned shards at zero_stage 1 (fp32 master shards in mixed precision)
+host_memory.py      keep freed host memory in the process, so a CPU step's speed does not depend on its history
 data.py             byte-level text or synthetic tokens addressed by sample position
 checkpoint.py       plan-independent checkpoints (full tensors, safetensors), atomic writes
 hf.py               Hugging Face GPT-2 import

@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec, splits_into
 from runtime.affinity import pin_rank
+from runtime.host_memory import keep_freed_memory
 from runtime.processes import die_with_parent, stop_processes
 
 DEFAULT_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
@@ -174,6 +175,8 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
                                 timeout=timedelta(seconds=120))
         pin_rank(rank)
         device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+        if device.type == "cpu":
+            keep_freed_memory()  # the in-layer all-reduces are timed in the allocator state training runs in
         if backend == "nccl":
             torch.cuda.set_device(device)
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from baton.pipeline import schedule_1f1b
 from baton.plan import Plan
+from runtime.host_memory import keep_freed_memory
 from runtime.model import init_parameter, parameter_shapes
 from runtime.meters import SavedBytes
 from runtime.precision import LossScaleSettings, MasterWeights, compute_dtype
@@ -137,6 +138,10 @@ class Engine:
         self.weight_decay = weight_decay
         self.timeout_s = timeout_s  # bounds every receive and every subgroup collective (None: torch's defaults)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            # Reuse freed host memory instead of faulting fresh pages in every step, as the op profiler
+            # does (runtime.host_memory): otherwise a step's speed depends on its allocation history.
+            keep_freed_memory()
         self.topo = Topology(plan)
         self.pos = self.topo.position(rank)
         # Every group of the run (tensor-parallel, peer, tied), created on every rank in one order.

@@ -25,6 +25,8 @@ from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, layer_operators, operator_param_bytes
 from baton.profile import COLUMNS, OPTIMIZER, validate_table
 from runtime.affinity import pin_rank
+from runtime.host_memory import keep_freed_memory
+from runtime.meters import SavedBytes
 from runtime.precision import MasterWeights, compute_dtype
 from runtime.processes import die_with_parent, stop_processes
 from runtime.stage import StageModel
@@ -104,24 +106,46 @@ def backward_call_overhead_ms(device: torch.device, *, warmup: int = 3, reps: in
 
 
 def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[], list[torch.Tensor]], params: list[torch.Tensor],
-            device: torch.device, *, warmup: int, reps: int, backward_overhead_ms: float = 0.0) -> Measurement:
-    """Time forward and backward of ``fn(inputs)``; inputs are rebuilt for every repetition."""
+            device: torch.device, *, warmup: int, reps: int, backward_overhead_ms: float = 0.0,
+            as_trained: bool = False) -> Measurement:
+    """Time forward and backward of ``fn(inputs)``; inputs are rebuilt for every repetition.
+
+    With ``as_trained`` the passes run as a training step runs them (``runtime.engine``): the forward
+    under the saved-activation meter (``runtime.meters.SavedBytes``, a Python hook per kept tensor) and
+    the backward adding into gradients that already exist (the engine's gradient buffer), where
+    otherwise every backward writes fresh gradients and no hook runs.
+    """
     timer = _Timer(device)
     saved, outs = _saved_bytes(lambda: _as_tuple(fn(make_inputs())), params)
     storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor)}
     output_bytes = sum(storages.values())
+    meter = SavedBytes(params) if as_trained else None
+
+    def forward(inputs):
+        if meter is None:
+            return fn(inputs)
+        with meter.record(0):
+            return fn(inputs)
+
+    for p in params:
+        p.grad = torch.zeros_like(p) if as_trained else None
     fwd, bwd = [], []
     for i in range(warmup + reps):
         inputs = make_inputs()
-        t_f = timer(lambda: fn(inputs))
-        outs = [o for o in _as_tuple(fn(inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        t_f = timer(lambda: forward(inputs))
+        outs = [o for o in _as_tuple(forward(inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
         grads = [torch.ones_like(o) for o in outs]
-        for p in params:
-            p.grad = None
+        if not as_trained:
+            for p in params:
+                p.grad = None
         t_b = timer(lambda: torch.autograd.backward(outs, grads)) if outs else 0.0
+        if meter is not None:
+            meter.release(0)
         if i >= warmup:
             fwd.append(t_f)
             bwd.append(t_b)
+    for p in params:
+        p.grad = None
     bwd_ms = max(statistics.median(bwd) - backward_overhead_ms, 0.0) if any(bwd) else 0.0
     return Measurement(fwd_ms=statistics.median(fwd), bwd_ms=bwd_ms, saved_bytes=saved, output_bytes=output_bytes)
 
@@ -188,12 +212,13 @@ def _in_context(results: dict[str, Measurement], block: ParallelBlock, mb: Micro
     """Rescale isolated operator times so they add up to the whole layer timed as the runtime runs it.
 
     Timed alone, an operator finds its weights and inputs hot in cache and pays for its own call into
-    autograd; inside a layer neither holds. The layer's forward and backward are timed as one piece
-    and each operator keeps its share of the isolated sum, so the relative costs that recomputation
-    choices depend on are the isolated ones and the totals are the real ones.
+    autograd; inside a layer neither holds. The layer's forward and backward are timed as one piece,
+    as a training step runs them (``measure(as_trained=True)``: the saved-activation meter on, the
+    gradients accumulated), and each operator keeps its share of the isolated sum, so the relative
+    costs that recomputation choices depend on are the isolated ones and the totals are the real ones.
     """
     whole = measure(lambda xs: block(xs[0], mb), lambda: [x.detach().requires_grad_()], list(block.parameters()), device,
-                    warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms)
+                    warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms, as_trained=True)
     fwd_sum = sum(m.fwd_ms for m in results.values())
     bwd_sum = sum(m.bwd_ms for m in results.values())
     kf = whole.fwd_ms / fwd_sum if fwd_sum > 0 else 1.0
@@ -222,9 +247,10 @@ def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, share
     head_params = sum(p.numel() for n, p in last.named_parameters() if not n.startswith("wte.")) * e
     return {
         EMBEDDING: (measure(lambda xs: first(tokens, mb), lambda: [], list(first.parameters()), device, warmup=warmup, reps=reps,
-                            backward_overhead_ms=backward_overhead_ms), sum(p.numel() for p in first.parameters()) * e),
+                            backward_overhead_ms=backward_overhead_ms, as_trained=True),
+                    sum(p.numel() for p in first.parameters()) * e),
         HEAD: (measure(lambda xs: last(xs[0], mb, targets=tokens), lambda: [x.detach().requires_grad_()], list(last.parameters()),
-                       device, warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms), head_params),
+                       device, warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms, as_trained=True), head_params),
     }
 
 
@@ -299,6 +325,8 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
 
 
 def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync) -> pd.DataFrame:
+    if dev.type == "cpu":
+        keep_freed_memory()  # host memory in the state training runs in (runtime.engine, runtime.host_memory)
     ops = {o.name: o for o in layer_operators(spec)}
     # One table serves a model whichever attention it uses (as derived tables do): the other
     # implementation's attention operators are measured in a layer of their own, in context there.

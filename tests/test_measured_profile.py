@@ -1,6 +1,9 @@
 """Measured profiling on the CPU: the table's structure, its saved bytes, the calibration, the link fit."""
 from __future__ import annotations
 
+import ctypes
+import resource
+
 import pandas as pd
 import pytest
 import torch
@@ -10,8 +13,10 @@ from baton.costmodel import allreduce_ms, optimizer_step_ms, tp_allreduce_ms
 from baton.model_spec import PRESETS
 from baton.operators import layer_operators, operator_param_count, tensor_sizes
 from baton.profile import Profile, calibrate, derive_table, validate_table
+from runtime import op_profiler
 from runtime.comm_profiler import fit_line, link_fit, measure_links
-from runtime.op_profiler import median_of_tables, profile_table
+from runtime.host_memory import keep_freed_memory
+from runtime.op_profiler import measure, median_of_tables, profile_table
 from tests.conftest import run_cli
 
 TINY = PRESETS["tiny"]
@@ -161,3 +166,73 @@ def test_profile_command_bad_input(args, words):
         pytest.skip("this machine has CUDA")
     code, _, err = run_cli("profile", "--model", "tiny", *args)
     assert code == 2 and words in err and "Traceback" not in err
+
+
+def test_freed_host_memory_is_reused_without_page_faults():
+    """A training step frees its activations and allocates them again in the next one. With glibc's
+    defaults the freed top of the heap goes back to the kernel and every page faults in again next
+    time (this loop: all 16,384 pages, every cycle); catches the allocator settings the runtime and the
+    profiler share (runtime.host_memory) being lost or rejected."""
+    if not keep_freed_memory():
+        pytest.skip("the C library is not glibc: nothing to set")
+    assert keep_freed_memory()  # idempotent
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    block, count = 4 << 20, 16  # blocks the size of a layer's activations, 64 MiB in all, freed together
+
+    def step():
+        blocks = [libc.malloc(block) for _ in range(count)]
+        for b in blocks:
+            ctypes.memset(b, 1, block)
+        for b in blocks:
+            libc.free(b)
+
+    step()
+    step()
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(4):
+        step()
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before < 0.01 * 4 * count * block // 4096
+
+
+def test_profiler_keeps_freed_host_memory_as_training_does(monkeypatch):
+    """The table is measured in the allocator state the engine trains in (runtime.host_memory)."""
+    calls = []
+    monkeypatch.setattr(op_profiler, "keep_freed_memory", lambda: calls.append(1) or True)
+    profile_table(TINY, micro_batches=(1,), shares=(1.0,), warmup=0, reps=1)
+    assert calls
+
+
+def test_layer_in_context_is_timed_as_a_training_step_runs_it(monkeypatch):
+    """``as_trained`` runs the forward under the engine's saved-activation meter and the backward into
+    gradients that already exist (the engine's gradient buffer), so their cost is in the layer's time;
+    without it each backward writes fresh gradients and no meter runs. Catches the whole-layer timing
+    drifting from what training does, which no operator row would show."""
+    records = []
+
+    class CountingMeter(op_profiler.SavedBytes):
+        def record(self, mb):
+            records.append(mb)
+            return super().record(mb)
+
+    monkeypatch.setattr(op_profiler, "SavedBytes", CountingMeter)
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    grads_seen = []
+
+    def fn(xs):
+        grads_seen.append(w.grad)
+        return (xs[0] @ w).tanh()
+
+    inputs = lambda: [torch.randn(3, 4, requires_grad=True)]  # noqa: E731
+    for as_trained in (False, True):
+        records.clear()
+        grads_seen.clear()
+        m = measure(fn, inputs, [w], torch.device("cpu"), warmup=1, reps=3, as_trained=as_trained)
+        assert m.fwd_ms > 0 and m.bwd_ms > 0 and w.grad is None
+        timed = grads_seen[1:]  # the first call only counts saved bytes
+        if as_trained:
+            assert len(records) == 2 * 4  # every forward of every repetition, timed or not
+            assert all(g is timed[0] for g in timed)  # one gradient tensor, accumulated into
+        else:
+            assert not records
+            assert any(g is not timed[1] for g in timed[2:])  # a fresh gradient after every backward
