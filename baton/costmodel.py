@@ -427,13 +427,6 @@ def embedding_sync_ms(cluster: ClusterSpec, spec: ModelSpec, pipelines: Sequence
                             cluster.slowest_link(list(pipe[0]) + list(pipe[-1]))) for pipe in pipelines)
 
 
-def data_parallel_sync_line(cluster: ClusterSpec, peers: Sequence[str]) -> tuple[float, float]:
-    """Eq. 11's T_dp for one position as a line in the gradient bytes: (ms per byte, ms at zero bytes)."""
-    link = cluster.slowest_link(list(peers))
-    zero = allreduce_ms(0.0, len(peers), link)
-    return (allreduce_ms(1e9, len(peers), link) - zero) / 1e9, zero
-
-
 # -- data parallelism over peer groups (eq. 13-15) ---------------------------------------------------
 
 

@@ -44,6 +44,8 @@ def one(gpus: int, model: str, global_batch: int, time_limit: float, threads: in
            "time_limit_s": time_limit, "wall_s": time.perf_counter() - t0, "first_plan_s": res.first_plan_s,
            "iteration_ms": res.objective_ms, "bound_ms": res.bound_ms, "gap": res.gap, "status": res.status,
            "all_candidates_bounded": not res.unbounded, "milps": res.solved, "candidates": res.candidates,
+           "zero_stage": res.plan.zero_stage, "uniform_batches": res.plan.uniform_batches,
+           "replicas": len(res.plan.pipelines),
            "progress": lines, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     t1 = time.perf_counter()
     try:

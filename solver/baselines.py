@@ -6,8 +6,14 @@
 * hethub: stages of one GPU type each with a TP degree per type (equal shares), uneven layers (chosen
   exactly by the inner MILP), recompute none or full per stage, every type order tried.
 * hap: one TP group (no pipeline) with uneven shares from HAP's sharding-ratio LP, rounded to units.
-* exhaustive: every plan (layout, rank order, micro-batch, layers, units, recompute sets from a given
-  universe), each evaluated. Small instances only: the test oracle.
+* poplar: pure data parallelism, every device its own replica with its own batch, balanced on each device's
+  compute time as Poplar's Algorithm 2 does for ZeRO-0/1; each sharding stage we support (0, 1, even
+  shards), the best that fits.
+* cephalo: pure data parallelism at stage 1, every device its own batch (Cephalo's dynamic programme:
+  slowest device's compute time, aggregate memory), full recomputation (activation checkpointing), and
+  uneven optimizer-state shards given greedily to the device with the lowest memory use.
+* exhaustive: every plan (layout, rank order, batch split, sharding stage and shard-ratio grid, layers,
+  units, recompute sets from a given universe), each evaluated. Small instances only: the test oracle.
 """
 from __future__ import annotations
 
@@ -17,8 +23,11 @@ import time
 
 import pyomo.environ as pyo
 
+import numpy as np
+
 from baton.errors import BatonError
-from baton.costmodel import layer_train_ms
+from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, layer_cost, layer_param_count,
+                             layer_train_ms, optimizer_bytes, sync_buffer_bytes)
 from baton.evaluate import evaluate
 from baton.memory import recompute_space
 from baton.operators import operator_names
@@ -112,7 +121,8 @@ def hethub(spec, cluster, profiles, *, global_batch: int, micro_batch: int | Non
     allowed = {"uniform_tp": True, "recompute": {frozenset(), frozenset(modes["full"])}}
     res = search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit, gap=gap,
                  threads=threads, skeletons=hethub_skeletons(spec, cluster), family="hethub", strategy="hethub",
-                 allowed=allowed, space=recompute_space(spec, (frozenset(), frozenset(modes["full"]))))
+                 allowed=allowed, space=recompute_space(spec, (frozenset(), frozenset(modes["full"]))),
+                 splits="uniform", zero_stages=(0,))
     return res
 
 
@@ -161,6 +171,244 @@ def hap(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None =
                 best = _consider(best, plan, cluster, profiles)
                 n_eval += 1
     return _result(best, "hap", t0, n_eval)
+
+
+# -- pure data parallelism: Poplar and Cephalo ----------------------------------------------------------
+
+
+def _lone(spec, cluster, profiles, device_id: str, b: int, recompute: tuple, *, owned: float = 1.0, group: int = 1,
+          zero_stage: int = 0):
+    """A device training the whole model alone on micro-batches of b: (F + B ms per micro-batch, peak bytes,
+    bytes without optimizer state and sync buffer, optimizer bytes of all its weights), from the cost model
+    (eq. 2, 7-9, 14)."""
+    slot = device_slot(cluster, profiles, spec, b, device_id, stage=0, num_stages=1, num_microbatches=1)
+    lc = layer_cost(slot.profile, spec, b, 1.0, recompute)
+    edge = edge_cost(slot, spec, b, 1.0)
+    N = spec.num_layers
+    ms = N * (sum(lc.block_fwd_ms()) + sum(lc.block_bwd_ms())) + edge.fwd_ms + edge.bwd_ms
+    params = layer_param_count(spec, 1.0) * N + edge_param_count(spec, 1.0, first=True, last=True)
+    buf = sync_buffer_bytes(spec, group, params * owned, zero_stage)
+    mem = device_memory(slot, spec, N, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes, transient_bytes=lc.transient_bytes,
+                        edge=edge, owned_fraction=owned, sync_buffer_bytes=buf)
+    bare = device_memory(slot, spec, N, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes, transient_bytes=lc.transient_bytes,
+                         edge=edge, owned_fraction=0.0)
+    return ms, float(mem.peak_bytes), float(bare.peak_bytes), float(optimizer_bytes(mem.weights_bytes, spec))
+
+
+def _sizes(cluster, profiles, device_id, global_batch, micro_batch):
+    if micro_batch is not None:
+        return [micro_batch]
+    return [b for b in profiles[cluster.device(device_id).gpu.name].micro_batches("qkv") if b <= global_batch]
+
+
+def _dp_plan(spec, cluster, ids, batches, zero_stage, recompute, ratios=None) -> Plan:
+    """Every device its own replica holding the whole model, with its own (micro-batch size, count)."""
+    N = spec.num_layers
+    uniform = len(set(batches)) == 1
+    pipes = tuple(Pipeline(stages=(Stage(first_layer=0, num_layers=N, units_per_layer=1, devices=(
+        DeviceShare(id=i, units=1, recompute=recompute, shard_ratio=None if ratios is None else ratios[k]),)),),
+        micro_batch_size=None if uniform else b, num_microbatches=None if uniform else m)
+        for k, (i, (b, m)) in enumerate(zip(ids, batches)))
+    return validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
+                         pipelines=pipes, zero_stage=zero_stage if len(ids) > 1 else 0))
+
+
+def poplar_batches(spec, cluster, profiles, ids, *, global_batch: int, zero_stage: int, micro_batch: int | None = None,
+                   keep_all: bool = False):
+    """Poplar's batch allocation for ZeRO-0/1 (Algorithm 2, lines 1-16) over the devices ``ids``: each device's
+    speed is its best samples/ms over the micro-batch sizes that fit it (its memory with every device in the
+    sync group, stage-1 shards even); the global batch goes in proportion to speed, rounded down, and the
+    samples left go one by one to the device that would finish them soonest. A device then runs the fastest
+    fitting micro-batch size that divides its samples (Poplar's last smaller batch is not in our plan format).
+    Returns (ids kept, [(b, m)] per kept device) or None; devices given no sample are dropped, unless
+    ``keep_all`` (then None)."""
+    n = len(ids)
+    own = 1.0 / n if zero_stage else 1.0
+    speed, options = [], []
+    for i in ids:
+        fit = {}
+        for b in _sizes(cluster, profiles, i, global_batch, micro_batch):
+            ms, peak, _, _ = _lone(spec, cluster, profiles, i, b, (), owned=own, group=n, zero_stage=zero_stage)
+            if peak <= cluster.device(i).memory_bytes:
+                fit[b] = b / ms
+        if not fit:
+            return None  # this stage cannot hold the model on this device (Poplar moves to the next stage)
+        options.append(fit)
+        speed.append(max(fit.values()))
+    total = sum(speed)
+    samples = [math.floor(global_batch * v / total) for v in speed]
+    while sum(samples) < global_batch:
+        k = min(range(n), key=lambda k: ((samples[k] + 1) / speed[k], k))
+        samples[k] += 1
+    kept, batches = [], []
+    for i, n_i, fit in zip(ids, samples, options):
+        if n_i == 0:
+            if keep_all:
+                return None
+            continue
+        divisors = [b for b in fit if n_i % b == 0]
+        if not divisors:
+            return None
+        b = max(divisors, key=lambda b: (fit[b], b))
+        kept.append(i)
+        batches.append((b, n_i // b))
+    return kept, batches
+
+
+def poplar(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None) -> SolveResult:
+    """Poplar: every device its own replica (no tensor or pipeline parallelism, no recomputation), per-device
+    batches balancing compute time, each sharding stage we support (0, 1 with even shards); the best that fits."""
+    t0 = time.perf_counter()
+    micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
+    ids = [d.id for d in cluster.devices]
+    best, n_eval = None, 0
+    for z in (0, 1):
+        got = poplar_batches(spec, cluster, profiles, ids, global_batch=global_batch, zero_stage=z, micro_batch=micro_batch)
+        if got is None or (z == 1 and len(got[0]) == 1):
+            continue
+        best = _consider(best, _dp_plan(spec, cluster, got[0], got[1], z, ()), cluster, profiles)
+        n_eval += 1
+    return _result(best, "poplar", t0, n_eval)
+
+
+CEPHALO_GRAIN = 256
+"""Cephalo's greedy hands out the optimizer state in 1/256 pieces (a power of two: exact ratios)."""
+
+
+def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_batch: int | None = None, skip: int = 0):
+    """Cephalo's compute partition (its dynamic programme, eq. 4 of the paper): every device i gets l_i >= 1
+    micro-batches of a size b_i whose compute memory fits it (weights, gradients, activations of one
+    micro-batch with every layer recomputed; constraint II), sum b_i l_i = G, the free memory left adds up to
+    at least the whole optimizer state (constraint III), minimising the slowest device's l_i (F + B). The
+    ``skip``-th smallest feasible threshold is taken (0: the best). Returns [(b, l)] per device or None."""
+    full = tuple(operator_names(spec))
+    G = global_batch
+    state = None
+    opts = []  # per device: [(b, ms, free bytes)]
+    for i in ids:
+        row = []
+        for b in _sizes(cluster, profiles, i, G, micro_batch):
+            ms, _, bare, opt = _lone(spec, cluster, profiles, i, b, full)
+            state = opt
+            free = cluster.device(i).memory_bytes - bare
+            if free >= 0:
+                row.append((b, ms, free))
+        if not row:
+            return None
+        opts.append(row)
+    times = np.unique([l * ms for row in opts for b, ms, _ in row for l in range(1, G // b + 1)])
+
+    def table(T):
+        """best[j] = most free memory over assignments of j samples with every device within T."""
+        best = np.zeros(G + 1)
+        best[1:] = -np.inf
+        picks = []
+        for row in opts:
+            new = np.full(G + 1, -np.inf)
+            pick = np.zeros((G + 1, 2), dtype=np.int64)
+            for b, ms, free in row:
+                for l in range(1, min(G // b, int(T / ms + 1e-9)) + 1):
+                    n = b * l
+                    cand = np.full(G + 1, -np.inf)
+                    cand[n:] = best[:G + 1 - n] + free
+                    better = cand > new
+                    new = np.where(better, cand, new)
+                    pick[better] = (b, l)
+            best = new
+            picks.append(pick)
+        return best, picks
+
+    feasible = [None]
+
+    def ok(k):
+        best, picks = table(times[k])
+        if best[G] >= state:
+            feasible[0] = picks
+            return True
+        return False
+
+    lo, hi = 0, len(times) - 1
+    if hi < 0 or not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    k = min(lo + skip, len(times) - 1)
+    ok(k)
+    picks, out, j = feasible[0], [], G
+    for pick in reversed(picks):
+        b, l = (int(x) for x in pick[j])
+        if l == 0:
+            return None
+        out.append((b, l))
+        j -= b * l
+    return list(reversed(out)) if j == 0 else None
+
+
+def cephalo_ratios(spec, cluster, profiles, ids, batches) -> list[float] | None:
+    """Cephalo's training-state partition: pieces of 1/CEPHALO_GRAIN of the optimizer state, each to the device
+    whose memory use (compute memory plus the state it owns, over its capacity) is lowest, until all are given."""
+    full = tuple(operator_names(spec))
+    used, cap, state = [], [], None
+    for i, (b, _) in zip(ids, batches):
+        _, _, bare, state = _lone(spec, cluster, profiles, i, b, full)
+        used.append(bare)
+        cap.append(cluster.device(i).memory_bytes)
+    piece = state / CEPHALO_GRAIN
+    pieces = [0] * len(ids)
+    for _ in range(CEPHALO_GRAIN):
+        room = [k for k in range(len(ids)) if used[k] + piece <= cap[k]]
+        if not room:
+            return None
+        k = min(room, key=lambda k: ((used[k] + piece) / cap[k], k))
+        pieces[k] += 1
+        used[k] += piece
+    return [x / CEPHALO_GRAIN for x in pieces]
+
+
+def cephalo(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None, tries: int = 8) -> SolveResult:
+    """Cephalo: every device its own replica at stage 1 (no tensor or pipeline parallelism), its batch from the
+    dynamic programme, every layer recomputed, uneven shards from the greedy. Layered gradient accumulation
+    is not built (our replicas accumulate micro-batch by micro-batch and sync once); FSDP's sharded weights
+    and gradients (ZeRO-3) are not either: stage 1 shards the optimizer state only. When the sync's staging
+    buffer (eq. 14, which Cephalo's memory model lacks) does not fit, the next larger time threshold is tried."""
+    t0 = time.perf_counter()
+    micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
+    ids = [d.id for d in cluster.devices]
+    full = tuple(operator_names(spec))
+    best, n_eval = None, 0
+    if len(ids) > 1:
+        for skip in range(tries):
+            batches = cephalo_batches(spec, cluster, profiles, ids, global_batch=global_batch, micro_batch=micro_batch, skip=skip)
+            ratios = cephalo_ratios(spec, cluster, profiles, ids, batches) if batches else None
+            if ratios is None:
+                break
+            best = _consider(best, _dp_plan(spec, cluster, ids, batches, 1, full, ratios), cluster, profiles)
+            n_eval += 1
+            if best is not None:
+                break
+    return _result(best, "cephalo", t0, n_eval)
+
+
+def baseline_splits(spec, cluster, profiles, skeleton, *, global_batch: int, micro_batch: int | None = None) -> list:
+    """Poplar's and Cephalo's per-device batches for a skeleton whose replicas are single devices, so that the
+    structured family holds the baselines' layouts with their splits (solver/README.md)."""
+    if not all(len(pipe) == 1 and len(pipe[0]) == 1 for pipe in skeleton.pipelines) or skeleton.num_replicas < 2:
+        return []
+    ids = [pipe[0][0] for pipe in skeleton.pipelines]
+    out = []
+    for z in (0, 1):
+        got = poplar_batches(spec, cluster, profiles, ids, global_batch=global_batch, zero_stage=z, micro_batch=micro_batch,
+                             keep_all=True)
+        if got is not None:
+            out.append(tuple(got[1]))
+    got = cephalo_batches(spec, cluster, profiles, ids, global_batch=global_batch, micro_batch=micro_batch)
+    if got is not None:
+        out.append(tuple(got))
+    return out
 
 
 # -- exhaustive --------------------------------------------------------------------------------------
@@ -225,9 +473,44 @@ def _unit_splits(n, Us):
             yield U, tuple(bounds[i + 1] - bounds[i] for i in range(n))
 
 
+def all_splits(sizes, global_batch: int):
+    """Every ordered split of ``global_batch`` over the replicas: replica i takes m_i >= 1 micro-batches of a size
+    b_i in ``sizes[i]``, sum b_i m_i = global batch (no symmetry used: the oracle's view)."""
+    def rec(i, left):
+        if i == len(sizes):
+            if left == 0:
+                yield ()
+            return
+        for b in sizes[i]:
+            for m in range(1, left // b + 1):
+                for tail in rec(i + 1, left - b * m):
+                    yield ((b, m),) + tail
+    yield from rec(0, global_batch)
+
+
+def ratio_vectors(replicas: int, grid: int):
+    """Every way a position's peers may own its optimizer state at stage 1: None (equal parts, 1/r each), or
+    multiples of 1/grid adding up to 1 (0 allowed), one per replica."""
+    yield None
+    def rec(i, left):
+        if i == replicas - 1:
+            yield (left,)
+            return
+        for k in range(left + 1):
+            for tail in rec(i + 1, left - k):
+                yield (k,) + tail
+    for ks in rec(0, grid):
+        if replicas * ks[0] == grid and len(set(ks)) == 1:
+            continue  # the equal split on the grid: already None
+        yield tuple(k / grid for k in ks)
+
+
 def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None,
-               universe: list[frozenset] | None = None, max_plans: int = 3_000_000) -> SolveResult:
-    """Evaluate every plan. ``universe`` is the list of recompute sets each device may use (default: all)."""
+               universe: list[frozenset] | None = None, max_plans: int = 3_000_000, shard_grid: int = 8,
+               zero_stages: tuple[int, ...] = (0, 1)) -> SolveResult:
+    """Evaluate every plan: every layout, batch split over its replicas (each replica its own profiled micro-batch
+    size and count), sharding stage and, at stage 1, every grid of shard ratios per position; layers, units and
+    recompute sets from ``universe`` (default: all). Small instances only: the test oracle."""
     t0 = time.perf_counter()
     N = spec.num_layers
     names = operator_names(spec)
@@ -238,41 +521,64 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
         universe = [frozenset(c) for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
     universe = [tuple(o for o in names if o in r) for r in universe]
     Us = valid_unit_counts(spec)
-    mbs = micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
+    micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)  # the same error as the planner's
+    have = {g: set(profiles[g].micro_batches("qkv")) for g in cluster.gpu_types}
+
+    def sizes_of(pipe):
+        if micro_batch is not None:
+            return (micro_batch,)
+        types = {cluster.device(i).gpu.name for g in pipe for i in g}
+        return tuple(sorted(b for b in set.intersection(*(have[t] for t in types)) if b <= global_batch))
+
     layouts = list(raw_layouts([d.id for d in cluster.devices], N + 2))
-    # Rough size check before starting: layouts x splits x units x recompute choices.
+    # Rough size check before starting: layouts x splits x stages x ratios x layer splits x units x recompute choices.
     estimate = 0
     for reps in layouts:
-        p = len(reps[0])
+        p, r = len(reps[0]), len(reps)
         units = math.prod(sum(1 for _ in _unit_splits(len(g), Us)) for g in reps[0])
-        estimate += math.comb(N + 1, max(p - 1, 0)) * units * len(universe) ** sum(len(g) for pp in reps for g in pp)
-    estimate *= len(mbs)
+        splits = sum(1 for _ in all_splits([sizes_of(pp) for pp in reps], global_batch))
+        positions = sum(len(g) for g in reps[0])
+        ratios = 1 + (sum(1 for _ in ratio_vectors(r, shard_grid)) ** positions if r > 1 and 1 in zero_stages else 0)
+        estimate += (math.comb(N + 1, max(p - 1, 0)) * units * splits * ratios
+                     * len(universe) ** sum(len(g) for pp in reps for g in pp))
     if estimate > max_plans:
         raise BatonError(f"exhaustive search would evaluate about {estimate:.2g} plans (limit {max_plans:.2g}); "
                          "use it on small instances only", field="--strategy")
     best, n_eval = None, 0
-    for b in mbs:
-        for reps in layouts:
-            r, p = len(reps), len(reps[0])
-            if global_batch % (b * r):
-                continue
-            m = global_batch // (b * r)
-            flat = [d for pp in reps for g in pp for d in g]
-            for layers in _splits(N, p):
-                for units in itertools.product(*[list(_unit_splits(len(g), Us)) for g in reps[0]]):
-                    for recs in itertools.product(universe, repeat=len(flat)):
-                        rec_of = dict(zip(flat, recs))
-                        pipes = []
-                        for pp in reps:
-                            stages, first = [], 0
-                            for s, g in enumerate(pp):
-                                U, us = units[s]
-                                stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U,
-                                                    devices=tuple(DeviceShare(id=d, units=u, recompute=rec_of[d]) for d, u in zip(g, us))))
-                                first += layers[s]
-                            pipes.append(Pipeline(stages=tuple(stages)))
-                        plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=b, num_microbatches=m,
-                                             pipelines=tuple(pipes)))
-                        best = _consider(best, plan, cluster, profiles)
-                        n_eval += 1
+    for reps in layouts:
+        r, p = len(reps), len(reps[0])
+        flat = [d for pp in reps for g in pp for d in g]
+        positions = [(s, k) for s, g in enumerate(reps[0]) for k in range(len(g))]
+        shardings = [(0, None)]
+        if r > 1 and 1 in zero_stages:
+            shardings += [(1, combo) for combo in itertools.product(list(ratio_vectors(r, shard_grid)), repeat=len(positions))]
+        shardings = [x for x in shardings if x[0] in zero_stages]
+        for split in all_splits([sizes_of(pp) for pp in reps], global_batch):
+            uniform = len(set(split)) == 1
+            for z, combo in shardings:
+                ratio = {}
+                if combo is not None:
+                    for (s, k), vec in zip(positions, combo):
+                        for rho, pp in enumerate(reps):
+                            ratio[pp[s][k]] = None if vec is None else vec[rho]
+                for layers in _splits(N, p):
+                    for units in itertools.product(*[list(_unit_splits(len(g), Us)) for g in reps[0]]):
+                        for recs in itertools.product(universe, repeat=len(flat)):
+                            rec_of = dict(zip(flat, recs))
+                            pipes = []
+                            for rho, pp in enumerate(reps):
+                                stages, first = [], 0
+                                for s, g in enumerate(pp):
+                                    U, us = units[s]
+                                    stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
+                                        DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d))
+                                        for d, u in zip(g, us))))
+                                    first += layers[s]
+                                b, m = split[rho]
+                                pipes.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
+                                                      num_microbatches=None if uniform else m))
+                            plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=split[0][0],
+                                                 num_microbatches=split[0][1], pipelines=tuple(pipes), zero_stage=z))
+                            best = _consider(best, plan, cluster, profiles)
+                            n_eval += 1
     return _result(best, "exhaustive", t0, n_eval)

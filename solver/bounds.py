@@ -11,6 +11,13 @@ They let the outer search skip candidates without building their MILP. Each boun
     where w_b = min(p - b - 1, m) is b's warm-up count: the first micro-batch must reach b, the last must
     leave it, the chain after b's last forward crosses every later stage twice, and b runs at least
     m - 1 - w_b backwards before its last forward.
+  * every replica is bounded with its own micro-batch size and count; a candidate's bound is the slowest
+    replica's, so it holds for any batch split. At sharding stage 1 a device may own anything from none to
+    all of its optimizer state: the layer caps take owned fraction 0, the optimizer step 0, and no stage is
+    tied (solver/instance.py unties them there).
+  * data-parallel sync (eq. 13, 15, ``dp_sync_lower_bound``): the slowest position's group sync with the
+    fewest parameters the position can hold; at stage 1 the largest shard is at least 1/r of the group, and
+    2 ring steps of P/r cost exactly the all-reduce of P, so one bound serves both stages.
 """
 from __future__ import annotations
 
@@ -19,8 +26,9 @@ import math
 import numpy as np
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (device_slot, edge_cost, embedding_sync_ms, stage_constants, layer_allreduce_ms, layer_cost, layer_limits, layer_prices,
-                             layer_train_ms, fitting_layers, pipeline_transfers)
+from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, embedding_sync_ms, group_sync_ms,
+                             stage_constants, layer_allreduce_ms, layer_cost, layer_limits, layer_param_count, layer_prices,
+                             layer_train_ms, fitting_layers, optimizer_bytes, pipeline_transfers)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
@@ -68,9 +76,10 @@ def _slot(spec, cluster, profiles, mb, device_id, s, p, m):
 
 
 def possible_shares(spec, n: int, tied: bool) -> list[float]:
-    """Every share a rank of an n-device group can get (only the equal one when the stage is tied)."""
+    """Every share a rank of an n-device group can get (only the equal one when the stage is tied; all of the
+    layer for a lone device)."""
     Umax = max(valid_unit_counts(spec))
-    return [1.0 / n] if tied else [k / Umax for k in range(1, Umax - n + 2)]
+    return [1.0 / n] if tied or n == 1 else [k / Umax for k in range(1, Umax - n + 2)]
 
 
 def edge_lower_bounds(spec, slot, mb, shares) -> tuple[float, float, float]:
@@ -82,19 +91,32 @@ def edge_lower_bounds(spec, slot, mb, shares) -> tuple[float, float, float]:
     return (min(e.fwd_ms + e.bwd_ms for e in edges), min(e.bwd_ms for e in edges), min(e.param_bytes for e in edges))
 
 
-def stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space: RecomputeSpace, N: int, tied: bool) -> int:
+def stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space: RecomputeSpace, N: int, tied: bool,
+                    owned_fraction: float = 1.0) -> int:
     """Upper bound on the layers stage s can hold: every device at its least memory-hungry recompute set,
-    maximised over the shares it may get (only the equal share when the stage is tied, see instance.py)."""
+    maximised over the shares it may get (only the equal share when the stage is tied, see instance.py),
+    owning at least ``owned_fraction`` of its optimizer state."""
     n = len(ids)
     shares = possible_shares(spec, n, tied)
     if not shares:
         return -1
-    cap = N
+    most = []  # per device: the most layers it fits at each share
     for i in ids:
         slot = _slot(spec, cluster, profiles, mb, i, s, p, m)
-        best = max(int(fitting_layers(slot, spec, mb, sh, space, N).max()) for sh in shares)
-        cap = min(cap, best)
-    return cap
+        most.append([int(fitting_layers(slot, spec, mb, sh, space, N, owned_fraction).max()) for sh in shares])
+    return _cap_with_shares(shares, np.array(most), N)
+
+
+def _cap_with_shares(shares, most: np.ndarray, N: int) -> int:
+    """The most layers L a group can hold when rank d fits L layers only at the shares where most[d, share] >= L
+    (memory grows with the share, so those are the small ones) and the ranks' shares add up to one: the
+    largest L at which the ranks' largest fitting shares add up to at least one; -1 if not even 0."""
+    shares = np.asarray(shares)
+    for L in range(N, -1, -1):
+        largest = np.where(most >= L, shares[None, :], 0.0).max(axis=1)
+        if np.all(largest > 0) and largest.sum() >= 1 - 1e-9:
+            return L
+    return -1
 
 
 class BoundCache:
@@ -106,6 +128,12 @@ class BoundCache:
         self.per_layer: dict = {}
         self.replica: dict = {}
         self.stage: dict = {}
+        self.skeleton: dict = {}
+        self.rows: dict = {}
+        self.links: dict = {}
+        self.joint: dict = {}
+        self.shared: dict = {}
+        self.slack: dict = {}
 
 
 def _group_key(cluster, ids):
@@ -115,59 +143,239 @@ def _group_key(cluster, ids):
             link)
 
 
-def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, mb: int,
-                          global_batch: int, space: RecomputeSpace, cache: BoundCache | None = None,
-                          monotone: dict | None = None) -> float:
-    """A lower bound on every plan of the candidate: the slowest replica's pipeline bound, the tied
-    embedding sync, and the least optimizer step of any device.
+def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches,
+                          space: RecomputeSpace, cache: BoundCache | None = None, monotone: dict | None = None, *,
+                          zero_stage: int = 0, patterns=None, sync: bool = True, even_shards: bool = False) -> float:
+    """A lower bound on every plan of the candidate (``batches[i]`` = (micro-batch size, micro-batches) of
+    replica i): the slowest replica's pipeline bound, the tied embedding sync, the least optimizer step of
+    any device and (``sync``) the data-parallel sync bound.
 
-    A replica is bounded once per ``replica_pattern`` (the same replica on other nodes of the same kinds
-    costs the same), here and across candidates: large clusters repeat one replica hundreds of times."""
+    A replica is bounded once per ``replica_pattern`` and batch (the same replica on other nodes of the same
+    kinds costs the same), here and across candidates: large clusters repeat one replica hundreds of times;
+    ``patterns`` may give the replicas' patterns, computed once per skeleton."""
     cache = cache or BoundCache()
-    r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
-    m = global_batch // (mb * r)
-    if p > N + 2:
-        return float("inf")
-    lo, _ = layer_limits(N, p)
-    if sum(lo) > N:
-        return float("inf")
     best, opt = 0.0, 0.0
-    for pipe in skeleton.pipelines:
-        key = (mb, m, replica_pattern(cluster, pipe), bool(monotone))
-        if key not in cache.replica:
-            links = sum(sum(pipeline_transfers(cluster, spec, mb, pipe[s], pipe[s + 1])) for s in range(p - 1))
-            cache.replica[key] = _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache, monotone)
-        rb, ro = cache.replica[key]
+    patterns = patterns if patterns is not None else [replica_pattern(cluster, pipe) for pipe in skeleton.pipelines]
+    owned = bound_owned(skeleton.num_replicas, zero_stage, even_shards or (monotone is not None and len(set(patterns)) == 1
+                                                                           and len(set(batches)) == 1))
+    # Replicas alike on one micro-batch size: only the one with the most micro-batches counts (its bound, and
+    # its row in the joint bound, dominate the others': more passes, more in-flight activations).
+    most: dict = {}
+    for rho, pattern in enumerate(patterns):
+        b, m = batches[rho]
+        if m > most.get((pattern, b), (0, 0))[0]:
+            most[pattern, b] = (m, rho)
+    seen = {}
+    for (pattern, b), (m, rho) in most.items():
+        rb, ro = replica_bound(spec, cluster, profiles, skeleton.pipelines[rho], b, m, space, cache, monotone,
+                               zero_stage=zero_stage, pattern=pattern, owned=owned)
+        seen[pattern, b, m] = _replica_key(b, m, pattern, monotone, zero_stage, owned)
         if not math.isfinite(rb):
             return float("inf")
         best, opt = max(best, rb), max(opt, ro)
-    return best + embedding_sync_ms(cluster, spec, skeleton.pipelines) + opt
+    shared = None
+    if zero_stage and owned is None and skeleton.num_replicas > 1:  # each position's peers share its state
+        shared = shared_state_caps(spec, cluster, profiles, skeleton, batches, space, cache)
+    if len(seen) > 1 or shared is not None:  # replicas share one layer split (and, at stage 1, their state)
+        keys = tuple(sorted(seen.values(), key=repr))
+        if (keys, shared) not in cache.joint:
+            cache.joint[keys, shared] = _joint_pipeline_bound([cache.rows[k] for k in keys], spec.num_layers, shared)
+        best = max(best, cache.joint[keys, shared])
+    return best + skeleton_constant(spec, cluster, skeleton, cache, sync=sync) + opt
 
 
-def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache, monotone) -> tuple[float, float]:
+def bound_owned(replicas: int, zero_stage: int, even: bool) -> float | None:
+    """The owned fraction a stage-1 candidate's bound may assume: with even shards (imposed, or replicas that are
+    interchangeable and train on one batch, solver/instance.py) every device owns exactly 1/r, and the bound
+    takes the power of two at or below it, so that candidates with other replica counts share their stage
+    bounds (a smaller fraction only lowers the bound); otherwise None (anything from 0)."""
+    if zero_stage == 0 or not even:
+        return None
+    return 0.5 ** math.ceil(math.log2(replicas))
+
+
+def _replica_key(b, m, pattern, monotone, zero_stage, owned):
+    owned = (1.0 if zero_stage == 0 else 0.0) if owned is None else owned
+    return (b, m, pattern, bool(monotone), zero_stage, owned)
+
+
+def _joint_pipeline_bound(rows, N: int, shared=None) -> float:
+    """min over one layer split shared by every replica of max over replicas of m (F_s + B_s) of its slowest
+    stage: the first 1F1B bound of each replica, with the coupling the MILP has (layers per stage are one
+    decision for all replicas, eq. 1, 9). ``rows`` = (m, c, cap, lo) per replica kind, c[s, L] = F + B of
+    stage s holding L layers; ``shared``: further layer caps per stage (``shared_state_caps``)."""
+    if any(row is None for row in rows):
+        return float("inf")
+    scaled = np.stack([m * c for m, c, _, _ in rows])  # (kinds, stages, L); non-decreasing in L
+    caps = np.min([cap for _, _, cap, _ in rows], axis=0)
+    if shared is not None:
+        caps = np.minimum(caps, np.array(shared))
+    values = np.unique(scaled[np.isfinite(scaled)])
+    lo = rows[0][3]
+
+    def feasible(T):
+        within = np.minimum((scaled <= T).sum(axis=2).min(axis=0) - 1, caps)
+        return np.all(within >= lo) and within.sum() >= N
+
+    a, b = 0, len(values) - 1
+    if b < 0 or not feasible(values[b]):
+        return float("inf")
+    while a < b:
+        mid = (a + b) // 2
+        if feasible(values[mid]):
+            b = mid
+        else:
+            a = mid + 1
+    return float(values[a])
+
+
+def skeleton_constant(spec, cluster, skeleton: Skeleton, cache: BoundCache, *, sync: bool = True) -> float:
+    """The terms of a candidate's bound that depend on its skeleton alone: the tied embedding sync (eq. 11)
+    and (``sync``) the data-parallel sync bound; memoised per skeleton."""
+    key = (skeleton, sync)
+    if key not in cache.skeleton:
+        cache.skeleton[key] = (embedding_sync_ms(cluster, spec, skeleton.pipelines)
+                               + (dp_sync_lower_bound(spec, cluster, skeleton) if sync else 0.0))
+    return cache.skeleton[key]
+
+
+def replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: BoundCache, monotone=None, *,
+                  zero_stage: int = 0, pattern=None, owned: float | None = None) -> tuple[float, float]:
+    """(pipeline bound, least optimizer step of its devices) of one replica training on m micro-batches of b
+    samples; the pipeline bound does not decrease with m (more passes, more in-flight activations). At stage 1
+    every device is taken to own ``owned`` of its optimizer state when that is known (replicas modelled as
+    one), else anything from none to all."""
+    p = len(pipe)
+    if p > spec.num_layers + 2:
+        return float("inf"), 0.0
+    lo, _ = layer_limits(spec.num_layers, p)
+    if sum(lo) > spec.num_layers:
+        return float("inf"), 0.0
+    pattern = pattern if pattern is not None else replica_pattern(cluster, pipe)
+    key = _replica_key(b, m, pattern, monotone, zero_stage, owned)
+    if key not in cache.replica:
+        if (b, pattern) not in cache.links:  # transfers depend on the micro-batch size, not the count
+            cache.links[b, pattern] = sum(sum(pipeline_transfers(cluster, spec, b, pipe[s], pipe[s + 1])) for s in range(p - 1))
+        links = cache.links[b, pattern]
+        bound, opt, rows = _replica_bound(spec, cluster, profiles, pipe, b, m, lo, links, space, cache, monotone, zero_stage,
+                                          key[-1])
+        cache.replica[key], cache.rows[key] = (bound, opt), rows
+    return cache.replica[key]
+
+
+def shared_state_caps(spec, cluster, profiles, skeleton: Skeleton, batches, space: RecomputeSpace,
+                      cache: BoundCache) -> tuple[int, ...]:
+    """Stage 1 with owned fractions to choose (eq. 8, 14): at each position the peers' fractions add up to 1, so
+    besides every peer fitting its weights, gradients and activations with nothing owned, their room left,
+    slack_d, must hold the position's optimizer state between them: sum_d slack_d / O_d >= 1 (Cephalo's
+    aggregate memory). Per stage, the most layers for which the positions pass that test at shares adding up
+    to one, each device at the recompute set with the least activations for that layer count (the sync
+    buffer is left out): a cap on the stage's layers in any plan of the candidate."""
+    key = (skeleton, tuple(batches))
+    if key in cache.shared:
+        return cache.shared[key]
+    p, N = skeleton.num_stages, spec.num_layers
+    caps = []
+    for s in range(p):
+        n = len(skeleton.pipelines[0][s])
+        shares = possible_shares(spec, n, False)
+        most = np.full((n, len(shares)), -1)  # per position and share: the most layers passing the test
+        for k in range(n):
+            for si, share in enumerate(shares):
+                ok = np.ones(N + 1, dtype=bool)
+                ratio = np.zeros(N + 1)
+                for rho, pipe in enumerate(skeleton.pipelines):
+                    b, m = batches[rho]
+                    slot = _slot(spec, cluster, profiles, b, pipe[s][k], s, p, m)
+                    slack, state = _slack(spec, slot, b, share, space, N, cache)
+                    ok &= slack >= 0
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        ratio += np.where(state > 0, slack / np.where(state > 0, state, 1.0), np.inf)
+                ok &= ratio >= 1
+                most[k, si] = int(np.argmin(ok)) - 1 if not ok.all() else N
+        caps.append(_cap_with_shares(shares, most, N))  # the ranks' shares add up to one
+    cache.shared[key] = tuple(caps)
+    return cache.shared[key]
+
+
+def _slack(spec, slot, b: int, share: float, space, N: int, cache: BoundCache):
+    """Per layer count L: the room a device has left for optimizer state with nothing owned (its weights,
+    gradients, reserve and the least activations plus recompute buffer over the sets), and the optimizer bytes
+    of all its weights (eq. 7, 8); memoised per device position."""
+    key = (slot, b, share)
+    if key not in cache.slack:
+        Ls = np.arange(N + 1)
+        t = layer_prices(slot.profile, spec, b, share, space)
+        edge = edge_cost(slot, spec, b, share)
+        act = (slot.in_flight * Ls[None, :] * t.held_bytes[:, None] + t.transient_bytes[:, None] * (Ls[None, :] > 0)).min(axis=0)
+        bare = device_memory(slot, spec, Ls, param_bytes=t.param_bytes, held_bytes=0.0, transient_bytes=0.0, edge=edge,
+                             owned_fraction=0.0)
+        cache.slack[key] = (slot.memory_bytes - (bare.peak_bytes + act),
+                            np.asarray(optimizer_bytes(bare.weights_bytes, spec), dtype=float))
+    return cache.slack[key]
+
+
+def dp_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton) -> float:
+    """Eq. 13, 15 for replicas of one shape: T_dp = the slowest position's group sync. A stage s of n_s ranks
+    holding L layers has a rank at share >= 1/n_s, whose group holds at least P_s(L) = layer_param_count(1/n_s)
+    L + edge_param_count(1/n_s) parameters; its all-reduce costs at least the cheapest line among the stage's
+    positions at P_s(L) (at stage 1 the largest shard is >= P/r, and two ring steps of P/r cost the all-reduce
+    of P). Minimised over real-valued layer splits (L_s within its limits, sum N) by bisection: a lower
+    bound on every plan of the skeleton, whatever its batches and sharding stage."""
+    r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
+    if r == 1 or p > N + 2:
+        return 0.0
+    lo, hi = layer_limits(N, p)
+    lines = []
+    for s in range(p):
+        n = len(skeleton.pipelines[0][s])
+        ends = [(group_sync_ms(cluster, spec, peers, 0.0, 0.0, 0), group_sync_ms(cluster, spec, peers, 1e9, 1e9, 0))
+                for peers in ([pipe[s][k] for pipe in skeleton.pipelines] for k in range(n))]
+        fixed = min(e[0] for e in ends)
+        slope = min(e[1] - e[0] for e in ends) / 1e9  # ms per parameter
+        a, c = layer_param_count(spec, 1.0 / n), edge_param_count(spec, 1.0 / n, first=s == 0, last=s == p - 1)
+        lines.append((slope * a, slope * c + fixed))
+
+    def layers_within(T):
+        return sum(min(hi[s], (T - c) / a if a > 0 else hi[s]) if T >= a * lo[s] + c else -math.inf
+                   for s, (a, c) in enumerate(lines))
+
+    low, high = 0.0, max(a * hi[s] + c for s, (a, c) in enumerate(lines))
+    if layers_within(low) >= N:
+        return low
+    for _ in range(60):
+        mid = (low + high) / 2
+        if layers_within(mid) >= N:
+            high = mid
+        else:
+            low = mid
+    return low
+
+
+def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache, monotone, zero_stage=0, owned=1.0) -> tuple[float, float]:
     """(pipeline bound, least optimizer step of its devices) of one replica."""
     p, N = len(pipe), spec.num_layers
     rows = []
     for s, ids in enumerate(pipe):
         # A stage's figures depend on its group up to interchangeable nodes and on its position only.
-        key = (mb, s == 0, s == p - 1, min(p - s, m), replica_pattern(cluster, (ids,)), bool(monotone))
+        key = (mb, s == 0, s == p - 1, min(p - s, m), replica_pattern(cluster, (ids,)), bool(monotone), zero_stage, owned)
         if key not in cache.stage:
-            cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone)
+            cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone, zero_stage, owned)
         rows.append(cache.stage[key])
     tau, tau_b, edge, edge_b, cap, per_fb, per_b, opts = (list(x) for x in zip(*rows))
     tau, edge, cap, lo_a = np.array(tau), np.array(edge), np.array(cap), np.array(lo)
     tau_b, edge_b = np.array(tau_b), np.array(edge_b)
     if np.any(cap < lo_a) or cap.sum() < N or not np.all(np.isfinite(tau)):
-        return float("inf"), 0.0
+        return float("inf"), 0.0, None
     Ls = np.arange(N + 1)
     with np.errstate(invalid="ignore"):
         c = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_fb), 0.0) + edge[:, None]
         cb = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_b), 0.0) + edge_b[:, None]
     bound = max(_pipeline_bound(c, tau, edge, cap, lo_a, N, m, p), _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p) + links)
-    return bound, max(opts)
+    return bound, max(opts), (m, c, cap, lo_a)
 
 
-def _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone):
+def _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone, zero_stage=0, owned=1.0):
     """(tau, tau_b, edge F+B, edge B, layer cap, per-layer F+B by L, per-layer B by L, least optimizer step)
     of one stage at its position."""
     N = spec.num_layers
@@ -178,20 +386,22 @@ def _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monoto
     tau, tau_b = cache.tau[mb, gk]
     slots = [_slot(spec, cluster, profiles, mb, i, s, p, m) for i in ids]
     Umax = max(valid_unit_counts(spec))
-    tied = (len(gk[0]) == 1 or len(set(gk[0])) == 1) and Umax % len(ids) == 0 and bool(monotone and monotone.get(gk[0][0][0]))
+    # Stages are tied as in solver/instance.py: not at stage 1 with owned fractions to choose (owned 0 here).
+    tied = ((len(gk[0]) == 1 or len(set(gk[0])) == 1) and Umax % len(ids) == 0 and bool(monotone and monotone.get(gk[0][0][0]))
+            and owned > 0)
     const = stage_constants(cluster, spec, mb, ids, first=s == 0, last=s == p - 1)
     low = [edge_lower_bounds(spec, x, mb, possible_shares(spec, len(ids), tied)) for x in slots]
     edge = max(x[0] for x in low) + const.edge_fwd_comm_ms + const.edge_bwd_comm_ms
     edge_b = max(x[1] for x in low) + const.edge_bwd_comm_ms
-    # Every device steps at least its embedding/head weights (eq. 10).
-    opt = max(x.optimizer_ms_per_byte * lo_[2] for x, lo_ in zip(slots, low))
-    ck = (mb, gk[0], s == 0, s == p - 1, slots[0].in_flight, tied)
+    # Every device steps at least its embedding/head weights (eq. 10); at stage 1 it may own none of them.
+    opt = max(x.optimizer_ms_per_byte * lo_[2] for x, lo_ in zip(slots, low)) * owned
+    ck = (mb, gk[0], s == 0, s == p - 1, slots[0].in_flight, tied, owned)
     if ck not in cache.cap:
-        cache.cap[ck] = stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space, N, tied)
+        cache.cap[ck] = stage_layer_cap(spec, cluster, profiles, mb, ids, s, p, m, space, N, tied, owned)
     if tied:
         pk = ck + (gk[1],)  # the per-layer time includes the group's all-reduces: its link matters
         if pk not in cache.per_layer:
-            cache.per_layer[pk] = tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N)
+            cache.per_layer[pk] = tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N, owned)
         fb, bb = cache.per_layer[pk]
         per_fb, per_b = np.maximum(fb, tau), np.maximum(bb, tau_b)
     else:
@@ -250,19 +460,21 @@ def _chain_bound(c, cb, tau, edge, cap, lo, N, m, p) -> float:
     return float(total.min()) if np.isfinite(total).any() else float("inf")
 
 
-def tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N):
+def tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N, owned: float = 1.0):
     """For a tied stage (equal shares, one recompute set): per-layer F + B and B alone as functions of
     the layer count L: the cheapest recompute set that still fits L layers (eq. 8), all-reduces included."""
     n = len(ids)
     slot = _slot(spec, cluster, profiles, mb, ids[0], s, p, m)
     t = layer_prices(slot.profile, spec, mb, 1.0 / n, space)
     ar = layer_allreduce_ms(cluster, spec, mb, ids)
-    fits = fitting_layers(slot, spec, mb, 1.0 / n, space, N)
+    fits = fitting_layers(slot, spec, mb, 1.0 / n, space, N, owned)
     b_all = sum(t.bwd_ms) + t.rec_attn_ms + t.rec_mlp_ms + ar
     fb_all = sum(t.fwd_ms) + ar + b_all
-    fb, bb = np.full(N + 1, np.inf), np.full(N + 1, np.inf)
-    for L in range(N + 1):
-        ok = fits >= L
-        if ok.any():
-            fb[L], bb[L] = fb_all[ok].min(), b_all[ok].min()
+    # Sets in decreasing order of the layers they fit; the cheapest set fitting at least L layers is a running
+    # minimum over a prefix of that order.
+    order = np.argsort(-fits, kind="stable")
+    fb_run, b_run = np.minimum.accumulate(fb_all[order]), np.minimum.accumulate(b_all[order])
+    count = np.searchsorted(-fits[order], -np.arange(N + 1), side="right")  # sets with fits >= L
+    fb = np.where(count > 0, fb_run[np.maximum(count - 1, 0)], np.inf)
+    bb = np.where(count > 0, b_run[np.maximum(count - 1, 0)], np.inf)
     return fb, bb

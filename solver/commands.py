@@ -18,13 +18,14 @@ from baton.errors import BatonError
 from baton.profile import ProfileSet
 from baton.model_spec import load_model
 from baton.plan import save_plan
+from solver.instance import DEFAULT_SHARD_GRID
 
-STRATEGIES = ("baton", "megatron", "hethub", "hap", "exhaustive")
+STRATEGIES = ("baton", "megatron", "hethub", "hap", "poplar", "cephalo", "exhaustive")
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
 
 
 def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, micro_batch: int | None,
-                 time_limit: float, gap: float, threads: int):
+                 time_limit: float, gap: float, threads: int, shard_grid: int = DEFAULT_SHARD_GRID, log=None):
     """Dispatch to the planner or a baseline; every result has been re-checked by baton.evaluate."""
     from solver import baselines
     from solver.search import search
@@ -32,7 +33,10 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
     if strategy == "baton":
         # One line per better plan on stderr: a long solve is never silent, and stdout stays the result.
         return search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit,
-                      gap=gap, threads=threads, log=lambda line: say(line, err=True))
+                      gap=gap, threads=threads, shard_grid=shard_grid,
+                      log=(lambda line: say(line, err=True)) if log is None else log,
+                      extra_splits=lambda sk: baselines.baseline_splits(spec, cluster, profiles, sk, global_batch=global_batch,
+                                                                        micro_batch=micro_batch))
     if strategy == "megatron":
         return baselines.megatron(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
     if strategy == "hethub":
@@ -40,8 +44,13 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
                                 time_limit=time_limit, gap=gap, threads=threads)
     if strategy == "hap":
         return baselines.hap(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, threads=threads)
+    if strategy == "poplar":
+        return baselines.poplar(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
+    if strategy == "cephalo":
+        return baselines.cephalo(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
     if strategy == "exhaustive":
-        return baselines.exhaustive(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
+        return baselines.exhaustive(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch,
+                                    shard_grid=shard_grid)
     raise BatonError(f"unknown strategy '{strategy}' (choose one of {', '.join(STRATEGIES)})", field="--strategy")
 
 
@@ -57,7 +66,9 @@ def register(app: typer.Typer) -> None:
         time_limit: Annotated[float, typer.Option(help="Seconds for the whole search.")] = 60.0,
         gap: Annotated[float, typer.Option(help="Relative optimality gap at which to stop (0 = prove optimal).")] = 1e-4,
         threads: Annotated[int, typer.Option(help="Solver threads.")] = 2,
-        strategy: Annotated[str, typer.Option(help="baton | megatron | hethub | hap | exhaustive.")] = "baton",
+        strategy: Annotated[str, typer.Option(help="baton | megatron | hethub | hap | poplar | cephalo | exhaustive.")] = "baton",
+        shard_grid: Annotated[int, typer.Option(help="K: at sharding stage 1 a device owns a multiple of 1/K of its peer "
+                                                     "group's optimizer state, or the equal part.")] = DEFAULT_SHARD_GRID,
         profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: yours, then the shipped ones).")] = None,
         out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -76,6 +87,8 @@ def register(app: typer.Typer) -> None:
             raise BatonError("must be in [0, 1)", field="--gap")
         if not 0 < threads <= 1024:
             raise BatonError(f"must be in 1..1024, got {threads}", field="--threads")
+        if not 0 < shard_grid <= 1024:
+            raise BatonError(f"must be in 1..1024, got {shard_grid}", field="--shard-grid")
         if seq_len is not None and not 0 < seq_len <= MODEL_LIMITS["seq_len"]:
             raise BatonError(f"must be in 1..{MODEL_LIMITS['seq_len']}, got {seq_len}", field="--seq-len")
         if profiles is not None and not profiles.is_dir():
@@ -94,21 +107,30 @@ def register(app: typer.Typer) -> None:
             if prof.seq_len != spec.seq_len:
                 raise BatonError(f"the profile is for seq_len {prof.seq_len}, not {spec.seq_len}", source=prof.source, field="--seq-len")
         result = run_strategy(strategy, spec, c, profile_set, global_batch=global_batch, micro_batch=micro_batch,
-                              time_limit=time_limit, gap=gap, threads=threads)
+                              time_limit=time_limit, gap=gap, threads=threads, shard_grid=shard_grid)
         if out is not None:
             save_plan(result.plan, out)
         rep = result.report
         if as_json:
             print(json.dumps({"plan": result.plan.to_dict(), "solver": result.info(), "report": rep.to_dict()}, indent=2))
             return
-        render_report(rep, title=f"{strategy}: {spec.name} on {c.name}: {result.plan.global_batch} samples x {spec.seq_len} tokens, "
-                                 f"micro-batch {result.plan.micro_batch_size} x {result.plan.num_microbatches}")
+        plan = result.plan
+        batches = [plan.batch(i) for i in range(len(plan.pipelines))]
+        split = (f"micro-batch {plan.micro_batch_size} x {plan.num_microbatches}" if plan.uniform_batches else
+                 "batches " + ", ".join(f"{n} x {b}x{m}" for (b, m), n in Counter(batches).items()))
+        render_report(rep, title=f"{strategy}: {spec.name} on {c.name}: {plan.global_batch} samples x {spec.seq_len} tokens, "
+                                 f"{split}, sharding stage {plan.zero_stage}")
         units = {d.id: (d.units, s.units_per_layer) for p in result.plan.pipelines for s in p.stages for d in s.devices}
         if len(units) <= 16:
             say("units: " + "  ".join(f"{k} {u}/{U}" for k, (u, U) in units.items()))
         else:  # hundreds of devices: how many hold each share, not a line per device
             counts = Counter(f"{u}/{U}" for u, U in units.values())
             say("units: " + "  ".join(f"{n} devices at {share}" for share, n in counts.most_common()))
+        ratios = {d.id: d.shard_ratio for p in plan.pipelines for s in p.stages for d in s.devices if d.shard_ratio is not None}
+        if ratios and len(ratios) <= 16:
+            say("shard ratios: " + "  ".join(f"{k} {r:g}" for k, r in ratios.items()))
+        elif plan.zero_stage:
+            say("shard ratios: " + ("equal parts" if not ratios else f"{len(ratios)} devices with their own ratio"))
         console.print(
             f"solver: [bold]{result.status}[/] (strategy {strategy}, {result.family}), proven gap {result.gap:.3%}, "
             f"bound {result.bound_ms:.1f} ms, build {result.build_s:.2f} s, solve {result.solve_s:.2f} s, total {result.total_s:.2f} s, "

@@ -1,4 +1,4 @@
-"""A constructive plan for one candidate (micro-batch, skeleton), in milliseconds instead of a MILP.
+"""A constructive plan for one candidate (skeleton, batches, sharding stage), in milliseconds instead of a MILP.
 
 It gives the search an incumbent within seconds on any cluster, so a user sees a plan (and every MILP
 after it gets a cutoff) long before the exact search finishes. What it gives up, against the MILP of
@@ -8,13 +8,15 @@ the same candidate:
   * recompute: each device takes, for its stage's layer count, the fastest of its Pareto-front sets
     (``solver.options.device_choices``) that still fits, judged by its own per-layer time rather than
     by the group's per-block maximum;
-  * layers: the split minimises the largest per-stage F + B (the steady state of 1F1B), not the exact
-    1F1B time with its warm-up and transfers.
+  * layers: the split minimises the largest per-stage F + B (the steady state of 1F1B, times each replica's
+    micro-batch count), not the exact 1F1B time with its warm-up and transfers;
+  * sharding (stage 1): every peer group is split evenly (``shard_ratio`` unset: 1/r each).
 The plan it returns is priced by ``baton.evaluate`` like every other; the MILP can only improve on it.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from baton.evaluate import PlanReport, evaluate
 from baton.operators import operator_names
@@ -45,11 +47,12 @@ def _per_layer(inst: Instance, s: int, shares, L: int):
     """Per replica: (F + B per layer incl. all-reduces, chosen Choice per group, embedding/head F + B) for L
     layers, or None."""
     out = []
+    j = inst.ratios.equal  # the even split's owned fraction
     for rho in range(inst.modelled_replicas):
         stage = inst.stages[rho][s]
         picked = []
         for g, grp in enumerate(stage.groups):
-            cs = [c for c in grp.choices.get(shares[0 if grp.rank is None else g], []) if c.max_layers >= L]
+            cs = [c for c in grp.choices.get(shares[0 if grp.rank is None else g], []) if c.max_layers[j] >= L]
             if not cs:
                 return None
             picked.append(min(cs, key=lambda c: (sum(c.bwd), len(c.recompute))))
@@ -71,7 +74,7 @@ def greedy_plan(inst: Instance) -> Plan | None:
         got = _per_layer(inst, s, shares[s], L)
         if got is None:
             return math.inf
-        return max(L * t + edge for t, _, edge in got)
+        return max(inst.batch(rho)[1] * (L * t + edge) for rho, (t, _, edge) in enumerate(got))
 
     cost = [[stage_cost(s, L) if inst.min_layers[s] <= L <= inst.max_layers[s] else math.inf for L in range(N + 1)]
             for s in range(p)]
@@ -96,9 +99,10 @@ def greedy_plan(inst: Instance) -> Plan | None:
         s = max((s for s in range(p) if layers[s] > inst.min_layers[s]), key=lambda s: cost[s][layers[s]])
         layers[s] -= 1
     names = operator_names(inst.spec)
+    uniform = len(set(inst.batches)) == 1
     pipelines = []
     for rho, pipe in enumerate(inst.skeleton.pipelines):
-        src = rho if inst.modelled_replicas > 1 else 0
+        src = inst.replica_class[rho]
         stages, first = [], 0
         for s, ids in enumerate(pipe):
             _, picked, _ = _per_layer(inst, s, shares[s], layers[s])[src]
@@ -109,9 +113,11 @@ def greedy_plan(inst: Instance) -> Plan | None:
                 devs.append(DeviceShare(id=dev_id, units=u, recompute=tuple(o for o in names if o in c.recompute)))
             stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=shares[s][0][0], devices=tuple(devs)))
             first += layers[s]
-        pipelines.append(Pipeline(stages=tuple(stages)))
+        b, m = inst.batches[rho]
+        pipelines.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
+                                  num_microbatches=None if uniform else m))
     return Plan(model=inst.spec, cluster="", micro_batch_size=inst.micro_batch, num_microbatches=inst.num_microbatches,
-                pipelines=tuple(pipelines))
+                pipelines=tuple(pipelines), zero_stage=inst.zero_stage)
 
 
 def greedy_incumbent(inst: Instance, cluster, profiles) -> tuple[float, Plan, PlanReport] | None:
@@ -119,8 +125,7 @@ def greedy_incumbent(inst: Instance, cluster, profiles) -> tuple[float, Plan, Pl
     plan = greedy_plan(inst)
     if plan is None:
         return None
-    plan = Plan(model=plan.model, cluster=cluster.name, micro_batch_size=plan.micro_batch_size,
-                num_microbatches=plan.num_microbatches, pipelines=plan.pipelines)
+    plan = replace(plan, cluster=cluster.name)
     report = evaluate(plan, cluster, profiles)
     if not report.fits:
         return None

@@ -1,17 +1,21 @@
-"""One candidate of the outer search: a micro-batch size and a skeleton (replicas of ordered TP groups),
-turned into the constants and per-device choices the inner MILP needs.
+"""One candidate of the outer search: a skeleton (replicas of ordered TP groups), each replica's batch (its
+micro-batch size and count) and the sharding stage, turned into the constants and per-device choices the
+inner MILP needs.
 
-Everything that depends only on the skeleton (all-reduce and p2p times, embedding/head times, the tied
-embedding sync, the in-flight count of each stage) is a constant here, computed with the same functions
-``baton.evaluate`` uses.
+Everything that depends only on the candidate (all-reduce and p2p times, embedding/head times, the tied
+embedding sync, the in-flight count of each stage, the peer groups' sync lines and parameter counts) is a
+constant here, computed with the same functions ``baton.evaluate`` uses.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (data_parallel_sync_line, device_slot, edge_cost, embedding_sync_ms, layer_limits,
-                             pipeline_transfers, stage_constants)
+from baton.costmodel import (device_slot, edge_cost, edge_param_count, embedding_sync_ms, group_sync_ms, layer_limits,
+                             layer_param_count, max_layers_with_sync_buffer, pipeline_transfers, stage_constants)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
@@ -20,6 +24,57 @@ from solver.options import Choice, device_choices, valid_unit_counts
 from solver.space import Skeleton
 
 GB = 1e9
+"""The MILP holds weights in GB and parameter counts in units of 1e9 parameters: numbers near 1 keep HiGHS accurate."""
+DEFAULT_SHARD_GRID = 8
+"""K: at stage 1 a device owns a multiple of 1/K of its peer group's optimizer state (or the equal part 1/r).
+8 is the most devices of the exact family (so every equal split of up to 8 replicas but 3, 5, 6 and 7 is on
+the grid, and those have the equal option), and a power of two keeps every owned fraction and every sum of
+fractions exact in binary floating point, so the planner's memory limits are bit for bit the evaluator's."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ratios:
+    """What a device may own of its peer group's optimizer state (docs/cost-model.md, eq. 10, 13, 14).
+
+    Three modes: 'none' (stage 0, or a single replica: every device owns what it holds); 'equal' (stage 1
+    with the replicas modelled as one: every device owns 1/r, which minimises every peer group's largest
+    shard, so for interchangeable replicas it is the best split of all, on the grid or not; or stage 1 with
+    even shards imposed, see ``build_instance``); 'choose' (stage 1, replicas modelled one by one: at each
+    position either every peer owns 1/r, the default even sharding, or the peers own multiples of 1/K adding
+    up to 1, 0 allowed)."""
+
+    mode: str
+    values: tuple[float, ...]
+    """Owned fraction of each option."""
+    units: tuple[int | None, ...]
+    """k of each option (it owns k/K), None for the equal option 1/r when that is not on the grid."""
+    grid: int
+    """K."""
+    equal: int
+    """Index of the option every peer takes for the even split 1/r."""
+
+    @property
+    def levels(self) -> tuple[float, ...]:
+        """Distinct positive values, increasing: the thresholds of a position's largest ratio."""
+        return tuple(sorted({v for v in self.values if v > 0}))
+
+
+def ratio_options(zero_stage: int, replicas: int, classes: int, grid: int, even: bool = False) -> Ratios:
+    """The owned-fraction options of a candidate whose replicas fall into ``classes`` classes of interchangeable
+    ones; ``even`` imposes the equal split 1/r (a restriction when the replicas are not all alike)."""
+    if zero_stage == 0 or replicas == 1:
+        return Ratios(mode="none", values=(1.0,), units=(None,), grid=grid, equal=0)
+    if classes == 1 or even:
+        return Ratios(mode="equal", values=(1.0 / replicas,), units=(None,), grid=grid, equal=0)
+    values = [k / grid for k in range(grid + 1)]
+    units: list[int | None] = list(range(grid + 1))
+    if grid % replicas == 0:
+        equal = grid // replicas
+    else:
+        values.append(1.0 / replicas)
+        units.append(None)
+        equal = len(values) - 1
+    return Ratios(mode="choose", values=tuple(values), units=tuple(units), grid=grid, equal=equal)
 
 
 @dataclass(kw_only=True)
@@ -30,7 +85,8 @@ class Group:
     profile grows with the share, all ranks take the equal share and one common recompute set: given any
     plan for such a stage, giving every device the share 1/n and the recompute set of the device with the
     largest share is no slower per block and needs no more memory on any device (proof in
-    solver/README.md), so the reduction keeps the optimum.
+    solver/README.md), so the reduction keeps the optimum. (Not at stage 1 with replicas modelled one by
+    one: there each rank's owned fraction is its own decision, and the proof does not carry over.)
     """
 
     ids: list[str]
@@ -40,6 +96,9 @@ class Group:
     """(U, u) -> list[Choice]."""
     slots: list
     """DeviceSlot of each device of the group (position, memory, eq. 10's optimizer slope)."""
+    buffer_limits: dict = field(default_factory=dict)
+    """'choose' mode: (U, u) -> int array [own option, level]: the most layers at which the device fits while its
+    peer group syncs (eq. 8, 14), owning that option's fraction, with the position's largest ratio at that level."""
 
     @property
     def opt_ms_per_gb(self) -> list[float]:
@@ -66,17 +125,40 @@ class StageData:
 
 
 @dataclass(kw_only=True)
+class Position:
+    """A (stage, TP rank) position of the skeleton: its devices across the replicas hold the same parameters
+    and form one peer group (``baton.peers``: replicas of one shape have one group per position)."""
+
+    peers: list[str]
+    sync_ms_per_gparam: float
+    """Eq. 13 as a line: ms per 1e9 parameters of the group (stage 0, all-reduce) or of its largest shard
+    (stage 1, reduce-scatter + all-gather), from ``costmodel.group_sync_ms``."""
+    sync_fixed_ms: float
+    """The line's value at zero parameters (latencies)."""
+    params: dict
+    """(U, u) -> (per layer, fixed) parameters (1e9) the group holds at that share: ``costmodel.layer_param_count``
+    and ``edge_param_count``, the counts of the evaluator's peer groups."""
+
+
+@dataclass(kw_only=True)
 class Instance:
-    """Everything the inner MILP needs for one (micro-batch, skeleton)."""
+    """Everything the inner MILP needs for one candidate (skeleton, batches, sharding stage)."""
 
     spec: ModelSpec
     skeleton: Skeleton
-    micro_batch: int
-    num_microbatches: int
+    batches: list
+    """(micro-batch size, micro-batches) of every replica of the skeleton."""
+    zero_stage: int
+    ratios: Ratios
     stages: list
-    """stages[replica][s] -> StageData for the replicas that are modelled."""
+    """stages[c][s] -> StageData of modelled replica c (the first replica of its class)."""
     modelled_replicas: int
-    """1 when all replicas are interchangeable (the others copy replica 0's choices), else all."""
+    """Classes of interchangeable replicas (same devices, links and batch; one is modelled, the others copy
+    its choices); every replica is its own class when owned fractions are chosen ('choose')."""
+    replica_class: list
+    """Modelled replica of each replica of the skeleton."""
+    representatives: list
+    """Replica of the skeleton each modelled replica is."""
     share_options: list
     """share_options[s] -> list of (U, u) allowed at stage s (shared by all replicas, eq. 2)."""
     unit_counts: list
@@ -84,11 +166,23 @@ class Instance:
     min_layers: list
     max_layers: list
     embedding_sync_ms: float
-    dp_ms_per_gb: list
-    """dp_ms_per_gb[s][k] = (alpha, beta): all-reduce of replica 0's rank-k weights across replicas is
-    alpha * GB + beta ms (eq. 5, 11)."""
+    positions: list
+    """positions[s][k] -> Position (peer group of TP rank k of stage s)."""
     infeasible_reason: str | None = None
     notes: list = field(default_factory=list)
+
+    @property
+    def micro_batch(self) -> int:
+        """Replica 0's micro-batch size (the plan's default)."""
+        return self.batches[0][0]
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.batches[0][1]
+
+    def batch(self, rho: int) -> tuple[int, int]:
+        """(micro-batch size, micro-batches) of modelled replica ``rho``."""
+        return tuple(self.batches[self.representatives[rho]])
 
 
 def _device_signature(cluster: ClusterSpec, i: str):
@@ -96,37 +190,61 @@ def _device_signature(cluster: ClusterSpec, i: str):
     return (d.gpu.name, d.memory_bytes, d.reserve_bytes)
 
 
-def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, micro_batch: int,
-                   global_batch: int, space: RecomputeSpace, *, monotone: dict, prune: bool = True,
-                   reduce_symmetry: bool = True, allowed=None) -> Instance:
-    """Constants and choices for one candidate. ``allowed`` optionally restricts choices (baselines)."""
+def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches: Sequence,
+                   space: RecomputeSpace, *, zero_stage: int = 0, shard_grid: int = DEFAULT_SHARD_GRID, monotone: dict,
+                   prune: bool = True, reduce_symmetry: bool = True, allowed=None, even_shards: bool = False) -> Instance:
+    """Constants and choices for one candidate: ``batches[i]`` = (micro-batch size, micro-batches) of replica i.
+    ``allowed`` optionally restricts choices (baselines); ``even_shards`` restricts stage 1 to equal parts
+    (the constructive plan, and the structured family's replicas of one pattern)."""
     r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
-    m = global_batch // (micro_batch * r)
-    units_all = valid_unit_counts(spec)
+    batches = [tuple(x) for x in batches]
+    if len(batches) != r:
+        raise ValueError(f"{len(batches)} batches for {r} replicas")
     if p > N + 2:
-        return _infeasible(spec, skeleton, micro_batch, m, "more stages than layers")
+        return _infeasible(spec, skeleton, batches, zero_stage, "more stages than layers")
     min_layers, max_layers = layer_limits(N, p)
     if sum(min_layers) > N:
-        return _infeasible(spec, skeleton, micro_batch, m, "more stages than layers")
+        return _infeasible(spec, skeleton, batches, zero_stage, "more stages than layers")
+    zero_stage = zero_stage if r > 1 else 0
 
-    def slots_of(pipe, s):
-        return [device_slot(cluster, profiles, spec, micro_batch, i, stage=s, num_stages=p, num_microbatches=m) for i in pipe[s]]
+    # Replicas are interchangeable when every stage matches device for device and link for link, and they
+    # train on the same batch: one of each class is modelled and its twins copy its choices (any twin's
+    # choices fit on every twin, and the max over replicas only needs the fastest twin's). Not when each
+    # device's owned fraction is its own decision ('choose'): twins then differ in what they own.
+    def replica_signature(rho):
+        pipe, (b, m) = skeleton.pipelines[rho], batches[rho]
+        return (b, m) + tuple((tuple(_device_signature(cluster, i) for i in ids), cluster.slowest_link(list(ids)),
+                               pipeline_transfers(cluster, spec, b, ids, pipe[s + 1] if s + 1 < p else None))
+                              for s, ids in enumerate(pipe))
+    sigs = [replica_signature(rho) for rho in range(r)] if reduce_symmetry else list(range(r))
+    ratios = ratio_options(zero_stage, r, len(set(sigs)), shard_grid, even_shards)
+    if ratios.mode == "choose":
+        sigs = list(range(r))
+    first_of: dict = {}
+    replica_class = [first_of.setdefault(sig, len(first_of)) for sig in sigs]
+    representatives = [replica_class.index(c) for c in range(len(first_of))]
+    modelled = len(representatives)
 
     # Share options per stage position; a stage is "tied" when it is homogeneous in every replica.
+    units_all = valid_unit_counts(spec)
     share_options, unit_counts, tied = [], [], []
     for s in range(p):
         n = len(skeleton.pipelines[0][s])
         sigs = {_device_signature(cluster, i) for pipe in skeleton.pipelines for i in pipe[s]}
-        homog = len(sigs) == 1 and monotone[next(iter(sigs))[0]] and reduce_symmetry
+        homog = len(sigs) == 1 and monotone[next(iter(sigs))[0]] and reduce_symmetry and ratios.mode != "choose"
         Us = [U for U in units_all if U >= n]
         if allowed is not None and allowed.get("uniform_tp"):
             Us = [U for U in Us if U % n == 0]
         if not Us:
-            return _infeasible(spec, skeleton, micro_batch, m, f"stage {s} has {n} devices but no unit count U >= {n} divides the heads")
+            return _infeasible(spec, skeleton, batches, zero_stage, f"stage {s} has {n} devices but no unit count U >= {n} divides the heads")
         equal = [U for U in Us if U % n == 0]
-        if (homog and equal) or (allowed is not None and allowed.get("uniform_tp")):
+        if n == 1:  # one device holds every unit: any U gives share 1 and the same numbers
+            share_options.append([(Us[0], Us[0])])
+            unit_counts.append([Us[0]])
+            tied.append(homog)
+        elif (homog and equal) or (allowed is not None and allowed.get("uniform_tp")):
             if not equal:
-                return _infeasible(spec, skeleton, micro_batch, m, f"stage {s}: no equal split of {n} devices")
+                return _infeasible(spec, skeleton, batches, zero_stage, f"stage {s}: no equal split of {n} devices")
             U0 = equal[0]
             share_options.append([(U0, U0 // n)])
             unit_counts.append([U0])
@@ -136,65 +254,77 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
             unit_counts.append(Us)
             tied.append(False)
 
-    # Replicas are interchangeable when every stage matches device for device and link for link.
-    def replica_signature(pipe):
-        return tuple((tuple(_device_signature(cluster, i) for i in ids), cluster.slowest_link(list(ids)),
-                      pipeline_transfers(cluster, spec, micro_batch, ids, pipe[s + 1] if s + 1 < p else None))
-                     for s, ids in enumerate(pipe))
-    same = reduce_symmetry and len({replica_signature(pipe) for pipe in skeleton.pipelines}) == 1
-    modelled = 1 if same else r
+    # Peer groups: one per (stage, rank) position, its sync line and the parameters it holds per share.
+    positions = []
+    for s in range(p):
+        row = []
+        for k in range(len(skeleton.pipelines[0][s])):
+            peers = [pipe[s][k] for pipe in skeleton.pipelines]
+            zero = group_sync_ms(cluster, spec, peers, 0.0, 0.0, zero_stage)
+            slope = group_sync_ms(cluster, spec, peers, GB, GB, zero_stage) - zero
+            params = {(U, u): (layer_param_count(spec, u / U) / GB, edge_param_count(spec, u / U, first=s == 0, last=s == p - 1) / GB)
+                      for (U, u) in share_options[s]}
+            row.append(Position(peers=peers, sync_ms_per_gparam=slope, sync_fixed_ms=zero, params=params))
+        positions.append(row)
 
+    owned = ratios.values
+    levels = np.array(ratios.levels)
     stages = []
-    for rho in range(modelled):
-        pipe = skeleton.pipelines[rho]
+    for rep in representatives:
+        pipe = skeleton.pipelines[rep]
+        b, m = batches[rep]
         row = []
         for s, ids in enumerate(pipe):
             ids = list(ids)
-            slots = slots_of(pipe, s)
-            const = stage_constants(cluster, spec, micro_batch, ids, first=s == 0, last=s == p - 1)
-            sf, sb = pipeline_transfers(cluster, spec, micro_batch, ids, pipe[s + 1] if s + 1 < p else None)
+            slots = [device_slot(cluster, profiles, spec, b, i, stage=s, num_stages=p, num_microbatches=m) for i in ids]
+            const = stage_constants(cluster, spec, b, ids, first=s == 0, last=s == p - 1)
+            sf, sb = pipeline_transfers(cluster, spec, b, ids, pipe[s + 1] if s + 1 < p else None)
             members = [list(range(len(ids)))] if tied[s] else [[k] for k in range(len(ids))]
             groups = []
             for k, member in enumerate(members):
                 slot = slots[member[0]]
-                choices = {}
+                choices, buffer_limits = {}, {}
                 for (U, u) in share_options[s]:
-                    found = device_choices(slot, spec, micro_batch, u / U, space, min_layers=min_layers[s],
-                                           cap=max_layers[s], prune=prune)
+                    found = device_choices(slot, spec, b, u / U, space, min_layers=min_layers[s], cap=max_layers[s], prune=prune,
+                                           owned_fractions=owned)
                     if allowed is not None and allowed.get("recompute") is not None:
                         found = [f for f in found if f[0] in allowed["recompute"]]
-                    edge = edge_cost(slot, spec, micro_batch, u / U)
-                    lst = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
-                                  max_layers=L, param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms, edge_bwd_ms=edge.bwd_ms,
-                                  edge_param_bytes=edge.param_bytes) for rset, lc, L in found]
-                    if lst:
-                        choices[(U, u)] = lst
+                    if not found:
+                        continue
+                    edge = edge_cost(slot, spec, b, u / U)
+                    per_layer, fixed = (x * GB for x in positions[s][member[0]].params[(U, u)])
+                    if ratios.mode == "equal":  # the sync buffer (eq. 14) at the one owned fraction 1/r
+                        buf = int(max_layers_with_sync_buffer(slot, spec, found[0][1].param_bytes, edge, max_layers[s],
+                                                              owned_fraction=owned[0], group_size=r,
+                                                              shard_params_per_layer=owned[0] * per_layer,
+                                                              shard_params_fixed=owned[0] * fixed))
+                        found = [(rset, lc, (min(L[0], buf),)) for rset, lc, L in found]
+                    elif ratios.mode == "choose":
+                        buffer_limits[(U, u)] = max_layers_with_sync_buffer(
+                            slot, spec, found[0][1].param_bytes, edge, max_layers[s], owned_fraction=np.array(owned)[:, None],
+                            group_size=r, shard_params_per_layer=levels[None, :] * per_layer, shard_params_fixed=levels[None, :] * fixed)
+                    choices[(U, u)] = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
+                                              max_layers=L, param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms,
+                                              edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes) for rset, lc, L in found]
                 groups.append(Group(ids=[ids[j] for j in member], rank=None if tied[s] else k, choices=choices,
-                                    slots=[slots[j] for j in member]))
+                                    slots=[slots[j] for j in member], buffer_limits=buffer_limits))
             if any(not g.choices for g in groups):
                 bad = next(g for g in groups if not g.choices)
-                return _infeasible(spec, skeleton, micro_batch, m, f"device {bad.ids[0]} cannot hold stage {s} under any share and recompute set")
-            row.append(StageData(replica=rho, index=s, ids=ids, allreduce_ms=const.allreduce_ms,
-                                 edge_fwd_comm_ms=const.edge_fwd_comm_ms, edge_bwd_comm_ms=const.edge_bwd_comm_ms, send_fwd_ms=sf, send_bwd_ms=sb, groups=groups, tied=tied[s]))
+                return _infeasible(spec, skeleton, batches, zero_stage,
+                                   f"device {bad.ids[0]} cannot hold stage {s} under any share and recompute set")
+            row.append(StageData(replica=rep, index=s, ids=ids, allreduce_ms=const.allreduce_ms,
+                                 edge_fwd_comm_ms=const.edge_fwd_comm_ms, edge_bwd_comm_ms=const.edge_bwd_comm_ms,
+                                 send_fwd_ms=sf, send_bwd_ms=sb, groups=groups, tied=tied[s]))
         stages.append(row)
 
-    emb = embedding_sync_ms(cluster, spec, skeleton.pipelines)
-    dp = []
-    for s in range(p):
-        row = []
-        for k in range(len(skeleton.pipelines[0][s])):
-            if r == 1:
-                row.append((0.0, 0.0))
-                continue
-            per_byte, fixed = data_parallel_sync_line(cluster, [pipe[s][k] for pipe in skeleton.pipelines])
-            row.append((per_byte * GB, fixed))
-        dp.append(row)
-    return Instance(spec=spec, skeleton=skeleton, micro_batch=micro_batch, num_microbatches=m, stages=stages,
-                    modelled_replicas=modelled, share_options=share_options, unit_counts=unit_counts,
-                    min_layers=min_layers, max_layers=max_layers, embedding_sync_ms=emb, dp_ms_per_gb=dp)
+    return Instance(spec=spec, skeleton=skeleton, batches=batches, zero_stage=zero_stage, ratios=ratios, stages=stages,
+                    modelled_replicas=modelled, replica_class=replica_class, representatives=representatives, share_options=share_options, unit_counts=unit_counts,
+                    min_layers=min_layers, max_layers=max_layers, embedding_sync_ms=embedding_sync_ms(cluster, spec, skeleton.pipelines),
+                    positions=positions)
 
 
-def _infeasible(spec, skeleton, micro_batch, m, reason) -> Instance:
-    return Instance(spec=spec, skeleton=skeleton, micro_batch=micro_batch, num_microbatches=m, stages=[], modelled_replicas=0,
-                    share_options=[], unit_counts=[], min_layers=[], max_layers=[], embedding_sync_ms=0.0,
-                    dp_ms_per_gb=[], infeasible_reason=reason)
+def _infeasible(spec, skeleton, batches, zero_stage, reason) -> Instance:
+    return Instance(spec=spec, skeleton=skeleton, batches=list(batches), zero_stage=zero_stage,
+                    ratios=ratio_options(0, 1, 1, DEFAULT_SHARD_GRID), stages=[], modelled_replicas=0, replica_class=[],
+                    representatives=[], share_options=[],
+                    unit_counts=[], min_layers=[], max_layers=[], embedding_sync_ms=0.0, positions=[], infeasible_reason=reason)

@@ -1,5 +1,6 @@
-"""The inner MILP: for one (micro-batch, skeleton), choose layers per stage, units per device and
-recompute sets per device to minimise the iteration time of docs/cost-model.md exactly.
+"""The inner MILP: for one candidate (skeleton, every replica's batch, sharding stage), choose layers per
+stage, units per device, recompute sets per device and, at stage 1, each device's owned fraction of its
+peer group's optimizer state, to minimise the iteration time of docs/cost-model.md exactly.
 
 Each constraint family is one function named for what it says, with the equation it encodes.
 Products of an integer (layers) and a continuous time are linearised exactly with the binary expansion
@@ -7,6 +8,9 @@ of the layer count and one big-M inequality per bit (McCormick with binaries). M
 of a block, slowest stage path of 1F1B, slowest optimizer step) are ">=" constraints: every variable
 that holds a max only appears with a positive sign in the objective, so at the optimum each one sits on
 its largest right-hand side and the objective equals the cost model's value of the chosen decisions.
+Products of a binary (an owned-fraction option, a level of a position's largest ratio) and a continuous
+quantity (weights, a peer group's parameters) are linearised the same way: aux >= quantity - M (1 - binary),
+aux >= 0, with M the quantity's largest value.
 """
 from __future__ import annotations
 
@@ -75,9 +79,13 @@ class InnerModel:
         self.layers_cover_the_model()
         self.block_time_is_slowest_device()
         self.stage_time_is_layers_times_layer_time()
+        self.one_owned_fraction_per_device()
+        self.largest_ratio_of_each_position()
         self.memory_fits_every_device()
+        self.sync_buffer_fits_every_device()
         self.pipeline_follows_1f1b()
         self.weights_held_per_device()
+        self.parameters_held_per_position()
         self.optimizer_step_is_slowest_device()
         self.data_parallel_sync()
         self.objective_is_iteration_time()
@@ -120,13 +128,26 @@ class InnerModel:
         m.qF = pyo.Var([(rho, s, j) for rho, s in rs for j in range(self.nbits)], domain=pyo.NonNegativeReals)
         m.qB = pyo.Var([(rho, s, j) for rho, s in rs for j in range(self.nbits)], domain=pyo.NonNegativeReals)
         self.passes = [(rho, kind, s, i) for rho in range(self.R) for s in range(p) for kind in "FB"
-                       for i in range(inst.num_microbatches)]
+                       for i in range(inst.batch(rho)[1])]
         m.fin = pyo.Var(self.passes, domain=pyo.NonNegativeReals)
         m.T = pyo.Var(domain=pyo.NonNegativeReals)
         self.groups = [(rho, s, g) for rho in range(self.R) for s in range(p) for g in range(len(inst.stages[rho][s].groups))]
         m.W = pyo.Var(self.groups, domain=pyo.NonNegativeReals)
         m.OPT = pyo.Var(domain=pyo.NonNegativeReals)
         m.DP = pyo.Var(domain=pyo.NonNegativeReals)
+        # Peer groups (one per position when there are replicas): parameters held, in 1e9.
+        self.pos_index = [(s, k) for s in range(p) for k in range(len(inst.skeleton.pipelines[0][s]))]
+        self.sharing = inst.skeleton.num_replicas > 1
+        m.P = pyo.Var(self.pos_index if self.sharing else [], domain=pyo.NonNegativeReals)
+        # Stage 1, replicas one by one: owned-fraction options per device, levels of each position's largest ratio.
+        self.choose = inst.ratios.mode == "choose"
+        J, levels = len(inst.ratios.values), inst.ratios.levels
+        self.y_index = [(rho, s, k, j) for rho in range(self.R) for (s, k) in self.pos_index for j in range(J)] if self.choose else []
+        self.u_index = [(s, k, t) for (s, k) in self.pos_index for t in range(len(levels))] if self.choose else []
+        m.y = pyo.Var(self.y_index, domain=pyo.Binary)
+        m.u = pyo.Var(self.u_index, domain=pyo.Binary)
+        m.pi = pyo.Var(self.u_index, domain=pyo.NonNegativeReals)
+        m.om = pyo.Var(self.y_index, domain=pyo.NonNegativeReals)
 
     def _choice(self, key):
         rho, s, g, o, c = key
@@ -210,23 +231,84 @@ class InnerModel:
                         m.stage.add(q[rho, s, j] >= per_layer - M * (1 - m.z[s, j]))
                     m.stage.add(Fv[rho, s] >= sum(2**j * q[rho, s, j] for j in range(self.nbits)) + edge)
 
+    def one_owned_fraction_per_device(self) -> None:
+        """Eq. 10, 13, 14 (stage 1, replicas one by one): each device owns one option's fraction of its peer
+        group's optimizer state; at each position either every peer owns the equal part 1/r, or the peers own
+        multiples of 1/K adding up to 1 (0 allowed)."""
+        inst, m = self.inst, self.m
+        m.owned = pyo.ConstraintList()
+        if not self.choose:
+            return
+        ratios = inst.ratios
+        J = len(ratios.values)
+        off_grid = ratios.units[ratios.equal] is None
+        for (s, k) in self.pos_index:
+            for rho in range(self.R):
+                m.owned.add(sum(m.y[rho, s, k, j] for j in range(J)) == 1)
+                if off_grid and rho > 0:
+                    m.owned.add(m.y[rho, s, k, ratios.equal] == m.y[0, s, k, ratios.equal])
+            on_grid = sum(ratios.units[j] * m.y[rho, s, k, j] for rho in range(self.R) for j in range(J) if ratios.units[j])
+            m.owned.add(on_grid == ratios.grid * (1 - m.y[0, s, k, ratios.equal] if off_grid else 1))
+
+    def largest_ratio_of_each_position(self) -> None:
+        """Eq. 13, 14: u_pt = 1 when some peer of position p owns at least level t (a thermometer: the
+        position's largest ratio is sum_t (level_t - level_t-1) u_pt); u only restricts (memory) or costs (sync),
+        so at the optimum it is the actual largest ratio."""
+        inst, m = self.inst, self.m
+        m.largest = pyo.ConstraintList()
+        if not self.choose:
+            return
+        values, levels = inst.ratios.values, inst.ratios.levels
+        for (s, k, t) in self.u_index:
+            for rho in range(self.R):
+                m.largest.add(m.u[s, k, t] >= sum(m.y[rho, s, k, j] for j, v in enumerate(values) if v >= levels[t]))
+
     def memory_fits_every_device(self) -> None:
-        """Eq. 8 (with eq. 3, 4, 7): peak memory is linear in L_s for a fixed choice, so it fits iff
-        L_s <= the choice's precomputed largest fitting layer count."""
-        m = self.m
+        """Eq. 8 (with eq. 3, 4, 7): peak memory is linear in L_s for a fixed choice and owned fraction, so it
+        fits iff L_s <= the choice's precomputed largest fitting layer count at that fraction (with the owned-
+        fraction options of stage 1: for each option j, L_s <= sum_c maxL_cj x_c + (N + 1)(1 - y_j))."""
+        inst, m = self.inst, self.m
         m.memory = pyo.ConstraintList()
+        N = inst.spec.num_layers
         for (rho, s, g) in self.groups:
             keys = self.x_by_group.get((rho, s, g), [])
-            m.memory.add(m.L[s] <= sum(self._choice(k).max_layers * m.x[k] for k in keys))
+            if not self.choose:
+                m.memory.add(m.L[s] <= sum(self._choice(k).max_layers[0] * m.x[k] for k in keys))
+                continue
+            for j in range(len(inst.ratios.values)):
+                m.memory.add(m.L[s] <= sum(self._choice(k).max_layers[j] * m.x[k] for k in keys) + (N + 1) * (1 - m.y[rho, s, g, j]))
+
+    def sync_buffer_fits_every_device(self) -> None:
+        """Eq. 14 with eq. 8: after the backward pass a device holds 2 W + O(owned) + the staging buffer of its
+        peer group's sharded sync, (r + 1) x largest shard x e. For its share, its owned option j and the
+        position's largest-ratio level t this is linear in L_s, so it fits iff L_s <= a precomputed count:
+        L_s <= sum_o maxLbuf_ojt v_o + (N + 1)(2 - y_j - u_t) (only where the count can bind). At one owned
+        fraction (replicas modelled as one) the count is folded into the choice's max_layers."""
+        inst, m = self.inst, self.m
+        m.buffer = pyo.ConstraintList()
+        if not self.choose:
+            return
+        N = inst.spec.num_layers
+        for (rho, s, g) in self.groups:
+            grp = inst.stages[rho][s].groups[g]
+            opts = [(o, opt) for o, opt in enumerate(inst.share_options[s]) if opt in grp.buffer_limits]
+            for j in range(len(inst.ratios.values)):
+                for t in range(len(inst.ratios.levels)):
+                    lims = [(o, int(grp.buffer_limits[opt][j, t])) for o, opt in opts]
+                    if all(lim >= inst.max_layers[s] for _, lim in lims):
+                        continue  # never binding
+                    m.buffer.add(m.L[s] <= sum(lim * m.v[s, g, o] for o, lim in lims)
+                                 + (N + 1) * (2 - m.y[rho, s, g, j] - m.u[s, g, t]))
 
     def pipeline_follows_1f1b(self) -> None:
         """Eq. 1: finish(pass) >= finish(previous pass on the stage) + duration, and
         >= finish(its dependency) + link + duration; the last backward of stage 0 ends the pipeline."""
         inst, m = self.inst, self.m
-        p, mb = self.p, inst.num_microbatches
+        p = self.p
         m.flow = pyo.ConstraintList()
         for rho in range(self.R):
             st = inst.stages[rho]
+            mb = inst.batch(rho)[1]
             for s in range(p):
                 prev = None
                 for kind, i in schedule_1f1b(p, mb, s):
@@ -264,26 +346,70 @@ class InnerModel:
                 else:
                     m.weights.add(m.W[rho, s, g] >= param * m.L[s] + edge - (param * N + edge) * (1 - m.v[s, grp.rank, o]))
 
+    def _weights_bound(self, rho: int, s: int, g: int) -> float:
+        """Largest weights (GB) the group can hold: its largest share and every layer."""
+        inst = self.inst
+        grp = inst.stages[rho][s].groups[g]
+        N = inst.spec.num_layers
+        return max(cs[0].param_bytes / GB * N + cs[0].edge_param_bytes / GB for cs in grp.choices.values())
+
+    def parameters_held_per_position(self) -> None:
+        """Section 9: the peer group of position (s, k) holds P_sk = layer_param_count(share) L_s +
+        edge_param_count(share) parameters (1e9), the counts of the evaluator's peer groups (``baton.peers``),
+        not the tables' parameter bytes: P_sk >= a_o L_s + c_o - M_o (1 - v_sko)."""
+        inst, m = self.inst, self.m
+        m.params = pyo.ConstraintList()
+        if not self.sharing:
+            return
+        N = inst.spec.num_layers
+        for (s, k) in self.pos_index:
+            for o, opt in enumerate(inst.share_options[s]):
+                a, c = inst.positions[s][k].params[opt]
+                m.params.add(m.P[s, k] >= a * m.L[s] + c - (a * N + c) * (1 - m.v[s, k, o]))
+
+    def _largest_params(self, s: int, k: int) -> float:
+        a_c = self.inst.positions[s][k].params.values()
+        return max(a * self.inst.spec.num_layers + c for a, c in a_c)
+
     def optimizer_step_is_slowest_device(self) -> None:
-        """Eq. 10: every device runs its Adam step; the iteration waits for the slowest."""
+        """Eq. 10: every device runs its Adam step over the weights it owns (all at stage 0, 1/r with the
+        replicas modelled as one, its option's fraction otherwise: om_j >= W - M (1 - y_j)); the iteration
+        waits for the slowest."""
         inst, m = self.inst, self.m
         m.optimizer = pyo.ConstraintList()
+        values = inst.ratios.values
         for (rho, s, g) in self.groups:
-            for per_gb in inst.stages[rho][s].groups[g].opt_ms_per_gb:
-                m.optimizer.add(m.OPT >= per_gb * m.W[rho, s, g])
+            slopes = inst.stages[rho][s].groups[g].opt_ms_per_gb
+            if not self.choose:
+                for per_gb in slopes:
+                    m.optimizer.add(m.OPT >= per_gb * values[0] * m.W[rho, s, g])
+                continue
+            MW = self._weights_bound(rho, s, g)
+            for j in range(len(values)):
+                m.optimizer.add(m.om[rho, s, g, j] >= m.W[rho, s, g] - MW * (1 - m.y[rho, s, g, j]))
+            for per_gb in slopes:
+                m.optimizer.add(m.OPT >= per_gb * sum(v * m.om[rho, s, g, j] for j, v in enumerate(values)))
 
     def data_parallel_sync(self) -> None:
-        """Eq. 5 / eq. 11: replicas all-reduce gradients rank by rank; the slowest all-reduce counts."""
+        """Eq. 13 / eq. 15: each position's peers sync their group (stage 0: an all-reduce of its P parameters;
+        stage 1: reduce-scatter + all-gather padded to the largest shard, largest ratio x P); the groups of
+        replicas of one shape are disjoint and run side by side, so the slowest counts. With owned-fraction
+        options the largest shard is sum_t (level_t - level_t-1) pi_t, pi_t >= P - M (1 - u_t)."""
         inst, m = self.inst, self.m
         m.dpsync = pyo.ConstraintList()
-        if inst.skeleton.num_replicas == 1:
+        if not self.sharing:
             return
-        for s in range(self.p):
-            st = inst.stages[0][s]
-            for k in range(len(st.ids)):
-                g = 0 if st.tied else k
-                alpha, beta = inst.dp_ms_per_gb[s][k]
-                m.dpsync.add(m.DP >= alpha * m.W[0, s, g] + beta)
+        levels = inst.ratios.levels
+        for (s, k) in self.pos_index:
+            pos = inst.positions[s][k]
+            if not self.choose:  # the whole group (stage 0) or the equal shard 1/r (stage 1)
+                m.dpsync.add(m.DP >= pos.sync_ms_per_gparam * inst.ratios.values[0] * m.P[s, k] + pos.sync_fixed_ms)
+                continue
+            Mp = self._largest_params(s, k)
+            for t in range(len(levels)):
+                m.dpsync.add(m.pi[s, k, t] >= m.P[s, k] - Mp * (1 - m.u[s, k, t]))
+            shard = sum((levels[t] - (levels[t - 1] if t else 0.0)) * m.pi[s, k, t] for t in range(len(levels)))
+            m.dpsync.add(m.DP >= pos.sync_ms_per_gparam * shard + pos.sync_fixed_ms)
 
     def objective_is_iteration_time(self) -> None:
         """Eq. 11: pipeline + tied-embedding sync + data-parallel sync + optimizer step."""
@@ -324,10 +450,18 @@ class InnerModel:
         """Fix every discrete decision at its loaded value and re-solve the LP: the exact model value."""
         m = self.m
         fixed = []
-        for var in (m.z, m.v, m.w, m.x, m.L):
+        for var in (m.z, m.v, m.w, m.x, m.L, m.y):
             for k in var:
                 var[k].fix(round(var[k].value or 0.0))
                 fixed.append(var[k])
+        if self.choose:  # each position's largest ratio, from the owned fractions chosen
+            largest = {}
+            for (rho, s, k, j) in self.y_index:
+                if m.y[rho, s, k, j].value > 0.5:
+                    largest[s, k] = max(largest.get((s, k), 0.0), self.inst.ratios.values[j])
+            for (s, k, t) in self.u_index:
+                m.u[s, k, t].fix(int(largest.get((s, k), 0.0) >= self.inst.ratios.levels[t]))
+                fixed.append(m.u[s, k, t])
         res = highs_solve(m, threads=threads, time_limit=60)
         try:
             if res.termination_condition != TerminationCondition.convergenceCriteriaSatisfied:
@@ -351,9 +485,15 @@ class InnerModel:
         for key in self.x_index:
             if pyo.value(m.x[key]) > 0.5:
                 chosen[key[:3]] = self._choice(key)
+        ratio = {}
+        for (rho, s, k, j) in self.y_index:
+            if pyo.value(m.y[rho, s, k, j]) > 0.5:
+                units = inst.ratios.units[j]
+                ratio[rho, s, k] = None if units is None else units / inst.ratios.grid
+        uniform = len(set(inst.batches)) == 1
         pipelines = []
         for rho, pipe in enumerate(sk.pipelines):
-            src = rho if inst.modelled_replicas > 1 else 0
+            src = inst.replica_class[rho]
             stages, first = [], 0
             for s, ids in enumerate(pipe):
                 st = inst.stages[src][s]
@@ -362,13 +502,16 @@ class InnerModel:
                     g = 0 if st.tied else k
                     c = chosen[(src, s, g)]
                     U, u = (c.units_per_layer, c.units) if st.tied else share[s, k]
-                    devs.append(DeviceShare(id=dev_id, units=u, recompute=tuple(o for o in _op_order(inst) if o in c.recompute)))
+                    devs.append(DeviceShare(id=dev_id, units=u, recompute=tuple(o for o in _op_order(inst) if o in c.recompute),
+                                            shard_ratio=ratio.get((rho, s, k))))
                 U = chosen[(src, s, 0)].units_per_layer
                 stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=int(U), devices=tuple(devs)))
                 first += layers[s]
-            pipelines.append(Pipeline(stages=tuple(stages)))
+            b, mb = inst.batches[rho]
+            pipelines.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
+                                      num_microbatches=None if uniform else mb))
         return Plan(model=inst.spec, cluster="", micro_batch_size=inst.micro_batch, num_microbatches=inst.num_microbatches,
-                    pipelines=tuple(pipelines))
+                    pipelines=tuple(pipelines), zero_stage=inst.zero_stage)
 
 
 def _op_order(inst: Instance) -> list[str]:

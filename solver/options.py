@@ -8,7 +8,9 @@ fixed share, a recompute set R enters the model only through
   * its recompute time per block, rec_attn(R) and rec_mlp(R) (added to the block's backward, eq. 9), and
   * the largest layer count that still fits in memory, max_layers(R) (eq. 8 is linear in the layer count).
 R is dropped when another set has rec_attn <= , rec_mlp <= and max_layers >= : whatever plan uses R, the
-same plan with the other set is as fast and fits too. Nothing else of the plan depends on R.
+same plan with the other set is as fast and fits too. Nothing else of the plan depends on R. At sharding
+stage 1 the layer limit depends on the fraction of its optimizer state the device owns, one more decision
+of the device; a set is kept when it is on the front for at least one of the fractions it may own.
 """
 from __future__ import annotations
 
@@ -60,8 +62,9 @@ class Choice:
     """Forward ms per block (eq. 2)."""
     bwd: tuple[float, float]
     """Backward + recompute ms per block (eq. 2, 9)."""
-    max_layers: int
-    """Largest layer count of its stage that fits this device's memory (eq. 8)."""
+    max_layers: tuple[int, ...]
+    """Largest layer count of its stage that fits this device's memory (eq. 8), for each owned fraction of
+    the optimizer state it may get (``Group.ratios``; one entry when the fraction is fixed)."""
     param_bytes: float
     """Parameter bytes per layer."""
     edge_fwd_ms: float = 0.0
@@ -73,20 +76,25 @@ class Choice:
 
 
 def device_choices(slot: DeviceSlot, spec: ModelSpec, mb: int, share: float, space: RecomputeSpace, *, min_layers: int,
-                   cap: int, prune: bool = True) -> list[tuple[frozenset, LayerCost, int]]:
-    """Recompute sets worth considering for a device at ``slot`` with ``share``: (set, cost, max layers).
+                   cap: int, prune: bool = True, owned_fractions: tuple[float, ...] = (1.0,)) -> list[tuple[frozenset, LayerCost, tuple[int, ...]]]:
+    """Recompute sets worth considering for a device at ``slot`` with ``share``: (set, cost, max layers per
+    owned fraction of ``owned_fractions``).
 
     Keeps the sets on the (min rec_attn, min rec_mlp, max max_layers) Pareto front that fit at least
-    ``min_layers`` layers. With ``prune=False`` keeps every feasible set (the exhaustive oracle's view).
-    Every number is the cost model's (``layer_prices``, ``max_layers_that_fit``), the same row the
-    evaluator prices for that set.
+    ``min_layers`` layers, for at least one owned fraction (the union of the fronts: the fraction is one
+    decision of the device, so for the fraction an optimum uses, the front of that fraction holds a set as
+    good). With ``prune=False`` keeps every feasible set (the exhaustive oracle's view). Every number is
+    the cost model's (``layer_prices``, ``max_layers_that_fit``), the same row the evaluator prices for that set.
     """
     prices = layer_prices(slot.profile, spec, mb, share, space)
-    fit = fitting_layers(slot, spec, mb, share, space, cap)
-    idx = np.flatnonzero(fit >= min_layers)
-    if prune and len(idx):
-        idx = _front(idx, fit[idx], prices.rec_attn_ms[idx], prices.rec_mlp_ms[idx], space.op_bits[idx].sum(axis=1))
-    return [(space.recompute_set(int(i)), layer_cost_of(prices, int(i)), int(fit[i])) for i in idx]
+    fits = np.stack([fitting_layers(slot, spec, mb, share, space, cap, f) for f in owned_fractions])
+    kept: set[int] = set()
+    for fit in fits:
+        idx = np.flatnonzero(fit >= min_layers)
+        if prune and len(idx):
+            idx = _front(idx, fit[idx], prices.rec_attn_ms[idx], prices.rec_mlp_ms[idx], space.op_bits[idx].sum(axis=1))
+        kept.update(int(i) for i in idx)
+    return [(space.recompute_set(i), layer_cost_of(prices, i), tuple(int(x) for x in fits[:, i])) for i in sorted(kept)]
 
 
 def _front(idx, L, a, m, pop):

@@ -1,26 +1,31 @@
-"""The three-level planner: outer enumeration of (micro-batch, skeleton) candidates with bound pruning,
-inner MILP per candidate, and an independent re-check of the winner by ``baton.evaluate``.
+"""The three-level planner: outer enumeration of (skeleton, batch split, sharding stage) candidates with
+bound pruning, inner MILP per candidate, and an independent re-check of the winner by ``baton.evaluate``.
 
-Level 1: micro-batch size b (a divisor of the global batch that every profile table holds) and the
-         number of replicas r (from the skeleton), so m = G / (b r).
+Level 1: the batch split (replica i trains on m_i micro-batches of a profiled size b_i, sum b_i m_i = G;
+         solver/splits.py) and the sharding stage (0, or 1 with shard ratios from a grid; solver/instance.py).
 Level 2: the skeleton: which devices form each TP group (mixed GPU types allowed), in which rank order,
          and the order of the groups along each pipeline (solver/space.py).
 Level 3: the MILP (solver/milp.py): layers per stage, units per layer U and units per device,
-         recompute set per device, and the exact 1F1B schedule.
+         recompute set per device, owned fractions at stage 1, and the exact 1F1B schedule of every replica.
 
-Candidates are visited in increasing order of a lower bound (solver/bounds.py); a candidate whose bound
-is not below the incumbent (shrunk by the allowed gap) cannot hold a better plan and is skipped. The
-proven bound of the whole search is the smallest bound of any candidate not known to be worse: the MILP
-bound for solved ones, the cheap bound for skipped ones.
+Candidates are visited in increasing order of a lower bound (solver/bounds.py), from a heap; a candidate
+whose bound is not below the incumbent (shrunk by the allowed gap) cannot hold a better plan and is
+skipped. In the exact family the non-uniform splits of a skeleton wait in the heap as one entry and are
+listed, in windows of their bounds, only when that entry reaches the front. The proven bound of the whole
+search is the smallest bound of any candidate not known to be worse: the MILP bound for solved ones, the
+cheap bound for skipped ones.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from baton.cluster import ClusterSpec
+from baton.costmodel import device_slot, edge_cost, edge_param_count, layer_cost, layer_param_count
 from baton.errors import BatonError
 from baton.evaluate import PlanReport, evaluate, explain_over_capacity
 from baton.profile import ProfileSet
@@ -28,12 +33,13 @@ from baton.memory import RecomputeSpace, recompute_space
 from baton.model_spec import ModelSpec
 from baton.plan import Plan, validate
 
-from solver.bounds import BoundCache, candidate_lower_bound
+from solver.bounds import BoundCache, bound_owned, candidate_lower_bound, replica_bound, skeleton_constant
 from solver.greedy import greedy_incumbent
-from solver.instance import build_instance
+from solver.instance import DEFAULT_SHARD_GRID, build_instance
 from solver.milp import InnerModel
-from solver.options import monotone_in_share
-from solver.space import Skeleton, exact_skeletons, iter_structured_skeletons
+from solver.options import monotone_in_share, valid_unit_counts
+from solver.space import Skeleton, exact_skeletons, iter_structured_skeletons, replica_pattern
+from solver.splits import _largest_m, canonical, exact_splits_below, replica_classes, structured_splits, uniform_splits
 
 EXACT_LIMIT = 5000
 """Above this many exact skeletons the search switches to the structured family."""
@@ -108,6 +114,29 @@ def check_profiles(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet) 
     return out
 
 
+def stage_one_dominates(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet) -> bool:
+    """True when, for replicas (r >= 2), stage 1 with equal parts is never worse than stage 0 (solver/README.md,
+    rule 8): mixed precision, and every table's parameter bytes are at least the analytic counts times the
+    element size at every share, so each device's optimizer bytes saved, O (1 - 1/r) = 6 W (r - 1)/r, cover
+    the staging buffer (r + 1)/r P e of eq. 14 (4 (r + 1) <= 24 (r - 1) for r >= 2)."""
+    if spec.dtype_bytes >= 4:
+        return False
+    e, Umax = spec.dtype_bytes, max(valid_unit_counts(spec))
+    for g in cluster.gpu_types:
+        dev = next(d for d in cluster.devices if d.gpu.name == g)
+        b = profiles[g].micro_batches("qkv")[0]
+        for k in range(1, Umax + 1):
+            share = k / Umax
+            if layer_cost(profiles[g], spec, b, share).param_bytes < layer_param_count(spec, share) * e * (1 - 1e-12):
+                return False
+            for stage, p in ((0, 1), (0, 2), (1, 2)):
+                slot = device_slot(cluster, profiles, spec, b, dev.id, stage=stage, num_stages=p, num_microbatches=1)
+                held = edge_cost(slot, spec, b, share).param_bytes
+                if held < edge_param_count(spec, share, first=slot.first, last=slot.last) * e * (1 - 1e-12):
+                    return False
+    return True
+
+
 def skeleton_family(spec: ModelSpec, cluster: ClusterSpec, family: str = "auto") -> tuple[str, Iterable[Skeleton]]:
     """The family and its skeletons; the structured family comes as a generator, so that a large
     cluster's enumeration runs inside the time limit, interleaved with bounding."""
@@ -145,75 +174,202 @@ class Progress:
             self.detail_log("  " + line)
 
 
+def replica_micro_batches(cluster: ClusterSpec, profiles: ProfileSet, patterns, global_batch: int,
+                          micro_batch: int | None) -> list[tuple[int, ...]]:
+    """Micro-batch sizes each replica (given by its ``space.replica_pattern``) may use: the ones every table of
+    its GPUs holds (or the one given)."""
+    if micro_batch is not None:
+        return [(micro_batch,)] * len(patterns)
+    have = {g: set(profiles[g].micro_batches("qkv")) for g in cluster.gpu_types}
+    out, memo = [], {}
+    for pattern in patterns:
+        if pattern not in memo:
+            types = {rest[1] for stage in pattern for _, rest in stage}
+            memo[pattern] = tuple(sorted(b for b in set.intersection(*(have[g] for g in types)) if b <= global_batch))
+        out.append(memo[pattern])
+    return out
+
+
+@dataclass(kw_only=True)
+class _Skeleton:
+    """What the search keeps of one skeleton: its replicas' patterns, classes and micro-batch sizes."""
+
+    sk: Skeleton
+    patterns: list
+    classes: list
+    sizes: list
+    pushed: set = field(default_factory=set)
+    """(zero stage, canonical batches) already pushed as candidates."""
+
+
 def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, global_batch: int, micro_batch: int | None = None,
            time_limit: float = 60.0, gap: float = 1e-4, threads: int = 2, space: RecomputeSpace | None = None,
            skeletons: list[Skeleton] | None = None, family: str = "auto", strategy: str = "baton",
-           allowed: dict | None = None, reduce_symmetry: bool = True, log=None, detail_log=None) -> SolveResult:
+           allowed: dict | None = None, reduce_symmetry: bool = True, log=None, detail_log=None,
+           shard_grid: int = DEFAULT_SHARD_GRID, zero_stages: tuple[int, ...] = (0, 1), splits: str = "auto",
+           extra_splits=None) -> SolveResult:
     """Best plan over the candidates; raises NoPlanFits when none fits.
 
-    ``log`` gets one line per improvement, ``detail_log`` one per MILP solved. ``time_limit`` covers the
-    whole search: bounding candidates, constructive plans and MILPs.
+    A candidate is a skeleton, every replica's batch (micro-batch size and count, adding up to the global
+    batch) and the sharding stage (0, or 1 with shard ratios multiples of 1/``shard_grid``). ``splits``:
+    'auto' (every split in the exact family, a few in the structured one, solver/splits.py) or 'uniform'
+    (every replica the same batch). ``extra_splits(skeleton)`` may add splits for a skeleton (the baselines'
+    per-GPU batches). ``log`` gets one line per improvement, ``detail_log`` one per MILP solved.
+    ``time_limit`` covers the whole search: bounding candidates, constructive plans and MILPs.
     """
     t_start = time.perf_counter()
     deadline = t_start + time_limit
     monotone = check_profiles(spec, cluster, profiles)
     space = space or recompute_space(spec)
-    mbs = micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
+    micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)  # one clear error when no size fits
+    dominated = stage_one_dominates(spec, cluster, profiles)
     if skeletons is None:
         family, skeletons = skeleton_family(spec, cluster, family)
+    exact = family == "exact" and splits == "auto"
     cache = BoundCache()
-    cands = []
+    heap: list = []
+    seq = itertools.count()
+    infos: list[_Skeleton] = []
+    ceilings: dict = {}  # (skeleton, stage) -> largest finite bound of its splits
     t0 = time.perf_counter()
     best = None  # (objective, plan, instance or None)
     progress = Progress(log, t_start, detail_log)
     greedy_lb = math.inf  # smallest bound of a candidate the constructive plan has been tried on
     unbounded = False
     timed_out = False
+    pushed = 0
 
-    def try_greedy(lb, b, sk):
+    def even(info: _Skeleton) -> bool:
+        """Stage 1 with equal parts only: the structured family (a heuristic restriction), except Cephalo's layout,
+        every device its own replica, on a cluster of several kinds of devices."""
+        if exact:
+            return False
+        single = all(len(pipe) == 1 and len(pipe[0]) == 1 for pipe in info.sk.pipelines)
+        return not single or len(set(info.classes)) == 1
+
+    def bound(info: _Skeleton, batches, z: int, sync: bool | None = None) -> float:
+        return candidate_lower_bound(spec, cluster, profiles, info.sk, batches, space, cache, monotone if reduce_symmetry else None,
+                                     zero_stage=z, patterns=info.patterns, sync=exact if sync is None else sync,
+                                     even_shards=even(info))
+
+    def phi(info: _Skeleton, z: int, owned: float | None = None):
+        """Replica i's cheap bound on m micro-batches of b (owning ``owned`` of its optimizer state at stage 1;
+        None: anything)."""
+        mono = monotone if reduce_symmetry else None
+        return lambda i, b, m: replica_bound(spec, cluster, profiles, info.sk.pipelines[i], b, m, space, cache, mono,
+                                             zero_stage=z, pattern=info.patterns[i], owned=owned)[0]
+
+    def instance(info: _Skeleton, batches, z: int, even_shards: bool = False):
+        return build_instance(spec, cluster, profiles, info.sk, batches, space, zero_stage=z, shard_grid=shard_grid,
+                              monotone=monotone, reduce_symmetry=reduce_symmetry, allowed=allowed,
+                              even_shards=even_shards or even(info))
+
+    def try_greedy(info, batches, z):
         """A constructive plan for a promising candidate: an incumbent within seconds (solver/greedy.py)."""
         nonlocal best
-        inst = build_instance(spec, cluster, profiles, sk, b, global_batch, space, monotone=monotone,
-                              reduce_symmetry=reduce_symmetry, allowed=allowed)
+        inst = instance(info, batches, z, even_shards=True)  # it splits every peer group evenly anyway
         if inst.infeasible_reason is not None:
             return
         found = greedy_incumbent(inst, cluster, profiles)
         if found is not None and (best is None or found[0] < best[0]):
             best = (found[0], found[1], None)
-            progress.improved(best[0], None, "constructive", bounded=str(len(cands)))
+            progress.improved(best[0], None, "constructive", bounded=str(pushed))
 
-    # Candidate construction: bound every (micro-batch, skeleton); the time limit covers it too.
-    work = ((b, sk) for sk in skeletons for b in mbs if global_batch % (b * sk.num_replicas) == 0)
-    for b, sk in work:
+    def push_candidate(info, k, batches, z, lb, refined):
+        nonlocal pushed
+        key = (z, canonical(batches, info.classes))
+        if key in info.pushed:
+            return
+        info.pushed.add(key)
+        heapq.heappush(heap, (lb, next(seq), "cand", k, z, key[1], refined))
+        pushed += 1
+
+    def group_range(info: _Skeleton, z: int) -> tuple[float, float]:
+        """Bounds of the skeleton's splits: below, each replica runs at least one micro-batch; above, the largest
+        finite bound a replica can reach (no split with a finite bound lies beyond it)."""
+        f, r = phi(info, z), info.sk.num_replicas
+        const = skeleton_constant(spec, cluster, info.sk, cache, sync=True)
+        floor = const + max(min(f(i, b, 1) for b in info.sizes[i]) for i in range(r))
+        top = [f(i, b, _largest_m(lambda m, i=i, b=b: math.isfinite(f(i, b, m)), global_batch // b))
+               for i in range(r) for b in info.sizes[i] if math.isfinite(f(i, b, 1))]
+        return floor, const + max(top, default=math.inf)
+
+    # Candidate construction: bound every (skeleton, split, stage); the time limit covers it too.
+    for sk in skeletons:
         if time.perf_counter() >= deadline:
-            unbounded = True  # the rest were never even enumerated
-            timed_out = True
+            unbounded = timed_out = True  # the rest were never even enumerated
             break
-        lb = candidate_lower_bound(spec, cluster, profiles, sk, b, global_batch, space, cache, monotone if reduce_symmetry else None)
-        if not math.isfinite(lb):
+        patterns = [replica_pattern(cluster, pipe) for pipe in sk.pipelines]
+        info = _Skeleton(sk=sk, patterns=patterns, classes=replica_classes(patterns),
+                         sizes=replica_micro_batches(cluster, profiles, patterns, global_batch, micro_batch))
+        if any(not x for x in info.sizes):
             continue
-        cands.append((lb, b, sk))
-        if strategy == "baton" and lb < greedy_lb * 0.97 and time.perf_counter() < deadline:
-            greedy_lb = lb
-            try_greedy(lb, b, sk)
-    cands.sort(key=lambda c: (c[0], c[1], c[2].describe()))
+        k = len(infos)
+        infos.append(info)
+        zs = [z for z in zero_stages if z == 0 or sk.num_replicas > 1]
+        if sk.num_replicas > 1 and 1 in zs and dominated:
+            zs = [1]  # stage 0 can only tie with stage 1 (rule 8)
+        for z in zs:
+            if splits == "uniform" or exact:
+                cands = uniform_splits(info.sizes, global_batch)
+            else:
+                # Speeds from the bound the candidates get (its stage bounds are then shared with theirs).
+                owned = bound_owned(sk.num_replicas, zs[-1], even(info))
+                cands = structured_splits(phi(info, zs[-1], owned), info.sizes, info.classes, global_batch)
+                if extra_splits is not None:
+                    cands += [x for x in extra_splits(sk) if sum(b * m for b, m in x) == global_batch]
+            for batches in cands:
+                lb = bound(info, batches, z)
+                if not math.isfinite(lb):
+                    continue
+                push_candidate(info, k, batches, z, lb, refined=exact)
+                if strategy == "baton" and lb < greedy_lb * 0.97 and time.perf_counter() < deadline:
+                    greedy_lb = lb
+                    try_greedy(info, batches, z)
+            if exact and sk.num_replicas > 1:  # every other split, expanded lazily in bound order
+                floor, ceilings[k, z] = group_range(info, z)
+                if math.isfinite(floor):
+                    heapq.heappush(heap, (floor, next(seq), "group", k, z, 0.0, True))
     build_s = time.perf_counter() - t0
     solve_s = 0.0
     bounds: list[float] = [0.0] if unbounded else []  # candidates never bounded could hold anything
     solved = pruned = 0
-    for idx, (lb, b, sk) in enumerate(cands):
+    while heap:
+        lb, _, kind, k, z, data, refined = heap[0]
         inc = best[0] if best else math.inf
-        if lb >= inc * (1 - gap) - 1e-9 * inc:
-            pruned += len(cands) - idx
+        threshold = inc * (1 - gap) - 1e-9 * inc
+        if lb >= threshold:
+            pruned += len(heap)
             bounds.append(lb)  # the smallest bound of everything skipped
             break
         if time.perf_counter() >= deadline:
             timed_out = True
-            bounds.extend(c[0] for c in cands[idx:])
+            bounds.append(lb)
             break
+        heapq.heappop(heap)
+        info = infos[k]
+        if kind == "group":  # push the splits whose bound lies in [data, upto)
+            tg = time.perf_counter()
+            upto = min(inc * (1 - gap), lb * 1.05 + 1e-9) if math.isfinite(inc) else lb * 1.25 + 1e-9
+            const = skeleton_constant(spec, cluster, info.sk, cache, sync=True)
+            last = upto > ceilings[k, z]  # beyond every finite replica bound: this window takes all the rest
+            for batches in exact_splits_below(phi(info, z), info.sizes, info.classes, global_batch,
+                                              math.inf if last else upto - const):
+                x = bound(info, batches, z)
+                if data <= x and (last or x < upto):
+                    push_candidate(info, k, batches, z, x, refined=True)
+            if not last:  # every split not pushed yet has a bound of at least upto
+                heapq.heappush(heap, (upto, next(seq), "group", k, z, upto, True))
+            build_s += time.perf_counter() - tg
+            continue
+        if not refined:  # the data-parallel sync bound, computed for the candidates that reach the front
+            x = bound_refined = bound(info, data, z, sync=True)
+            if x > lb * (1 + 1e-12):
+                heapq.heappush(heap, (bound_refined, next(seq), kind, k, z, data, True))
+                continue
+        batches = data
         tb = time.perf_counter()
-        inst = build_instance(spec, cluster, profiles, sk, b, global_batch, space, monotone=monotone,
-                              reduce_symmetry=reduce_symmetry, allowed=allowed)
+        inst = instance(info, batches, z)
         if inst.infeasible_reason is not None:
             build_s += time.perf_counter() - tb
             continue
@@ -223,8 +379,8 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         res = model.solve(time_limit=left, rel_gap=gap, threads=threads, cutoff=inc if math.isfinite(inc) else None)
         solve_s += res.solve_s
         solved += 1
-        progress.detail(f"b={b} {sk.describe()}: lb {lb:.1f} -> {res.status} {res.objective_ms} (bound {res.bound_ms:.1f}) "
-                        f"[{model.build_s:.2f}s build, {res.solve_s:.2f}s solve]")
+        progress.detail(f"{_describe(batches)} z={z} {info.sk.describe()}: lb {lb:.1f} -> {res.status} {res.objective_ms} "
+                        f"(bound {res.bound_ms:.1f}) [{model.build_s:.2f}s build, {res.solve_s:.2f}s solve]")
         if res.status in ("infeasible", "cutoff"):
             continue
         if res.status == "no_solution":  # time ran out before any incumbent
@@ -236,26 +392,33 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         bounds.append(max(lb, res.bound_ms))
         if res.objective_ms < inc:
             best = (res.objective_ms, res.plan, inst)
-            rest = [c[0] for c in cands[idx + 1:]]
-            progress.improved(best[0], min(bounds + rest + ([0.0] if unbounded else [])), "MILP", left=len(cands) - idx - 1)
+            rest = [heap[0][0]] if heap else []
+            progress.improved(best[0], min(bounds + rest + ([0.0] if unbounded else [])), "MILP", left=len(heap))
     total_s = time.perf_counter() - t_start
     if best is None:
         if timed_out:
-            raise NoPlanFits(f"no plan found within the time limit of {time_limit:g} s ({solved} of {len(cands)} candidates tried)")
+            raise NoPlanFits(f"no plan found within the time limit of {time_limit:g} s ({solved} of {pushed} candidates tried)")
+        mbs = micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
         raise NoPlanFits("no plan fits in memory: " + least_memory_explanation(spec, cluster, profiles, global_batch, mbs, space))
     objective, plan, inst = best
-    bound = min([objective] + [x for x in bounds])
-    achieved_gap = max(0.0, (objective - bound) / objective)
+    bound_ms = min([objective] + [x for x in bounds])
+    achieved_gap = max(0.0, (objective - bound_ms) / objective)
     status = "optimal" if not timed_out and achieved_gap <= gap + 1e-9 else "time_limit"
-    plan = validate(Plan(model=plan.model, cluster=cluster.name, micro_batch_size=plan.micro_batch_size,
-                         num_microbatches=plan.num_microbatches, pipelines=plan.pipelines))
+    plan = validate(replace(plan, cluster=cluster.name, info={}))
     report = recheck(plan, cluster, profiles, objective)
-    result = SolveResult(plan=plan, report=report, strategy=strategy, status=status, objective_ms=objective, bound_ms=bound,
+    result = SolveResult(plan=plan, report=report, strategy=strategy, status=status, objective_ms=objective, bound_ms=bound_ms,
                          gap=achieved_gap, build_s=build_s, solve_s=solve_s, total_s=total_s, family=family,
-                         candidates=len(cands), solved=solved, pruned=pruned, first_plan_s=progress.first_s,
+                         candidates=pushed, solved=solved, pruned=pruned, first_plan_s=progress.first_s,
                          unbounded=unbounded)
     result.plan = plan.with_info(**result.info())
     return result
+
+
+def _describe(batches) -> str:
+    """'b=2' for a uniform split, else every replica's 'b x m'."""
+    if len(set(batches)) == 1:
+        return f"b={batches[0][0]}"
+    return "batches " + ",".join(f"{b}x{m}" for b, m in batches)
 
 
 def recheck(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, objective_ms: float) -> PlanReport:

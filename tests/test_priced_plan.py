@@ -23,6 +23,7 @@ from baton.evaluate import evaluate
 from baton.memory import is_held, is_rematerialised, layer_order, recompute_space, tensor_roles
 from baton.model_spec import PRESETS
 from baton.operators import operator_names
+from baton.peers import owned_fractions, peer_groups
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, simple_plan, validate
 from solver.baselines import exhaustive
 from solver.instance import build_instance
@@ -82,14 +83,15 @@ def test_memory_limit_is_the_evaluators_fits():
                 assert (peak <= slot.memory_bytes) == (L <= fit[i]), (i, L)
 
 
-def _random_plan(inst, rng: random.Random) -> Plan:
-    """A random valid plan: random layout (replicas of equal shape), layer split, units and recompute sets."""
+def _random_plan(inst, rng: random.Random, *, replicas: int | None = None, zero_stage: int | None = None) -> Plan:
+    """A random valid plan: random layout (replicas of equal shape), layer split, units, recompute sets, batch
+    per replica and (with replicas) sharding stage and shard ratios; ``replicas``/``zero_stage`` fix those."""
     spec, ids = inst.spec, [d.id for d in inst.cluster.devices]
     rng.shuffle(ids)
-    used = ids[:rng.randint(1, len(ids))]
+    used = ids[:rng.randint(1, len(ids))] if replicas is None else ids[:len(ids) - len(ids) % replicas]
     Us = valid_unit_counts(spec)
     while True:
-        reps = rng.choice([r for r in (1, 2) if len(used) % r == 0 and inst.global_batch % r == 0])
+        reps = replicas or rng.choice([r for r in (1, 2) if len(used) % r == 0 and inst.global_batch % r == 0])
         per = len(used) // reps
         sizes = []
         left = per
@@ -109,6 +111,27 @@ def _random_plan(inst, rng: random.Random) -> Plan:
         U = rng.choice([u for u in Us if u >= n])
         cut = sorted(rng.sample(range(1, U), n - 1))
         units.append((U, [b - a for a, b in zip([0] + cut, cut + [U])]))
+    # Every replica its own batch (Poplar), and at stage 1 per position equal parts or grid ratios (Cephalo).
+    while True:
+        batches = [(rng.choice([1, 2]), rng.randint(1, 4)) for _ in range(reps)]
+        if sum(b * m for b, m in batches) == inst.global_batch or reps == 1:
+            break
+    if reps == 1:
+        b = rng.choice([b for b in (1, 2) if inst.global_batch % b == 0])
+        batches = [(b, inst.global_batch // b)]
+    zero_stage = (rng.choice([0, 1]) if zero_stage is None else zero_stage) if reps > 1 else 0
+    ratio = {}
+    for s, n in enumerate(sizes):
+        for j in range(n):
+            if zero_stage and rng.random() < 0.7:
+                ks = [rng.randint(0, GRID) for _ in range(reps - 1)]
+                while sum(ks) > GRID:
+                    ks[rng.randrange(reps - 1)] -= 1
+                    ks = [max(0, k) for k in ks]
+                ks.append(GRID - sum(ks))
+                rng.shuffle(ks)
+                for r in range(reps):
+                    ratio[r, s, j] = ks[r] / GRID
     pipes = []
     for r in range(reps):
         group = used[r * per:(r + 1) * per]
@@ -116,14 +139,38 @@ def _random_plan(inst, rng: random.Random) -> Plan:
         for s, n in enumerate(sizes):
             U, us = units[s]
             stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
-                DeviceShare(id=group[k + j], units=us[j], recompute=tuple(o for o in names if rng.random() < 0.3))
-                for j in range(n))))
+                DeviceShare(id=group[k + j], units=us[j], recompute=tuple(o for o in names if rng.random() < 0.3),
+                            shard_ratio=ratio.get((r, s, j))) for j in range(n))))
             first += layers[s]
             k += n
-        pipes.append(Pipeline(stages=tuple(stages)))
-    mb = rng.choice([b for b in (1, 2) if inst.global_batch % (b * reps) == 0])
-    return validate(Plan(model=spec, cluster=inst.cluster.name, micro_batch_size=mb,
-                         num_microbatches=inst.global_batch // (mb * reps), pipelines=tuple(pipes)))
+        uniform = len(set(batches)) == 1
+        pipes.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else batches[r][0],
+                              num_microbatches=None if uniform else batches[r][1]))
+    return validate(Plan(model=spec, cluster=inst.cluster.name, micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
+                         pipelines=tuple(pipes), zero_stage=zero_stage))
+
+
+GRID = 4
+"""Shard ratios of the random plans: multiples of 1/4, or equal parts."""
+
+
+def _option(inst, s: int, stage: Stage, d: DeviceShare) -> tuple[int, int]:
+    """The instance's (U, u) option for a device of the plan (a lone device's share is 1 whatever its U)."""
+    opt = (stage.units_per_layer, d.units)
+    if opt in inst.share_options[s]:
+        return opt
+    assert len(stage.devices) == 1
+    return inst.share_options[s][0]
+
+
+def _ratio_option(inst, plan: Plan, d: DeviceShare) -> int:
+    """Index of the device's owned-fraction option in the instance."""
+    ratios = inst.ratios
+    if ratios.mode != "choose":
+        return 0
+    if d.shard_ratio is None:
+        return ratios.equal
+    return ratios.units.index(round(d.shard_ratio * ratios.grid))
 
 
 def _fix_milp_to(model: InnerModel, plan: Plan) -> None:
@@ -135,18 +182,27 @@ def _fix_milp_to(model: InnerModel, plan: Plan) -> None:
         for j in range(model.nbits):
             m.z[s, j].fix(L >> j & 1)
         stage = plan.pipelines[0].stages[s]
+        U0 = _option(inst, s, stage, stage.devices[0])[0]
         for i, U in enumerate(inst.unit_counts[s]):
-            m.w[s, i].fix(int(U == stage.units_per_layer))
+            m.w[s, i].fix(int(U == U0))
         for k, d in enumerate(stage.devices):
             for o, opt in enumerate(inst.share_options[s]):
-                m.v[s, k, o].fix(int(opt == (stage.units_per_layer, d.units)))
+                m.v[s, k, o].fix(int(opt == _option(inst, s, stage, d)))
     for key in model.x_index:
         rho, s, g, o, c = key
-        d = plan.pipelines[rho].stages[s].devices[g]
+        stage = plan.pipelines[rho].stages[s]
+        d = stage.devices[g]
         choice = model._choice(key)
-        picked = (inst.share_options[s][o] == (plan.pipelines[rho].stages[s].units_per_layer, d.units)
-                  and choice.recompute == frozenset(d.recompute))
+        picked = inst.share_options[s][o] == _option(inst, s, stage, d) and choice.recompute == frozenset(d.recompute)
         m.x[key].fix(int(picked))
+    largest = {}
+    for (rho, s, k, j) in model.y_index:
+        d = plan.pipelines[rho].stages[s].devices[k]
+        mine = _ratio_option(inst, plan, d)
+        m.y[rho, s, k, j].fix(int(j == mine))
+        largest[s, k] = max(largest.get((s, k), 0.0), inst.ratios.values[mine])
+    for (s, k, t) in model.u_index:
+        m.u[s, k, t].fix(int(largest[s, k] >= inst.ratios.levels[t]))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -154,40 +210,93 @@ def test_milp_and_evaluator_agree_term_by_term(seed):
     rng = random.Random(seed)
     inst = random_instance(seed, num_devices=rng.choice([2, 3, 4]), num_layers=rng.choice([2, 3, 5]), heads=4,
                            universe_size=2, global_batch=4, memory_scale=(50.0, 60.0))  # memory is tested above
-    plan = _random_plan(inst, rng)
+    _agree_term_by_term(inst, _random_plan(inst, rng))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_milp_and_evaluator_agree_on_data_parallel_plans(seed):
+    """Two or three replicas, each with its own batch; stage 0, or stage 1 with equal or grid shard ratios per
+    position; every other seed with memory tight enough that some devices do not fit, one branch or the other."""
+    rng = random.Random(1000 + seed)
+    reps = rng.choice([2, 2, 3])
+    inst = random_instance(seed, num_devices=reps * rng.choice([1, 2]), num_layers=rng.choice([2, 3, 5]), heads=4,
+                           universe_size=2, global_batch=rng.choice([6, 7]),
+                           memory_scale=(0.4, 1.2) if seed % 2 else (50.0, 60.0))
+    _agree_term_by_term(inst, _random_plan(inst, rng, replicas=reps, zero_stage=1 if seed % 4 < 3 else 0))
+
+
+def _agree_term_by_term(inst, plan: Plan) -> None:
+    """Stage constants, transfers, block times, memory limits (both branches), optimizer steps, peer groups'
+    parameters and syncs of the MILP instance equal the evaluator's for ``plan``, and the MILP with every
+    decision fixed to the plan prices it as the evaluator does."""
     rep = evaluate(plan, inst.cluster, inst.profiles)
     sets = tuple({frozenset(d.recompute) for pipe in plan.pipelines for st in pipe.stages for d in st.devices})
     sk = Skeleton(pipelines=tuple(tuple(tuple(st.device_ids) for st in pipe.stages) for pipe in plan.pipelines))
     mono = check_profiles(inst.spec, inst.cluster, inst.profiles)
-    built = build_instance(inst.spec, inst.cluster, inst.profiles, sk, plan.micro_batch_size, inst.global_batch,
-                           recompute_space(inst.spec, sets), monotone=mono, prune=False, reduce_symmetry=False)
-    assert built.infeasible_reason is None, built.infeasible_reason
+    batches = [plan.batch(i) for i in range(len(plan.pipelines))]
+    built = build_instance(inst.spec, inst.cluster, inst.profiles, sk, batches, recompute_space(inst.spec, sets),
+                           zero_stage=plan.zero_stage, shard_grid=GRID, monotone=mono, prune=False, reduce_symmetry=False)
+    if built.infeasible_reason is not None:  # some device fits the stage under no choice at all
+        assert not rep.fits, built.infeasible_reason
+        return
     assert math.isclose(built.embedding_sync_ms, rep.embedding_sync_ms, rel_tol=1e-12, abs_tol=1e-12)
+    groups = {g.holders: g for g in peer_groups(plan)}
     dp = 0.0
+    fits = True
     for rho, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             sd, sr = built.stages[rho][s], next(x for x in rep.stages if x.pipeline == rho and x.index == s)
             assert math.isclose(2 * stage.num_layers * sd.allreduce_ms, sr.allreduce_ms, rel_tol=1e-12, abs_tol=1e-12)
-            edges = [next(c for c in sd.groups[g].choices[(stage.units_per_layer, d.units)]) for g, d in enumerate(stage.devices)]
+            if any(_option(built, s, stage, d) not in sd.groups[g].choices for g, d in enumerate(stage.devices)):
+                assert not rep.fits  # that share fits no recompute set on some device
+                return
+            edges = [next(c for c in sd.groups[g].choices[_option(built, s, stage, d)]) for g, d in enumerate(stage.devices)]
             assert math.isclose(stage.num_layers * (sum(max(c.fwd[k] for c in edges) for k in range(2)) + sd.allreduce_ms)
                                 + max(c.edge_fwd_ms for c in edges) + sd.edge_fwd_comm_ms, sr.fwd_ms, rel_tol=1e-12)
             assert (sd.send_fwd_ms, sd.send_bwd_ms) == (sr.send_fwd_ms, sr.send_bwd_ms)
             for g, d in enumerate(stage.devices):
                 dr = next(x for x in rep.devices if x.id == d.id)
-                c = next(c for c in sd.groups[g].choices[(stage.units_per_layer, d.units)] if c.recompute == frozenset(d.recompute))
+                opt = _option(built, s, stage, d)
+                c = next((c for c in sd.groups[g].choices[opt] if c.recompute == frozenset(d.recompute)), None)
+                if c is None:  # dropped: it fits too few layers at every owned fraction
+                    assert not dr.fits
+                    fits = False
+                    continue
                 assert math.isclose(stage.num_layers * sum(c.fwd) + c.edge_fwd_ms, dr.fwd_ms, rel_tol=1e-12)
                 assert math.isclose(stage.num_layers * sum(c.bwd) + c.edge_bwd_ms,
                                     dr.bwd_ms + dr.recompute_ms, rel_tol=1e-12)
-                assert (stage.num_layers <= c.max_layers) == dr.fits
-                alpha, beta = built.dp_ms_per_gb[s][g]
-                dp = max(dp, alpha * dr.grads_bytes / 1e9 + beta)
+                # Memory (eq. 8, 14): the activation branch at the device's owned fraction, and the sync buffer
+                # branch at the position's largest ratio.
+                j = _ratio_option(built, plan, d)
+                assert math.isclose(built.ratios.values[j], dr.owned_fraction, rel_tol=1e-12)
+                ok = stage.num_layers <= c.max_layers[j]
+                if built.ratios.mode == "choose":
+                    peers = [p_.stages[s].devices[g] for p_ in plan.pipelines]
+                    t = built.ratios.levels.index(max(built.ratios.values[_ratio_option(built, plan, x)] for x in peers))
+                    ok = ok and stage.num_layers <= sd.groups[g].buffer_limits[opt][j, t]
+                assert ok == dr.fits, (d.id, ok, dr.fits)
+                fits = fits and ok
+                # Eq. 10: the Adam step over the owned weights.
+                assert math.isclose(sd.groups[g].opt_ms_per_gb[0] * dr.weights_bytes / 1e9 * dr.owned_fraction,
+                                    dr.optimizer_ms, rel_tol=1e-9, abs_tol=1e-12)
+                if len(plan.pipelines) == 1:
+                    continue
+                # Eq. 13: the position's peer group holds the analytic parameter count; its sync is the line's value
+                # at the group's parameters (stage 0) or its largest shard (stage 1).
+                pos = built.positions[s][g]
+                a, fixed = pos.params[opt]
+                group = groups[tuple(pos.peers)]
+                assert math.isclose((a * stage.num_layers + fixed) * 1e9, group.num_params, rel_tol=1e-12)
+                shard = max(owned_fractions(plan, group)) if plan.zero_stage else 1.0
+                dp = max(dp, pos.sync_ms_per_gparam * shard * group.num_params / 1e9 + pos.sync_fixed_ms)
+    assert fits == rep.fits
     assert math.isclose(dp, rep.dp_sync_ms, rel_tol=1e-9, abs_tol=1e-12)
     # The MILP, every decision fixed to the plan, prices it as the evaluator does.
     model = InnerModel(built)
     _fix_milp_to(model, plan)
     res = highs_solve(model.m, threads=1, time_limit=60)
-    res.solution_loader.load_vars()
     if rep.fits:
+        res.solution_loader.load_vars()
         assert math.isclose(pyo.value(model.m.obj), rep.iteration_time_ms, rel_tol=1e-6), plan.to_json()
 
 

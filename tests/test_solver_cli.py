@@ -42,7 +42,7 @@ def test_solve_json_output():
     assert data["report"]["fits"]
 
 
-@pytest.mark.parametrize("strategy", ["megatron", "hethub", "hap"])
+@pytest.mark.parametrize("strategy", ["megatron", "hethub", "hap", "poplar", "cephalo"])
 def test_baselines_fit_and_are_never_faster_than_baton(strategy):
     from solver.commands import run_strategy
 
@@ -58,6 +58,36 @@ def test_baselines_fit_and_are_never_faster_than_baton(strategy):
         assert len({s.num_layers for s in stages}) == 1 and len({s.units_per_layer for s in stages}) == 1
     if strategy == "hap":
         assert base.plan.num_stages == 1
+    if strategy in ("poplar", "cephalo"):  # pure data parallelism: every device its own replica
+        assert len(base.plan.pipelines) == len(cluster.devices)
+        assert all(len(p.stages) == 1 and len(p.stages[0].devices) == 1 for p in base.plan.pipelines)
+    if strategy == "cephalo":
+        assert base.plan.zero_stage == 1
+
+
+def test_solve_writes_per_replica_batches_sharding_stage_and_ratios(tmp_path):
+    """gpt3-2.7b on two A100s and two T4s: two replicas (A100 then T4) fit only at sharding stage 1, each
+    device owning half of its peer group's optimizer state; the plan file says so and the evaluator agrees."""
+    out = tmp_path / "plan.json"
+    code, stdout, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-2.7b", "--out", out, "--threads", "1")
+    assert code == 0, stderr
+    assert "sharding stage 1" in stdout and "shard ratios" in stdout
+    plan = load_plan(out)
+    assert plan.zero_stage == 1 and len(plan.pipelines) == 2
+    rep = evaluate(plan, load_cluster(CLUSTER), ProfileSet(plan.model))
+    assert rep.fits and {d.owned_fraction for d in rep.devices} == {0.5}
+    assert math.isclose(rep.iteration_time_ms, plan.info["objective_ms"], rel_tol=1e-6)
+    from dataclasses import replace
+    assert not evaluate(replace(plan, zero_stage=0), load_cluster(CLUSTER), ProfileSet(plan.model)).fits
+
+
+def test_shard_grid_option():
+    code, stdout, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--shard-grid", "0")
+    assert code == 2 and "--shard-grid" in stderr
+    code, stdout, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--shard-grid", "4", "--json",
+                                   "--threads", "1")
+    assert code == 0, stderr
+    assert json.loads(stdout)["report"]["fits"]
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -9,22 +9,25 @@ encoding error in a constraint family, a 1F1B recurrence that is not the longest
 """
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
+import random
 
 import pytest
 
 from baton.costmodel import device_slot
 from baton.memory import RecomputeSpace
 from baton.evaluate import evaluate
-from solver.baselines import exhaustive
+from solver.baselines import all_splits, exhaustive
 from solver.instance import build_instance
 from solver.milp import InnerModel
 from solver.options import device_choices
 from solver.bounds import candidate_lower_bound
 from solver.search import NoPlanFits, check_profiles, search, skeleton_family
-from tests.test_solver_helpers import random_instance
+from tests.test_solver_helpers import random_instance, two_gpu_instance
+
+GRID = 2
+"""Shard ratios in halves: the oracle enumerates every grid vector per position, so a fine grid explodes it."""
 
 CASES = [
     # seed, devices, layers, heads, universe, global batch, monotone tables, memory scale
@@ -49,12 +52,13 @@ def _instance(case):
 def test_milp_equals_exhaustive_optimum(case):
     inst = _instance(case)
     try:
-        oracle = exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, universe=inst.universe)
+        oracle = exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, universe=inst.universe,
+                            shard_grid=GRID)
     except NoPlanFits:
         oracle = None
     try:
         got = search(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, gap=0.0, time_limit=120,
-                     space=RecomputeSpace(inst.spec, inst.universe))
+                     space=RecomputeSpace(inst.spec, inst.universe), shard_grid=GRID)
     except NoPlanFits as exc:
         assert oracle is None, f"planner found nothing, exhaustive found {oracle.objective_ms}"
         assert "over by" in str(exc) or "rejected" in str(exc)
@@ -76,33 +80,49 @@ def test_infeasible_instance_names_the_device():
         exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=2, universe=inst.universe)
 
 
-@pytest.mark.parametrize("seed", [3, 18])
+@pytest.mark.parametrize("seed", [3, 18, 11])
 def test_cheap_bound_never_exceeds_a_candidates_optimum(seed):
     """The outer search skips candidates by bound; a bound above the candidate's optimum would lose plans."""
     case = next(c for c in CASES if c[0] == seed)
-    inst = _instance(case)
+    assert _bounds_hold(_instance(case), random.Random(seed))[0] > 0
+
+
+def test_cheap_bound_holds_for_uneven_splits_and_stage_one():
+    """The same for replicas on uneven batches at both sharding stages (grid ratios at stage 1: its layer caps
+    take owned fraction 0 and the shared-state caps), where those plans fit and win."""
+    checked, multi = _bounds_hold(two_gpu_instance(slowdown=2.0, global_batch=6), random.Random(0))
+    assert multi >= 5
+
+
+def _bounds_hold(inst, rng) -> tuple[int, int]:
+    """Every skeleton (up to 30 checks): uniform splits and two random uneven ones, both stages; the cheap
+    bound is at most the candidate's MILP optimum. Returns (checked, of which with replicas)."""
     space = RecomputeSpace(inst.spec, inst.universe)
     mono = check_profiles(inst.spec, inst.cluster, inst.profiles)
     _, skeletons = skeleton_family(inst.spec, inst.cluster)
-    checked = 0
+    checked = multi = 0
     for sk in skeletons:
-        if checked >= 25:
+        if checked >= 30:
             break
-        if inst.global_batch % sk.num_replicas:
-            continue
-        for b in (1, 2):
-            if inst.global_batch % (b * sk.num_replicas):
-                continue
-            lb = candidate_lower_bound(inst.spec, inst.cluster, inst.profiles, sk, b, inst.global_batch, space, monotone=mono)
-            built = build_instance(inst.spec, inst.cluster, inst.profiles, sk, b, inst.global_batch, space, monotone=mono)
-            if built.infeasible_reason:
-                continue
-            res = InnerModel(built).solve(time_limit=30, rel_gap=0.0, threads=1)
-            if res.objective_ms is None:
-                continue
-            assert lb <= res.objective_ms * (1 + 1e-9), (sk.describe(), b, lb, res.objective_ms)
-            checked += 1
-    assert checked > 0
+        r = sk.num_replicas
+        splits = [[(b, inst.global_batch // (b * r))] * r for b in (1, 2) if inst.global_batch % (b * r) == 0]
+        if r > 1:
+            every = list(all_splits([(1, 2)] * r, inst.global_batch))
+            splits += rng.sample(every, min(2, len(every)))
+        for batches in splits:
+            for z in ((0, 1) if r > 1 else (0,)):
+                lb = candidate_lower_bound(inst.spec, inst.cluster, inst.profiles, sk, batches, space, monotone=mono, zero_stage=z)
+                built = build_instance(inst.spec, inst.cluster, inst.profiles, sk, batches, space, monotone=mono, zero_stage=z,
+                                       shard_grid=GRID)
+                if built.infeasible_reason:
+                    continue
+                res = InnerModel(built).solve(time_limit=30, rel_gap=0.0, threads=1)
+                if res.objective_ms is None:
+                    continue
+                assert lb <= res.objective_ms * (1 + 1e-9), (sk.describe(), batches, z, lb, res.objective_ms)
+                checked += 1
+                multi += r > 1
+    return checked, multi
 
 
 def test_recompute_pruning_keeps_a_dominating_set():
@@ -116,6 +136,50 @@ def test_recompute_pruning_keeps_a_dominating_set():
         full = device_choices(slot, inst.spec, 1, 0.5, space, min_layers=0, cap=inst.spec.num_layers, prune=False)
         kept = device_choices(slot, inst.spec, 1, 0.5, space, min_layers=0, cap=inst.spec.num_layers, prune=True)
         assert 0 < len(kept) < len(full)
-        for _, lc, L in full:
+        for _, lc, (L,) in full:
             assert any(L2 >= L and lc2.recompute_ms["attn"] <= lc.recompute_ms["attn"] + 1e-12
-                       and lc2.recompute_ms["mlp"] <= lc.recompute_ms["mlp"] + 1e-12 for _, lc2, L2 in kept)
+                       and lc2.recompute_ms["mlp"] <= lc.recompute_ms["mlp"] + 1e-12 for _, lc2, (L2,) in kept)
+
+
+def _planner_and_oracle(inst, **kw):
+    space = RecomputeSpace(inst.spec, inst.universe)
+    oracle = exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, universe=inst.universe,
+                        shard_grid=GRID, **kw)
+    got = search(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, gap=0.0, time_limit=120,
+                 space=space, shard_grid=GRID, **kw)
+    assert math.isclose(got.objective_ms, oracle.objective_ms, rel_tol=1e-6), (got.plan.to_json(), oracle.plan.to_json())
+    assert got.status == "optimal"
+    return got, oracle
+
+
+def test_planner_equals_oracle_when_an_uneven_split_wins():
+    """A100 and a GPU half as fast, 6 samples: each its own replica, 4 and 2 samples (Poplar's uneven batches),
+    beats every even split, every pipeline and either GPU alone; the planner finds the oracle's optimum."""
+    inst = two_gpu_instance(slowdown=2.0, global_batch=6)
+    got, oracle = _planner_and_oracle(inst)
+    plan = got.plan
+    assert len(plan.pipelines) == 2 and not plan.uniform_batches
+    assert sorted(plan.samples(i) for i in range(2)) == [2, 4]
+    fast = next(i for i, p in enumerate(plan.pipelines) if p.stages[0].devices[0].id == "n:0")
+    assert plan.samples(fast) == 4
+    # With every replica on one batch the best is slower.
+    even = search(inst.spec, inst.cluster, inst.profiles, global_batch=6, gap=0.0, time_limit=120, splits="uniform",
+                  space=RecomputeSpace(inst.spec, inst.universe), shard_grid=GRID)
+    assert even.objective_ms > got.objective_ms * (1 + 1e-3)
+
+
+def test_planner_equals_oracle_when_only_stage_one_fits():
+    """Two 1.3 MB devices and an embedding-heavy model (one head, so no tensor parallelism): a pipeline keeps a
+    copy of the tied embedding on both stages, one device alone holds everything, and replicas at stage 0
+    each keep all the optimizer state; only two replicas sharing it (stage 1) fit. The planner finds the
+    oracle's plan, and neither finds one at stage 0."""
+    mem = 1.3e6 / 2**30
+    inst = two_gpu_instance(types=("t4", "t4"), slowdown=1.0, memory_gib=(mem, mem), vocab_size=4096, global_batch=4)
+    got, oracle = _planner_and_oracle(inst)
+    assert got.plan.zero_stage == 1 and oracle.plan.zero_stage == 1
+    assert got.report.fits and max(d.owned_fraction for d in got.report.devices) < 1
+    with pytest.raises(NoPlanFits):
+        exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=4, universe=inst.universe, zero_stages=(0,))
+    with pytest.raises(NoPlanFits):
+        search(inst.spec, inst.cluster, inst.profiles, global_batch=4, gap=0.0, time_limit=60, zero_stages=(0,),
+               space=RecomputeSpace(inst.spec, inst.universe))

@@ -95,3 +95,28 @@ def random_instance(seed: int, *, num_devices: int, num_layers: int, heads: int,
         if extra not in pool:
             pool.append(extra)
     return Instance(spec=spec, cluster=cluster, profiles=profiles, global_batch=global_batch, universe=pool[:universe_size], seed=seed)
+
+
+def two_gpu_instance(*, types=("a100-40gb", "t4"), slowdown: float = 2.0, memory_gib=(40.0, 16.0), num_layers: int = 2,
+                     heads: int = 1, vocab_size: int = 128, global_batch: int = 6, universe_size: int = 2,
+                     bandwidth_gb_per_s: float = 50.0) -> Instance:
+    """Two GPUs on one node for the data-parallel cases: both priced from one derived table, the second
+    ``slowdown`` times slower, so the GPUs differ in speed (and memory) only as asked. One head: no tensor
+    parallelism, so layouts are pipelines and replicas. Universe: no recomputation and full recomputation."""
+    spec = ModelSpec(name="dp2", num_layers=num_layers, hidden_dim=16 * heads, num_heads=heads, ffn_dim=64 * heads,
+                     seq_len=32, vocab_size=vocab_size, dtype="fp16", dropout=0.0)
+    base = derive_table(spec, types[0], micro_batches=(1, 2))
+    tables = {}
+    for gpu, factor in zip(types, (1.0, slowdown)):
+        df = base.copy()
+        df["gpu"] = gpu
+        df["fwd_ms"] *= factor
+        df["bwd_ms"] *= factor
+        tables[gpu] = Profile(df, source=f"<scaled {gpu}>")
+    gpus = [{"type": g, "count": 1, "memory_gib": m, "memory_reserve_gib": 0.0} for g, m in zip(types, memory_gib)]
+    cluster = from_mapping({"name": "dp2", "nodes": [{"name": "n", "gpus": gpus, "intra_node_link": {
+        "bandwidth_gb_per_s": bandwidth_gb_per_s, "latency_us": 1.0}}]}, source="<dp2>")
+    names = operator_names(spec)
+    universe = [frozenset(), frozenset(names)][:universe_size]
+    return Instance(spec=spec, cluster=cluster, profiles=ProfileSet(spec, tables=tables), global_batch=global_batch,
+                    universe=universe, seed=0)
