@@ -204,3 +204,15 @@ def replicas_plan(spec, replicas: list[dict], *, zero_stage: int = 0, ratios=Non
     plan = Plan(model=spec, cluster=cluster, micro_batch_size=first.micro_batch_size, num_microbatches=first.num_microbatches,
                 pipelines=tuple(pipes), zero_stage=zero_stage)
     return validate(plan)
+
+
+def reference_adamw(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The single-device reference optimizer: torch's AdamW with the runtime's betas and epsilon, no weight
+    decay for biases and LayerNorms (``runtime.schedule.decays``)."""
+    from runtime.engine import ADAM_BETAS, ADAM_EPS
+    from runtime.schedule import decays
+
+    named = list(model.named_parameters())
+    return torch.optim.AdamW([{"params": [p for n, p in named if decays(n)]},
+                              {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0}],
+                             lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)

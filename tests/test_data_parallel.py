@@ -32,8 +32,8 @@ import shutil
 import pytest
 import torch
 
-from runtime.schedule import LRSchedule, clip_coefficient, decays
-from tests.runtime_helpers import rel_err, replicas_plan, run_ranks, tiny
+from runtime.schedule import LRSchedule, clip_coefficient
+from tests.runtime_helpers import reference_adamw, rel_err, replicas_plan, run_ranks, tiny
 
 STEPS, SEED, LR, WD = 3, 0, 3e-3, 0.1
 CLIP = 0.05
@@ -151,14 +151,11 @@ def _reference(spec, global_batch, steps):
     """The single-device model on the whole global batch: AdamW with the decay rule and schedule, torch's
     clip_grad_norm_; step-0 gradients, losses, norms, and the final weights and first moments."""
     from runtime.data import TokenSource
-    from runtime.engine import ADAM_BETAS, ADAM_EPS
     from runtime.model import GPT
 
     model = GPT(spec, seed=SEED)
     named = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for n, p in named if decays(n)]},
-                             {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0}],
-                            lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=WD)
+    opt = reference_adamw(model, lr=LR, weight_decay=WD)
     data, sched = TokenSource(spec, seed=SEED, global_batch=global_batch), schedule()
     losses, norms, grads = [], [], None
     for step in range(steps):

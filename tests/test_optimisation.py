@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.schedule import LRSchedule, clip_coefficient, decays
-from tests.runtime_helpers import plan_of, rel_err, run_ranks, tiny
+from tests.runtime_helpers import reference_adamw, plan_of, rel_err, run_ranks, tiny
 
 STEPS, SEED, LR, CLIP, WD = 3, 1, 3e-3, 0.05, 0.1
 
@@ -74,14 +74,11 @@ def _worker(rank, world, plan, val_dir):
 def _reference(spec, global_batch, val_dir):
     """The single-device model: AdamW with the decay rule, torch's clip_grad_norm_, the same schedule."""
     from runtime.data import TokenSource, ValidationSource, model_validation_loss
-    from runtime.engine import ADAM_BETAS, ADAM_EPS
     from runtime.model import GPT
 
     model = GPT(spec, seed=SEED)
     named = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for n, p in named if decays(n)]},
-                             {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0}],
-                            lr=LR, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=WD)
+    opt = reference_adamw(model, lr=LR, weight_decay=WD)
     data, sched = TokenSource(spec, seed=SEED, global_batch=global_batch), schedule()
     losses, norms = [], []
     for step in range(STEPS):
