@@ -213,7 +213,11 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     tokens_per_s = tokens / (total / 1e3)
     used = [cluster.device(i) for i in plan.device_ids()]
     mfu = model_flops_per_s(spec, plan.global_batch, total) / peak_flops([d.gpu for d in used], spec)
-    ideal = ideal_tokens_per_s(spec, [d.gpu.name for d in used], profiles, plan.micro_batch_size)
+    # Eq. 12 with every device at its own replica's micro-batch size (replicas may differ).
+    ideal = 0.0
+    for r, pipe in enumerate(plan.pipelines):
+        gpus = [cluster.device(d).gpu.name for st in pipe.stages for d in st.device_ids]
+        ideal += ideal_tokens_per_s(spec, gpus, profiles, plan.batch(r)[0])
     return PlanReport(
         iteration_time_ms=total, pipeline_ms=max(pipeline_times), replica_pipeline_ms=pipeline_times,
         replica_samples=[plan.samples(i) for i in range(len(plan.pipelines))],

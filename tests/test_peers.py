@@ -283,3 +283,15 @@ def test_unlike_replicas_stage_their_groups_and_shard_in_two_passes(gpu_setup):
                                      cluster.slowest_link(list(g.holders)))) for g in groups]
     assert rep1.dp_sync_ms == pytest.approx(2 * sync_schedule_ms(ring), rel=1e-12)
     assert rep1.dp_sync_ms >= sync_schedule_ms([(h, 2 * t) for h, t in ring]) - 1e-9
+
+
+def test_ideal_bound_takes_each_replica_at_its_own_micro_batch(gpu_setup):
+    """Eq. 12 sums every device's solo throughput at its replica's micro-batch size."""
+    from baton.evaluate import ideal_tokens_per_s
+
+    spec, cluster, profiles = gpu_setup
+    plan = two_replica_plan(spec, batches=((2, 6), (1, 4)))
+    rep = evaluate(plan, cluster, profiles)
+    want = ideal_tokens_per_s(spec, ["a100-40gb"] * 2, profiles, 2) + ideal_tokens_per_s(spec, ["t4"] * 2, profiles, 1)
+    assert rep.ideal_tokens_per_s == pytest.approx(want, rel=1e-12)
+    assert rep.efficiency_vs_ideal == pytest.approx(rep.tokens_per_s / want, rel=1e-12)
