@@ -8,7 +8,7 @@ from baton.cluster import ClusterSpec
 from baton.costmodel import (BLOCKS, device_memory, device_slot, edge_cost, embedding_sync_ms, layer_cost,
                              layer_train_ms, model_flops_per_s, peak_flops, pipeline_transfers, stage_constants, stage_time_ms,
                              data_parallel_sync_ms, sync_buffer_bytes)
-from baton.peers import held_params, owned_fractions, owned_params, peer_groups
+from baton.peers import held_params, owned_fractions, owned_params, peer_groups, whole_groups
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD
@@ -151,9 +151,8 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     largest = [max(owned_fractions(plan, g)) * g.num_params for g in groups]
     held, owned = held_params(plan), owned_params(plan)
     buffer = {i: 0.0 for i in held}
-    for g, big in zip(groups, largest):
+    for g, big, whole in zip(groups, largest, whole_groups(plan)):
         for h in g.holders:
-            whole = all(held[x] == g.num_params for x in g.holders)  # the group is all its holders hold
             buffer[h] = max(buffer[h], sync_buffer_bytes(spec, g.size, big, plan.zero_stage, num_params=g.num_params, whole=whole))
     stage_reports: list[StageReport] = []
     device_reports: list[DeviceReport] = []

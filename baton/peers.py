@@ -216,3 +216,10 @@ def held_params(plan) -> dict[str, int]:
         for h in g.holders:
             out[h] += g.num_params
     return out
+
+
+def whole_groups(plan) -> tuple[bool, ...]:
+    """Per group of ``peer_groups``: it is everything each of its holders holds (replicas of one shape), so
+    the runtime syncs the holders' gradient buffers in place and stage 0 stages nothing (eq. 14)."""
+    held = held_params(plan)
+    return tuple(all(held[h] == g.num_params for h in g.holders) for g in peer_groups(plan))

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from baton.operators import padded_vocab
-from baton.peers import PeerGroup, group_shard_sizes, held_params, peer_groups
+from baton.peers import PeerGroup, group_shard_sizes, peer_groups, whole_groups
 from runtime.model import parameter_shapes
 from runtime.schedule import decays
 from runtime.slicing import block_slices, local_region, parameter_slice, region_shape
@@ -127,9 +127,8 @@ def _region_ranges(entry: Entry, region) -> list[tuple[int, int]]:
 def group_layouts(plan, topo) -> tuple[Layout, ...]:
     """The flat layout of every peer group of ``plan`` (``topo``: its ``runtime.topology.Topology``)."""
     spec, shapes = plan.model, parameter_shapes(plan.model)
-    held = held_params(plan)
     first_group: dict = {}
-    groups = peer_groups(plan)
+    groups, wholes = peer_groups(plan), whole_groups(plan)
     for gi, g in enumerate(groups):
         for b in g.blocks:
             first_group.setdefault((b.part, b.layer, b.lo, b.hi), gi)
@@ -146,7 +145,7 @@ def group_layouts(plan, topo) -> tuple[Layout, ...]:
             entries.append(Entry(name=name, where=where, shape=shape, offset=offset, numel=math.prod(shape),
                                  decays=decays(name)))
 
-        whole = all(held[h] == g.num_params for h in g.holders)
+        whole = wholes[gi]
         if whole:
             pos = topo.position(topo.rank_of[g.holders[0]])
             stage = topo.stage(pos)
