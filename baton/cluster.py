@@ -33,6 +33,15 @@ class Link:
     (None: as ``allreduce_bandwidth_gb_per_s``)."""
     tp_allreduce_latency_us: float | None = None
     """Per-ring-step latency of those all-reduces (None: as ``allreduce_latency_us``)."""
+    reduce_scatter_bandwidth_gb_per_s: float | None = None
+    """Per-link bandwidth of a ring reduce-scatter (the sharded sync's first pass, eq. 13 and 16), when
+    measured (None: the all-reduce's: a ring all-reduce is a reduce-scatter and an all-gather)."""
+    reduce_scatter_latency_us: float | None = None
+    """Per-ring-step latency of a reduce-scatter (None: the all-reduce's)."""
+    all_gather_bandwidth_gb_per_s: float | None = None
+    """Per-link bandwidth of a ring all-gather, when measured (None: the all-reduce's)."""
+    all_gather_latency_us: float | None = None
+    """Per-ring-step latency of an all-gather (None: the all-reduce's)."""
 
     def transfer_ms(self, num_bytes: float) -> float:
         return self.latency_us * 1e-3 + num_bytes / (self.bandwidth_gb_per_s * 1e9) * 1e3
@@ -55,6 +64,15 @@ class Link:
     @property
     def tp_collective_latency_us(self) -> float:
         return self.tp_allreduce_latency_us if self.tp_allreduce_latency_us is not None else self.collective_latency_us
+
+    def ring_pass_figures(self, kind: str) -> tuple[float, float]:
+        """(bandwidth GB/s, latency us) per ring step of a ``"reduce_scatter"`` or ``"all_gather"`` pass:
+        measured where the link has them (libraries need not run the two halves of an all-reduce at its
+        speed: gloo's reduce-scatter took twice its all-gather), else the all-reduce's."""
+        bw, lat = {"reduce_scatter": (self.reduce_scatter_bandwidth_gb_per_s, self.reduce_scatter_latency_us),
+                   "all_gather": (self.all_gather_bandwidth_gb_per_s, self.all_gather_latency_us)}[kind]
+        return (bw if bw is not None else self.collective_bandwidth_gb_per_s,
+                lat if lat is not None else self.collective_latency_us)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +108,14 @@ class ClusterSpec:
     nics: dict = field(default_factory=dict)
     """Node name -> that node's network figures (its NICs together); nodes without one use ``inter_link``."""
     """The file it was read from, for error messages."""
+
+    @property
+    def has_ring_pass_figures(self) -> bool:
+        """Some link carries its own reduce-scatter or all-gather figures (measured), so a sharded sync's two
+        passes need not cost the all-reduce (eq. 13)."""
+        links = list(self.intra_links.values()) + list(self.nics.values()) + ([self.inter_link] if self.inter_link else [])
+        return any(x is not None for l in links for x in (l.reduce_scatter_bandwidth_gb_per_s, l.reduce_scatter_latency_us,
+                                                         l.all_gather_bandwidth_gb_per_s, l.all_gather_latency_us))
 
     def device(self, device_id: str) -> Device:
         found = _device_index(self).get(device_id)
@@ -149,6 +175,10 @@ def slower_end(*links: Link) -> Link:
         allreduce_latency_us=max(l.collective_latency_us for l in links),
         tp_allreduce_bandwidth_gb_per_s=min(l.tp_collective_bandwidth_gb_per_s for l in links),
         tp_allreduce_latency_us=max(l.tp_collective_latency_us for l in links),
+        reduce_scatter_bandwidth_gb_per_s=min(l.ring_pass_figures("reduce_scatter")[0] for l in links),
+        reduce_scatter_latency_us=max(l.ring_pass_figures("reduce_scatter")[1] for l in links),
+        all_gather_bandwidth_gb_per_s=min(l.ring_pass_figures("all_gather")[0] for l in links),
+        all_gather_latency_us=max(l.ring_pass_figures("all_gather")[1] for l in links),
     )
 
 
@@ -167,6 +197,10 @@ def combined_nics(links: list[Link]) -> Link:
         allreduce_latency_us=max(l.collective_latency_us for l in links),
         tp_allreduce_bandwidth_gb_per_s=total("tp_collective_bandwidth_gb_per_s"),
         tp_allreduce_latency_us=max(l.tp_collective_latency_us for l in links),
+        reduce_scatter_bandwidth_gb_per_s=sum(l.ring_pass_figures("reduce_scatter")[0] for l in links),
+        reduce_scatter_latency_us=max(l.ring_pass_figures("reduce_scatter")[1] for l in links),
+        all_gather_bandwidth_gb_per_s=sum(l.ring_pass_figures("all_gather")[0] for l in links),
+        all_gather_latency_us=max(l.ring_pass_figures("all_gather")[1] for l in links),
     )
 
 
@@ -176,7 +210,8 @@ _NIC_COUNT = "count"
 """How many identical NICs one ``nics`` entry stands for."""
 _GPUS = {"type", "count", "memory_gib", "memory_reserve_gib"}
 _LINK = {"bandwidth_gb_per_s", "latency_us", "allreduce_bandwidth_gb_per_s", "allreduce_latency_us",
-         "tp_allreduce_bandwidth_gb_per_s", "tp_allreduce_latency_us", "kind"}
+         "tp_allreduce_bandwidth_gb_per_s", "tp_allreduce_latency_us", "reduce_scatter_bandwidth_gb_per_s",
+         "reduce_scatter_latency_us", "all_gather_bandwidth_gb_per_s", "all_gather_latency_us", "kind"}
 
 
 def _link(f: Fields, *, extra: frozenset = frozenset()) -> Link:
@@ -189,7 +224,11 @@ def _link(f: Fields, *, extra: frozenset = frozenset()) -> Link:
                 allreduce_bandwidth_gb_per_s=optional("allreduce_bandwidth_gb_per_s"),
                 allreduce_latency_us=optional("allreduce_latency_us", allow_zero=True),
                 tp_allreduce_bandwidth_gb_per_s=optional("tp_allreduce_bandwidth_gb_per_s"),
-                tp_allreduce_latency_us=optional("tp_allreduce_latency_us", allow_zero=True))
+                tp_allreduce_latency_us=optional("tp_allreduce_latency_us", allow_zero=True),
+                reduce_scatter_bandwidth_gb_per_s=optional("reduce_scatter_bandwidth_gb_per_s"),
+                reduce_scatter_latency_us=optional("reduce_scatter_latency_us", allow_zero=True),
+                all_gather_bandwidth_gb_per_s=optional("all_gather_bandwidth_gb_per_s"),
+                all_gather_latency_us=optional("all_gather_latency_us", allow_zero=True))
 
 
 def from_mapping(data, *, source: str) -> ClusterSpec:

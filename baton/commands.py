@@ -26,6 +26,9 @@ from baton.model_spec import PRESETS, load_model, split_profile_name
 from baton.plan import load_plan
 from baton.profile import DEFAULT_MICRO_BATCHES, calibrate, calibration_summary, derive_table, profiles_dir, read_table, table_filename, write_table
 
+SHARDED = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
+"""What each sharding stage splits between the devices that hold the same parameters."""
+
 
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
@@ -95,9 +98,10 @@ def render_report(report: PlanReport, *, title: str) -> None:
                      "[green]yes[/]" if cells[-1] else "[bold red]NO[/]")
     console.print(devs)
     console.print(
-        f"iteration [bold]{report.iteration_time_ms:.1f} ms[/] (pipeline {report.pipeline_ms:.1f}, embedding sync "
+        f"iteration [bold]{report.iteration_time_ms:.1f} ms[/] ({'compute and waits, layer by layer' if report.zero_stage >= 2 else 'pipeline'} "
+        f"{report.pipeline_ms:.1f}, embedding sync "
         f"{report.embedding_sync_ms:.1f}, data-parallel sync {report.dp_sync_ms:.1f}, optimizer {report.optimizer_ms:.1f})  "
-        + (f"optimizer state sharded (stage {report.zero_stage})  " if report.zero_stage else "") +
+        + (f"{SHARDED[report.zero_stage]} sharded (stage {report.zero_stage})  " if report.zero_stage else "") +
         f"throughput [bold]{report.tokens_per_s:,.0f} tokens/s[/]  MFU {report.mfu:.1%}  "
         f"efficiency vs ideal [bold]{report.efficiency_vs_ideal:.1%}[/] (ideal {report.ideal_tokens_per_s:,.0f} tokens/s)",
         highlight=False)

@@ -12,7 +12,10 @@ Two levels:
     micro-batches, capacity), ``device_memory`` (eq. 7-8, element-wise so it also runs over arrays of
     recompute sets), ``stage_constants`` (eq. 5, 9 terms fixed by the group), ``pipeline_transfers``
     (eq. 6), ``embedding_sync_ms`` and ``allreduce_ms`` (eq. 11), ``optimizer_step_ms`` (eq. 10) and
-    ``layer_limits``.
+    ``layer_limits``;
+  * data parallelism: ``group_sync_ms``, ``sync_buffer_bytes`` and ``data_parallel_sync_ms`` over peer
+    groups (eq. 13-15), and for sharded gradients and weights run layer by layer ``unit_pass_ms``,
+    ``layered_parts`` and ``layered_iteration_ms`` (eq. 16, 17; their memory is ``device_memory``'s, eq. 18).
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from baton.cluster import ClusterSpec, Link
 from baton.memory import RecomputeSpace, recompute_space, tensor_bytes
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD, layer_operators, operator_flops, padded_vocab
-from baton.peers import replicated_param_count, split_param_count
+from baton.peers import (EDGES, held_params, owned_fractions, owned_params, peer_groups, position_param_count,
+                         replicated_param_count, split_param_count, unit_groups, whole_groups)
 from baton.profile import Profile, ProfileSet
 
 BLOCKS = ("attn", "mlp")
@@ -191,9 +195,10 @@ def pipeline_transfers(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, 
 # -- a device's place in a skeleton, and its memory (eq. 7, 8) ---------------------------------------
 
 
-def in_flight_microbatches(stage: int, num_stages: int, num_microbatches: int) -> int:
-    """Under 1F1B stage s holds activations of min(p - s, m) micro-batches at its peak."""
-    return min(num_stages - stage, num_microbatches)
+def in_flight_microbatches(stage: int, num_stages: int, num_microbatches: int, *, layered: bool = False) -> int:
+    """Under 1F1B stage s holds activations of min(p - s, m) micro-batches at its peak; run layer by layer
+    (stages 2 and 3, eq. 18) a replica holds all m at the end of its forward."""
+    return num_microbatches if layered else min(num_stages - stage, num_microbatches)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -208,6 +213,8 @@ class EdgeCost:
     """Embedding/head backward per micro-batch, compute only."""
     saved_bytes: float
     """Activations the edge operators keep per in-flight micro-batch."""
+    head_saved_bytes: float = 0.0
+    """The head's part of ``saved_bytes`` (run layer by layer, only one micro-batch's is alive: eq. 18)."""
     param_bytes: float
     """Embedding rows (and positions), final LayerNorm, and the tied head's own rows on a last stage that
     is not the first."""
@@ -232,6 +239,7 @@ def _edge_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float
     return EdgeCost(fwd_ms=(emb.fwd_ms if first else 0.0) + (head.fwd_ms if last else 0.0),
                     bwd_ms=(emb.bwd_ms if first else 0.0) + (head.bwd_ms if last else 0.0),
                     saved_bytes=(emb.saved_bytes if first else 0.0) + (head.saved_bytes if last else 0.0),
+                    head_saved_bytes=head.saved_bytes if last else 0.0,
                     param_bytes=params)
 
 
@@ -265,11 +273,11 @@ class DeviceSlot:
 
 
 def device_slot(cluster: ClusterSpec, profiles: ProfileSet, spec: ModelSpec, micro_batch: int, device_id: str, *,
-                stage: int, num_stages: int, num_microbatches: int) -> DeviceSlot:
+                stage: int, num_stages: int, num_microbatches: int, layered: bool = False) -> DeviceSlot:
     dev = cluster.device(device_id)
     return _device_slot(device_id, profiles[dev.gpu.name], spec, dev.memory_bytes, dev.reserve_bytes,
                         dev.gpu.memory_bandwidth_gb_per_s, stage == 0, stage == num_stages - 1,
-                        in_flight_microbatches(stage, num_stages, num_microbatches))
+                        in_flight_microbatches(stage, num_stages, num_microbatches, layered=layered))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -292,8 +300,11 @@ class DeviceMemory:
     """Eq. 8, term by term (floats, or arrays over recompute sets)."""
 
     weights_bytes: object
+    """Weights kept: all held (W_d), at stage 3 the owned shards, the edges and one gathered layer."""
     grads_bytes: object
     optimizer_bytes: object
+    held_weights_bytes: object
+    """W_d: the weights of every part the device holds (stage 3 included), what its Adam step's share is of."""
     activation_bytes: object
     """Activations of the in-flight micro-batches."""
     transient_bytes: object
@@ -304,22 +315,53 @@ class DeviceMemory:
 
 
 def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes, held_bytes, transient_bytes,
-                  edge: EdgeCost, owned_fraction=1.0, sync_buffer_bytes=0.0) -> DeviceMemory:
+                  edge: EdgeCost, owned_fraction=1.0, sync_buffer_bytes=0.0, zero_stage: int = 0,
+                  owned_layer_fraction=None) -> DeviceMemory:
     """Eq. 7 and 8 for a device holding ``num_layers`` layers with the given per-layer figures; with
     sharded optimizer state (eq. 14) it keeps the state of ``owned_fraction`` of its weights, and the
     gradient sync after the backward pass stages ``sync_buffer_bytes`` while no activation is alive.
+    At ``zero_stage`` 2 and 3 (eq. 18) it keeps the owned shards of its gradients (and at 3 of its layers'
+    weights: ``owned_layer_fraction`` of them, ``owned_fraction`` when not given), the edges whole and one
+    layer whole, and the staging of one unit's collective beside the activations.
 
     Plain arithmetic, so it runs element-wise on numpy arrays (every recompute set at once, or every
     layer count) with bit-for-bit the numbers it gives for one float: the planner's memory limits and
     the evaluator's "fits" are the same comparisons.
     """
-    weights = num_layers * param_bytes + edge.param_bytes
+    weights = held_weights_bytes(num_layers, param_bytes, edge)
     opt = optimizer_bytes(weights * owned_fraction, spec)
     activ = slot.in_flight * (num_layers * held_bytes + edge.saved_bytes)
-    transient = transient_bytes * (np.asarray(num_layers) > 0)  # one layer's buffer, once any layer is held
-    peak = 2 * weights + opt + np.maximum(activ + transient, sync_buffer_bytes) + slot.reserve_bytes
-    return DeviceMemory(weights_bytes=weights, grads_bytes=weights, optimizer_bytes=opt, activation_bytes=activ,
-                        transient_bytes=transient, reserve_bytes=slot.reserve_bytes, peak_bytes=peak)
+    any_layer = np.asarray(num_layers) > 0
+    transient = transient_bytes * any_layer  # one layer's buffer, once any layer is held
+    if zero_stage < 2:
+        peak = 2 * weights + opt + np.maximum(activ + transient, sync_buffer_bytes) + slot.reserve_bytes
+        return DeviceMemory(weights_bytes=weights, grads_bytes=weights, optimizer_bytes=opt, held_weights_bytes=weights,
+                            activation_bytes=activ, transient_bytes=transient, reserve_bytes=slot.reserve_bytes, peak_bytes=peak)
+    # Run layer by layer, each micro-batch's head runs its backward right after its forward: one head's
+    # activations alive beside every micro-batch's layers and embedding.
+    activ = slot.in_flight * (num_layers * held_bytes + edge.saved_bytes - edge.head_saved_bytes) + edge.head_saved_bytes
+    whole_layer = param_bytes * any_layer  # one layer gathered (stage 3) and one layer's full gradient
+    # The edges' gradients live through the backward, but the position embedding's only from the embedding's
+    # backward on, when no layer's full gradient is left.
+    positions = position_param_count(spec) * spec.dtype_bytes * slot.first
+    grads = weights * owned_fraction + edge.param_bytes + np.maximum(whole_layer - positions, 0.0)
+    kept = weights
+    if zero_stage >= 3:
+        own_layers = owned_fraction if owned_layer_fraction is None else owned_layer_fraction
+        kept = num_layers * param_bytes * own_layers + edge.param_bytes + whole_layer
+    peak = kept + grads + opt + activ + transient + sync_buffer_bytes + slot.reserve_bytes
+    return DeviceMemory(weights_bytes=kept, grads_bytes=grads, optimizer_bytes=opt, held_weights_bytes=weights,
+                        activation_bytes=activ, transient_bytes=transient, reserve_bytes=slot.reserve_bytes, peak_bytes=peak)
+
+
+def held_weights_bytes(num_layers, param_bytes, edge: EdgeCost):
+    """W_d (section 6): the weights of ``num_layers`` layers at ``param_bytes`` each and of the edges."""
+    return num_layers * param_bytes + edge.param_bytes
+
+
+def device_optimizer_ms(slot: DeviceSlot, held_bytes, owned_fraction) -> float:
+    """Eq. 10 for one device: its Adam step over the owned share of the weights it holds."""
+    return slot.optimizer_ms_per_byte * held_bytes * owned_fraction
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -393,13 +435,20 @@ LOSS_REDUCTIONS = 3
 """All-reduces of the vocabulary-parallel cross-entropy's forward: row max, sum of exponentials, target logit."""
 
 
-def stage_constants(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str], *, first: bool,
-                    last: bool) -> StageConstants:
+def edge_comms_ms(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str]) -> tuple[float, float]:
+    """The vocabulary-parallel edges' all-reduces in a group: (one (b, s, h) sum, the loss's reductions):
+    the embedding's forward and the head's backward each take the first, the loss's forward the second."""
     n, link = len(ids), cluster.slowest_link(list(ids))
     x = tp_allreduce_ms(activation_bytes(spec, micro_batch), n, link)
     rows = tp_allreduce_ms(micro_batch * spec.seq_len * 4, n, link)
+    return x, LOSS_REDUCTIONS * rows
+
+
+def stage_constants(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str], *, first: bool,
+                    last: bool) -> StageConstants:
+    x, loss = edge_comms_ms(cluster, spec, micro_batch, ids)
     return StageConstants(allreduce_ms=layer_allreduce_ms(cluster, spec, micro_batch, ids),
-                          edge_fwd_comm_ms=(x if first else 0.0) + (LOSS_REDUCTIONS * rows if last else 0.0),
+                          edge_fwd_comm_ms=(x if first else 0.0) + (loss if last else 0.0),
                           edge_bwd_comm_ms=x if last else 0.0)
 
 
@@ -443,18 +492,24 @@ def edge_param_count(spec: ModelSpec, share: float, *, first: bool, last: bool) 
     rows = padded_vocab(spec) * spec.hidden_dim * share
     n = 0.0
     if first:
-        n += rows + spec.seq_len * spec.hidden_dim
+        n += rows + position_param_count(spec)
     if last:
         n += (0.0 if first else rows) + 2 * spec.hidden_dim
     return n
 
 
-def ring_step_ms(chunk_bytes: float, n: int, link: Link | None) -> float:
-    """A ring reduce-scatter or all-gather of ``n`` chunks of ``chunk_bytes`` each (eq. 13): n - 1 steps,
-    each moving one chunk over the group's slowest link with its collective figures."""
+RING_PASSES = ("reduce_scatter", "all_gather")
+"""The two halves of a ring all-reduce, which sharded state runs apart (eq. 13, 16)."""
+
+
+def ring_step_ms(chunk_bytes: float, n: int, link: Link | None, kind: str) -> float:
+    """A ring reduce-scatter or all-gather (``kind``) of ``n`` chunks of ``chunk_bytes`` each (eq. 13): n - 1
+    steps, each moving one chunk over the group's slowest link with that pass's figures
+    (``Link.ring_pass_figures``: measured ones where the link has them, else the all-reduce's)."""
     if n <= 1 or link is None:
         return 0.0
-    return (n - 1) * (chunk_bytes / (link.collective_bandwidth_gb_per_s * 1e9) * 1e3 + link.collective_latency_us * 1e-3)
+    bw, lat = link.ring_pass_figures(kind)
+    return (n - 1) * (chunk_bytes / (bw * 1e9) * 1e3 + lat * 1e-3)
 
 
 def group_sync_ms(cluster: ClusterSpec, spec: ModelSpec, holders: Sequence[str], num_params: float, largest_shard: float,
@@ -466,7 +521,7 @@ def group_sync_ms(cluster: ClusterSpec, spec: ModelSpec, holders: Sequence[str],
     link = cluster.slowest_link(list(holders)) if len(holders) > 1 else None
     if zero_stage == 0:
         return allreduce_ms(num_params * spec.dtype_bytes, len(holders), link)
-    return 2 * ring_step_ms(largest_shard * spec.dtype_bytes, len(holders), link)
+    return sum(ring_step_ms(largest_shard * spec.dtype_bytes, len(holders), link, kind) for kind in RING_PASSES)
 
 
 def sync_buffer_bytes(spec: ModelSpec, group_size: int, largest_shard: float, zero_stage: int, *, num_params: float = 0.0,
@@ -490,8 +545,58 @@ def data_parallel_sync_ms(cluster: ClusterSpec, spec: ModelSpec, groups: Sequenc
     each, as clipping and the fp16 overflow check need every reduced gradient before any update."""
     if zero_stage == 0:
         return sync_schedule_ms([(h, group_sync_ms(cluster, spec, h, n, big, 0)) for h, n, big in groups])
-    one_pass = [(h, group_sync_ms(cluster, spec, h, n, big, 1) / 2) for h, n, big in groups]
-    return 2 * sync_schedule_ms(one_pass)
+    return sum(unit_pass_ms(cluster, spec, [(h, big) for h, _, big in groups], kind) for kind in RING_PASSES)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncTerms:
+    """What data parallelism adds to a plan whose shapes are fixed (eq. 13-16), for the evaluator and for
+    planners that price a fixed structure."""
+
+    dp_sync_ms: float
+    """Stages 0 and 1: T_dp, eq. 15 (stages 2 and 3 price their collectives per unit: ``unit_ms``)."""
+    owned_fraction: dict
+    """Device -> share of its weights whose optimizer state (and at stages 2-3 gradients) it keeps."""
+    buffer_bytes: dict
+    """Device -> staging of its largest group's sync (eq. 14; stages 2 and 3: of its largest unit group)."""
+    unit_reduce_ms: dict
+    """Stages 2 and 3: unit (``peers.EDGES`` or a layer) -> its groups' reduce-scatter (eq. 16)."""
+    unit_gather_ms: dict
+    """Stages 2 and 3: unit -> its groups' all-gather (eq. 16)."""
+    owned_layer_fraction: dict
+    """Stages 2 and 3: device -> owned share of its layers' weights (stage 3 keeps these, eq. 18)."""
+
+
+def sync_terms(cluster: ClusterSpec, plan) -> SyncTerms:
+    """``SyncTerms`` of ``plan`` from its peer groups (``baton.peers``)."""
+    spec = plan.model
+    held, owned = held_params(plan), owned_params(plan)
+    buffer = {i: 0.0 for i in held}
+    reduce_ms, gather_ms, layer_held, layer_owned = {}, {}, {i: 0.0 for i in held}, {i: 0.0 for i in held}
+    dp = 0.0
+    if plan.zero_stage < 2:
+        groups = peer_groups(plan)
+        largest = [max(owned_fractions(plan, g)) * g.num_params for g in groups]
+        for g, big, whole in zip(groups, largest, whole_groups(plan)):
+            for h in g.holders:
+                buffer[h] = max(buffer[h], sync_buffer_bytes(spec, g.size, big, plan.zero_stage, num_params=g.num_params,
+                                                             whole=whole))
+        dp = data_parallel_sync_ms(cluster, spec, [(g.holders, g.num_params, big) for g, big in zip(groups, largest)],
+                                   plan.zero_stage)
+    else:
+        for unit, gs in unit_groups(plan):
+            shards = [(g.holders, max(owned_fractions(plan, g)) * g.num_params) for g in gs]
+            reduce_ms[unit] = unit_pass_ms(cluster, spec, shards, "reduce_scatter")
+            gather_ms[unit] = unit_pass_ms(cluster, spec, shards, "all_gather")
+            for g in gs:
+                fr = owned_fractions(plan, g)
+                for h, f in zip(g.holders, fr):
+                    buffer[h] = max(buffer[h], sync_buffer_bytes(spec, g.size, max(fr) * g.num_params, 1))
+                    if unit is not EDGES:
+                        layer_held[h] += g.num_params
+                        layer_owned[h] += f * g.num_params
+    return SyncTerms(dp_sync_ms=dp, owned_fraction={i: owned[i] / held[i] for i in held}, buffer_bytes=buffer, unit_reduce_ms=reduce_ms, unit_gather_ms=gather_ms,
+                     owned_layer_fraction={i: layer_owned[i] / layer_held[i] for i in held if layer_held[i]})
 
 
 def max_layers_with_sync_buffer(slot: DeviceSlot, spec: ModelSpec, param_bytes: float, edge: EdgeCost, cap: int, *,
@@ -507,7 +612,8 @@ def max_layers_with_sync_buffer(slot: DeviceSlot, spec: ModelSpec, param_bytes: 
     L = np.arange(cap + 1, dtype=np.int64).reshape((1,) * len(shape) + (cap + 1,))
     own = np.asarray(owned_fraction, dtype=float)[..., None]
     shard = np.asarray(shard_params_per_layer, dtype=float)[..., None] * L + np.asarray(shard_params_fixed, dtype=float)[..., None]
-    no_activations = EdgeCost(fwd_ms=edge.fwd_ms, bwd_ms=edge.bwd_ms, saved_bytes=0.0, param_bytes=edge.param_bytes)
+    no_activations = EdgeCost(fwd_ms=edge.fwd_ms, bwd_ms=edge.bwd_ms, saved_bytes=0.0, head_saved_bytes=0.0,
+                              param_bytes=edge.param_bytes)
     peak = device_memory(slot, spec, L, param_bytes=param_bytes, held_bytes=0.0, transient_bytes=0.0, edge=no_activations,
                          owned_fraction=own, sync_buffer_bytes=sync_buffer_bytes(spec, group_size, shard, 1)).peak_bytes
     fits = np.broadcast_to(peak <= slot.memory_bytes, shape + (cap + 1,))
@@ -529,6 +635,129 @@ def sync_schedule_ms(groups: Sequence[tuple[Sequence[str], float]]) -> float:
             free[h] = t
         end = max(end, t)
     return end
+
+
+# -- stages 2 and 3: layered accumulation (eq. 16-18) -------------------------------------------------
+
+
+def unit_pass_ms(cluster: ClusterSpec, spec: ModelSpec, groups: Sequence[tuple[Sequence[str], float]],
+                 kind: str = "reduce_scatter") -> float:
+    """Eq. 16: one ring pass (``kind``: a reduce-scatter or an all-gather) over groups = (holders, largest
+    shard in parameters), padded to the largest shard, the groups scheduled as ``sync_schedule_ms`` does
+    (a unit's groups at stages 2-3; every group at stage 1, eq. 15)."""
+    def one(holders, big):
+        link = cluster.slowest_link(list(holders)) if len(holders) > 1 else None
+        return ring_step_ms(big * spec.dtype_bytes, len(holders), link, kind)
+    return sync_schedule_ms([(h, one(h, big)) for h, big in groups])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayeredParts:
+    """A one-stage replica's compute per micro-batch between the collectives of stages 2 and 3 (eq. 17):
+    eq. 9's forward and backward cut where the collectives fall; each part is the slowest TP rank's,
+    with the group's all-reduces."""
+
+    emb_fwd_ms: float
+    """Embedding forward (and its vocabulary-parallel sum)."""
+    layer_fwd_ms: float
+    """One layer's forward: blocks at their slowest rank plus both in-layer all-reduces."""
+    head_fwd_ms: float
+    """Final LayerNorm, LM head and loss forward (and the loss's reductions)."""
+    head_bwd_ms: float
+    """Their backward (and the head's input-gradient sum)."""
+    layer_bwd_ms: float
+    """One layer's backward, recomputation and all-reduces included."""
+    emb_bwd_ms: float
+    """Embedding backward."""
+
+
+def layered_parts(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str], profiles: Sequence[Profile],
+                  shares: Sequence[float], costs: Sequence[LayerCost]) -> LayeredParts:
+    """``LayeredParts`` of a one-stage group: device ``ids`` with their tables, shares and layer costs."""
+    ar = layer_allreduce_ms(cluster, spec, micro_batch, ids)
+    x, loss = edge_comms_ms(cluster, spec, micro_batch, ids)
+    emb = [pr.cost(EMBEDDING, micro_batch, r) for pr, r in zip(profiles, shares)]
+    head = [pr.cost(HEAD, micro_batch, r) for pr, r in zip(profiles, shares)]
+    return LayeredParts(
+        emb_fwd_ms=max(c.fwd_ms for c in emb) + x,
+        layer_fwd_ms=sum(max(c.block_fwd_ms()[k] for c in costs) for k in range(len(BLOCKS))) + ar,
+        head_fwd_ms=max(c.fwd_ms for c in head) + loss, head_bwd_ms=max(c.bwd_ms for c in head) + x,
+        layer_bwd_ms=sum(max(c.block_bwd_ms()[k] for c in costs) for k in range(len(BLOCKS))) + ar,
+        emb_bwd_ms=max(c.bwd_ms for c in emb))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayeredIteration:
+    """Eq. 17's answer."""
+
+    iteration_ms: float
+    """The chain of segments, each as long as its slowest replica, and the collectives between them."""
+    collectives_ms: float
+    """The collectives' part (every ring pass of eq. 16 the iteration runs)."""
+    replica_compute_ms: tuple[float, ...]
+    """Each replica's own compute (no waits), its optimizer step excluded."""
+
+
+def layered_iteration_ms(zero_stage: int, num_layers: int, replicas: Sequence[tuple[int, LayeredParts]],
+                         edge_pass_ms: float, layer_pass_ms: Sequence[float], optimizer_ms: float, *,
+                         edge_gather_ms: float | None = None, layer_gather_ms: Sequence[float] | None = None) -> LayeredIteration:
+    """Eq. 17 for stage 2 or 3: ``replicas`` = (micro-batches, parts); ``edge_pass_ms`` and
+    ``layer_pass_ms[l]`` the unit's reduce-scatter, ``edge_gather_ms`` and ``layer_gather_ms[l]`` its
+    all-gather (eq. 16; the reduce-scatter's when not given); ``optimizer_ms`` the slowest device's Adam
+    step. Every replica holds every unit, so each collective waits for the last replica to reach it."""
+    L = num_layers
+    edge_gather = edge_pass_ms if edge_gather_ms is None else edge_gather_ms
+    layer_gather = list(layer_pass_ms) if layer_gather_ms is None else list(layer_gather_ms)
+    # ops: ("c", replica -> ms) compute, or ("y", ms) a collective every replica joins
+    ops: list[tuple[str, object]] = []
+
+    def compute(part):
+        ops.append(("c", [m * part(pt) for m, pt in replicas]))
+
+    def collective(ms):
+        ops.append(("y", ms))
+
+    if zero_stage >= 3:
+        collective(edge_gather)
+    compute(lambda pt: pt.emb_fwd_ms)
+    for layer in range(L):
+        if zero_stage >= 3:
+            collective(layer_gather[layer])
+        compute(lambda pt: pt.layer_fwd_ms)
+    compute(lambda pt: pt.head_fwd_ms + pt.head_bwd_ms)
+    for layer in reversed(range(L)):
+        if zero_stage >= 3:
+            collective(layer_gather[layer])
+        compute(lambda pt: pt.layer_bwd_ms)
+        collective(layer_pass_ms[layer])
+    compute(lambda pt: pt.emb_bwd_ms)
+    collective(edge_pass_ms)
+    ops.append(("c", [optimizer_ms] * len(replicas)))
+    if zero_stage == 2:
+        collective(edge_gather + sum(layer_gather))
+    total, pending, syncs = 0.0, [0.0] * len(replicas), 0.0
+    for kind, what in ops:
+        if kind == "c":
+            pending = [a + b for a, b in zip(pending, what)]
+        else:
+            total += max(pending) + what
+            syncs += what
+            pending = [0.0] * len(replicas)
+    total += max(pending)
+    own = tuple(m * (pt.emb_fwd_ms + L * pt.layer_fwd_ms + pt.head_fwd_ms + pt.head_bwd_ms + L * pt.layer_bwd_ms + pt.emb_bwd_ms)
+                for m, pt in replicas)
+    return LayeredIteration(iteration_ms=total, collectives_ms=syncs, replica_compute_ms=own)
+
+
+def layered_iteration_of(sync: "SyncTerms", zero_stage: int, num_layers: int, replicas: Sequence[tuple[int, LayeredParts]],
+                         optimizer_ms: float) -> LayeredIteration:
+    """Eq. 17 with the units' reduce-scatters and all-gathers of ``sync`` (``sync_terms`` of the plan): what
+    the evaluator and the planner both call."""
+    layers = range(num_layers)
+    return layered_iteration_ms(zero_stage, num_layers, replicas, sync.unit_reduce_ms[EDGES],
+                                [sync.unit_reduce_ms[layer] for layer in layers], optimizer_ms,
+                                edge_gather_ms=sync.unit_gather_ms[EDGES],
+                                layer_gather_ms=[sync.unit_gather_ms[layer] for layer in layers])
 
 
 def model_flops_per_sample(spec: ModelSpec, seq_len: int | None = None) -> float:

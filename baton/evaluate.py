@@ -5,10 +5,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (BLOCKS, device_memory, device_slot, edge_cost, embedding_sync_ms, layer_cost,
-                             layer_train_ms, model_flops_per_s, peak_flops, pipeline_transfers, stage_constants, stage_time_ms,
-                             data_parallel_sync_ms, sync_buffer_bytes)
-from baton.peers import held_params, owned_fractions, owned_params, peer_groups, whole_groups
+from baton.costmodel import (BLOCKS, device_memory, device_optimizer_ms, device_slot, edge_cost, embedding_sync_ms, layer_cost,
+                             layer_train_ms, layered_iteration_of, layered_parts, model_flops_per_s, peak_flops,
+                             pipeline_transfers, stage_constants, stage_time_ms, sync_terms)
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD
@@ -42,9 +41,9 @@ class DeviceReport:
     recompute_ms: float
     """Own recomputation per micro-batch."""
     weights_bytes: float
-    """Parameters held."""
+    """Parameters kept (stage 3: the owned shards of its layers, the edges and one gathered layer, eq. 18)."""
     grads_bytes: float
-    """Their gradients."""
+    """Their gradients (stages 2 and 3: the owned shards, the edges' and one layer's whole, eq. 18)."""
     optimizer_bytes: float
     """Adam state (and fp32 master weights in mixed precision)."""
     activation_bytes: float
@@ -64,7 +63,8 @@ class DeviceReport:
     owned_fraction: float
     """Share of its weights whose optimizer state it keeps (1 unless the state is sharded, eq. 14)."""
     sync_buffer_bytes: float
-    """Staging of its largest group's sharded sync (eq. 14), alive only after the backward pass."""
+    """Staging of its largest group's sharded sync (eq. 14), alive only after the backward pass; at stages 2
+    and 3 of its largest unit group's (eq. 18), alive beside the activations."""
     micro_batch_size: int
     """Its replica's micro-batch size."""
 
@@ -102,17 +102,20 @@ class PlanReport:
     iteration_time_ms: float
     """Pipeline time + embedding sync + data-parallel sync + optimizer step."""
     pipeline_ms: float
-    """Exact 1F1B time of the slowest replica."""
+    """Exact 1F1B time of the slowest replica; at stages 2 and 3 (eq. 17) the compute of the iteration's chain,
+    each segment at its slowest replica, so a replica's waits at the collectives are in it."""
     replica_pipeline_ms: list
-    """Exact 1F1B time of every replica, with its own micro-batch size and count."""
+    """Exact 1F1B time of every replica, with its own micro-batch size and count (stages 2 and 3: its own
+    compute, no waits)."""
     replica_samples: list
     """Samples each replica trains on per iteration (they add up to global_batch)."""
     embedding_sync_ms: float
     """Tied-embedding gradient all-reduce between first and last stage."""
     dp_sync_ms: float
-    """Gradient sync across data-parallel replicas: the peer groups' collectives in order (eq. 13, 15)."""
+    """Gradient sync across data-parallel replicas: the peer groups' collectives in order (eq. 13, 15); at
+    stages 2 and 3 every unit's reduce-scatters and all-gathers (eq. 16, 17)."""
     zero_stage: int
-    """Sharding stage of the training state (0 replicated, 1 optimizer state)."""
+    """Sharding stage of the training state (0 replicated, 1 optimizer state, 2 and gradients, 3 and weights)."""
     optimizer_ms: float
     """Slowest device's Adam step."""
     tokens_per_s: float
@@ -147,13 +150,9 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     """
     check_against_cluster(plan, cluster, source=plan_source)
     spec = plan.model
-    groups = peer_groups(plan)
-    largest = [max(owned_fractions(plan, g)) * g.num_params for g in groups]
-    held, owned = held_params(plan), owned_params(plan)
-    buffer = {i: 0.0 for i in held}
-    for g, big, whole in zip(groups, largest, whole_groups(plan)):
-        for h in g.holders:
-            buffer[h] = max(buffer[h], sync_buffer_bytes(spec, g.size, big, plan.zero_stage, num_params=g.num_params, whole=whole))
+    layered = plan.zero_stage >= 2
+    sync = sync_terms(cluster, plan)
+    parts = []
     stage_reports: list[StageReport] = []
     device_reports: list[DeviceReport] = []
     pipeline_times = []
@@ -163,12 +162,15 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
         fwd, bwd, sf, sb = [], [], [], []
         for si, stage in enumerate(pipe.stages):
             ids = stage.device_ids
-            slots = [device_slot(cluster, profiles, spec, mb, i, stage=si, num_stages=p, num_microbatches=m) for i in ids]
+            slots = [device_slot(cluster, profiles, spec, mb, i, stage=si, num_stages=p, num_microbatches=m, layered=layered)
+                     for i in ids]
             const = stage_constants(cluster, spec, mb, ids, first=si == 0, last=si == p - 1)
             shares = [d.units / stage.units_per_layer for d in stage.devices]
             costs = [layer_cost(slot.profile, spec, mb, r, frozenset(d.recompute)) for slot, d, r in zip(slots, stage.devices, shares)]
             edges = [edge_cost(slot, spec, mb, r) for slot, r in zip(slots, shares)]
             L = stage.num_layers
+            if layered:
+                parts.append((m, layered_parts(cluster, spec, mb, ids, [sl.profile for sl in slots], shares, costs)))
             f_layer = sum(max(c.block_fwd_ms()[k] for c in costs) for k in range(len(BLOCKS)))
             b_layer = sum(max(c.block_bwd_ms()[k] for c in costs) for k in range(len(BLOCKS)))
             fwd.append(stage_time_ms(L, f_layer, const.allreduce_ms, max(e.fwd_ms for e in edges) + const.edge_fwd_comm_ms))
@@ -182,10 +184,11 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                 pipeline=pi, index=si, devices=ids, first_layer=stage.first_layer, num_layers=L, fwd_ms=fwd[-1], bwd_ms=bwd[-1],
                 allreduce_ms=2 * L * const.allreduce_ms, send_fwd_ms=send_f, send_bwd_ms=send_b))
             for d, slot, lc, edge in zip(stage.devices, slots, costs, edges):
-                own = owned[d.id] / held[d.id]
+                own = sync.owned_fraction[d.id]
                 mem = device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
                                     transient_bytes=lc.transient_bytes, edge=edge, owned_fraction=own,
-                                    sync_buffer_bytes=buffer[d.id])
+                                    sync_buffer_bytes=sync.buffer_bytes[d.id], zero_stage=plan.zero_stage,
+                                    owned_layer_fraction=sync.owned_layer_fraction.get(d.id))
                 dev = cluster.device(d.id)
                 device_reports.append(DeviceReport(
                     id=d.id, gpu=dev.gpu.name, pipeline=pi, stage=si, units=d.units, share=d.units / stage.units_per_layer,
@@ -197,16 +200,22 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                     transient_bytes=float(mem.transient_bytes), reserve_bytes=float(mem.reserve_bytes),
                     peak_memory_bytes=float(mem.peak_bytes), capacity_bytes=float(slot.memory_bytes),
                     fits=bool(mem.peak_bytes <= slot.memory_bytes),
-                    optimizer_ms=float(slot.optimizer_ms_per_byte * mem.weights_bytes * own), owned_fraction=own,
-                    sync_buffer_bytes=buffer[d.id], micro_batch_size=mb))
+                    optimizer_ms=float(device_optimizer_ms(slot, mem.held_weights_bytes, own)), owned_fraction=own,
+                    sync_buffer_bytes=sync.buffer_bytes[d.id], micro_batch_size=mb))
         timing = PipelineTiming(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), send_fwd_ms=tuple(sf), send_bwd_ms=tuple(sb))
         pipeline_times.append(iteration_time_1f1b(timing, m))
 
     emb_sync = embedding_sync_ms(cluster, spec, [[s.device_ids for s in pipe.stages] for pipe in plan.pipelines])
-    dp_sync = data_parallel_sync_ms(cluster, spec, [(g.holders, g.num_params, big) for g, big in zip(groups, largest)],
-                                    plan.zero_stage)
     opt = max(r.optimizer_ms for r in device_reports)
-    total = max(pipeline_times) + emb_sync + dp_sync + opt
+    if not layered:
+        dp_sync = sync.dp_sync_ms
+        total = max(pipeline_times) + emb_sync + dp_sync + opt
+        pipe_ms = max(pipeline_times)
+    else:  # eq. 17: replicas wait for each other at every unit's collective
+        it = layered_iteration_of(sync, plan.zero_stage, spec.num_layers, parts, opt)
+        total, dp_sync = it.iteration_ms, it.collectives_ms
+        pipeline_times = list(it.replica_compute_ms)
+        pipe_ms = total - dp_sync - opt - emb_sync  # the slowest replica's compute and its waits
 
     tokens = plan.global_batch * spec.seq_len
     tokens_per_s = tokens / (total / 1e3)
@@ -218,7 +227,7 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
         gpus = [cluster.device(d).gpu.name for st in pipe.stages for d in st.device_ids]
         ideal += ideal_tokens_per_s(spec, gpus, profiles, plan.batch(r)[0])
     return PlanReport(
-        iteration_time_ms=total, pipeline_ms=max(pipeline_times), replica_pipeline_ms=pipeline_times,
+        iteration_time_ms=total, pipeline_ms=pipe_ms, replica_pipeline_ms=pipeline_times,
         replica_samples=[plan.samples(i) for i in range(len(plan.pipelines))],
         embedding_sync_ms=emb_sync, dp_sync_ms=dp_sync, zero_stage=plan.zero_stage,
         optimizer_ms=opt, tokens_per_s=tokens_per_s, mfu=mfu, ideal_tokens_per_s=ideal,

@@ -84,6 +84,11 @@ def replicated_param_count(spec: ModelSpec) -> int:
     return sum((0 if o.tp_split else o.param_count(d)) + o.replicated_param_count(d) for o in layer_operators(spec))
 
 
+def position_param_count(spec: ModelSpec) -> int:
+    """Parameters of the learned position embedding (s x h), held whole by every rank of a first stage."""
+    return spec.seq_len * spec.hidden_dim
+
+
 def _count(total: int, lo: Fraction, hi: Fraction) -> int:
     n = (hi - lo) * total
     if n.denominator != 1:
@@ -144,7 +149,7 @@ def _peer_groups(shape, spec: ModelSpec) -> tuple[PeerGroup, ...]:
     # The tied embedding: the first stage's rows, then (a separate copy) the last stage's when it is another stage.
     add("vocab", None, [_stage_intervals(f) + (_stage_intervals(l) if len(rep) > 1 else [])
                         for f, l, rep in zip(firsts, lasts, replicas)], V * h)
-    add("positions", None, [_stage_intervals(f) for f in firsts], spec.seq_len * h, split=False)
+    add("positions", None, [_stage_intervals(f) for f in firsts], position_param_count(spec), split=False)
     split_n, repl_n = split_param_count(spec), replicated_param_count(spec)
     for layer in range(spec.num_layers):
         holding = [next(s for s in rep if layer in s.layers) for rep in replicas]
@@ -223,3 +228,24 @@ def whole_groups(plan) -> tuple[bool, ...]:
     the runtime syncs the holders' gradient buffers in place and stage 0 stages nothing (eq. 14)."""
     held = held_params(plan)
     return tuple(all(held[h] == g.num_params for h in g.holders) for g in peer_groups(plan))
+
+
+EDGES = None
+"""The unit of the embedding side: token and position embedding rows and the final LayerNorm (the tied
+head uses the token rows)."""
+
+
+def unit_groups(plan) -> tuple[tuple[int | None, tuple[PeerGroup, ...]], ...]:
+    """The plan's peer groups cut into units, for stages 2 and 3 (docs/cost-model.md, eq. 16): the edges
+    (``EDGES``), then layer 0, 1, ...; each unit's groups in the order of ``peer_groups``. A unit group
+    keeps its group's holders, replicas and copies, so ``owned_fractions`` and ``shard_sizes`` apply to it
+    as they do to a whole group."""
+    units: dict[int | None, list[PeerGroup]] = {EDGES: []}
+    units.update({layer: [] for layer in range(plan.model.num_layers)})
+    for g in peer_groups(plan):
+        by_unit: dict[int | None, list[Block]] = {}
+        for b in g.blocks:
+            by_unit.setdefault(b.layer, []).append(b)
+        for unit, blocks in by_unit.items():
+            units[unit].append(PeerGroup(holders=g.holders, replicas=g.replicas, copies=g.copies, blocks=tuple(blocks)))
+    return tuple((unit, tuple(gs)) for unit, gs in units.items())

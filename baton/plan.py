@@ -6,7 +6,8 @@ layer into ``units_per_layer`` units (groups of heads and the matching FFN colum
 its own number of units and its own set of recomputed operators. Replicas may differ in shape and each
 may train on its own micro-batch size and number of micro-batches (Poplar); with ``zero_stage`` 1 the
 optimizer state (fp32 master weights and Adam moments) of the devices that hold the same parameters is
-sharded between them by each device's ``shard_ratio`` (Cephalo). Who holds the same parameters is
+sharded between them by each device's ``shard_ratio`` (Cephalo), with 2 the gradients too and with 3 the
+weights too (replicas of one stage each, run layer by layer). Who holds the same parameters is
 ``baton.peers``' business.
 """
 from __future__ import annotations
@@ -33,8 +34,11 @@ MAX_GLOBAL_BATCH = 1 << 20
 """Samples per iteration."""
 MAX_MICROBATCHES = 1 << 16
 """Micro-batches per pipeline per iteration."""
-SUPPORTED_ZERO_STAGES = (0, 1)
-"""Sharding stages the cost model, planner and runtime implement."""
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
+"""Sharding stages the cost model, planner and runtime implement: 0 replicated, 1 optimizer state, 2 also
+the gradients, 3 also the weights (2 and 3 with layered accumulation, replicas of one stage each)."""
+LAYERED_ZERO_STAGES = (2, 3)
+"""Stages whose replicas run their micro-batches layer by layer (docs/cost-model.md, eq. 16-18)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,8 +108,9 @@ class Plan:
     info: dict = field(default_factory=dict)
     """Free-form provenance (solver, objective, gap); ignored by validation."""
     zero_stage: int = 0
-    """Sharding of the training state across devices holding the same parameters: 0 none, 1 the optimizer
-    state (fp32 master weights and Adam moments) by ``shard_ratio``."""
+    """Sharding of the training state across devices holding the same parameters, by ``shard_ratio``: 0 none,
+    1 the optimizer state (fp32 master weights and Adam moments), 2 also the gradients, 3 also the weights
+    (2 and 3: every replica one stage, its micro-batches run layer by layer)."""
 
     def batch(self, replica: int) -> tuple[int, int]:
         """(micro-batch size, micro-batches) of one replica."""
@@ -256,7 +261,14 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
             raise err(f"pipelines[{pi}].stages", f"stages cover {next_layer} layers, the model has {spec.num_layers}")
     if plan.zero_stage not in SUPPORTED_ZERO_STAGES:
         raise err("zero_stage", f"sharding stage {plan.zero_stage} is not supported (supported: "
-                                f"{', '.join(map(str, SUPPORTED_ZERO_STAGES))}: 0 replicated, 1 optimizer state sharded)")
+                                f"{', '.join(map(str, SUPPORTED_ZERO_STAGES))}: 0 replicated, 1 optimizer state sharded, "
+                                "2 and gradients, 3 and weights)")
+    if plan.zero_stage in LAYERED_ZERO_STAGES:
+        for pi, pipe in enumerate(plan.pipelines):
+            if len(pipe.stages) > 1:
+                raise err(f"pipelines[{pi}].stages", f"zero_stage {plan.zero_stage} needs every replica to be one stage "
+                          f"(this one has {len(pipe.stages)}): sharded gradients and weights run the micro-batches layer by "
+                          "layer, which a pipeline cannot; use zero_stage 0 or 1 with pipelines")
     ratios = {d.id: d.shard_ratio for p in plan.pipelines for s in p.stages for d in s.devices}
     if plan.zero_stage == 0:
         given = next(((pi, si, di) for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)

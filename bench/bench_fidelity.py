@@ -13,15 +13,24 @@ Set-up (explicit, because CPU processes share this machine's cores):
   sequence 128, fp32, dropout 0.1) at every micro-batch size and share the plans use; the link is
   measured over gloo between two processes, its all-reduces inside the tensor-parallel layer, and
   written into a copy of clusters/cpu2.yaml (and cpu4 when 4 processes are asked for);
-* this machine's speed wanders by 10-35% over tens of seconds (other tenants), so the benchmark runs
-  in rounds: each round measures the link and the table again, then trains every plan for ``--steps``
-  steps (the first dropped). Predictions come from the median of the rounds' tables and links,
-  measurements from the median of all kept steps, so both sample the same stretch of time.
+* this machine's speed wanders by 10-35% over tens of seconds (other tenants), so prediction and
+  measurement are *paired*: the benchmark runs in rounds, each round measures the link, then for every
+  plan profiles exactly the micro-batch sizes and shares the plan runs and at once trains it for
+  ``--steps`` steps (the first dropped). A plan's error is the median over rounds of its paired errors
+  (the round's prediction from the round's table and link against the round's median step), so drift
+  between rounds cancels instead of landing on one side; the measured and predicted times shown are the
+  medians over rounds of each. (Round 1 also profiles every size and share once, for ``baton solve``.)
 
 Plans: pipelines with even and uneven layers, recomputation on one stage, tensor parallelism with
-even and uneven (3:1) units, and the plan ``baton solve`` picks for this cluster under the measured
-table. Reported per plan: iteration time and activation memory, predicted and measured, with their
-relative errors; then the mean absolute and worst relative error over the plans.
+even and uneven (3:1) units, data-parallel replicas (equal batches, uneven micro-batch counts 3 vs 1 and
+sizes 4 vs 2, optimizer state sharded 0.7/0.3 at zero_stage 1; with 4 processes also a two-stage pipeline
+beside a single device), and the plan ``baton solve`` picks for this cluster under the measured table.
+Reported per plan: iteration time and activation memory, predicted and measured, with their relative
+errors; then the mean absolute and worst relative error over the plans. For plans with replicas, the
+waits at the gradient sync from every rank's trace (``wait_analysis``): each replica's arrival and its
+jitter, each rank's sync split into waiting for the peers and the collective itself, and the wait and
+the step's excess over the slowest replica against a model of noisy replicas (expected maximum of
+normals), its sigma taken from the run or from the spread of a layer's profiled repetitions.
 
 Run: ``python bench/bench_fidelity.py [--rounds 4] [--steps 8] [--procs 2] [--variant fp32-eager|bf16-fused]``;
 writes bench/results/fidelity.json and .md (``fidelity_bf16_fused.*`` for the bf16, fused-attention variant).
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -37,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,12 +59,15 @@ import yaml  # noqa: E402
 from baton.cluster import load_cluster  # noqa: E402
 from baton.profile import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
-from baton.plan import Plan, load_plan, simple_plan  # noqa: E402
+from baton.plan import Pipeline, Plan, load_plan, simple_plan, validate  # noqa: E402
 from baton.profile import table_filename, write_table  # noqa: E402
 from runtime.comm_profiler import measure_links, median_link  # noqa: E402
 from runtime.launch import TrainConfig, train  # noqa: E402
 from runtime.op_profiler import median_of_tables, profile_table  # noqa: E402
+from runtime.precision import compute_dtype  # noqa: E402
 from runtime.report import build_report  # noqa: E402
+from runtime.topology import Topology  # noqa: E402
+from runtime.trace import read_spans  # noqa: E402
 
 SPEC = PRESETS["small"]
 ATTN = ["attn_scores", "softmax", "attn_dropout", "attn_v"]
@@ -81,10 +95,219 @@ def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
             SPEC, cluster=cluster_name, stages=[[(d[0], 3), (d[1], 1)]], layers=[6], units_per_layer=4,
             micro_batch_size=2, num_microbatches=2, recompute={d[0]: ["gelu", "fc2"]}),
     }
+    # Data-parallel replicas (docs/cost-model.md, section 9): ranks that meet at every gradient sync.
+    single = dict(stages=[[1]], layers=[6])
+    out.update({
+        "dp2 2x2 + 2x2": replicas_plan(cluster_name, d, [dict(single, m=2, mbs=2), dict(single, m=2, mbs=2)]),
+        "dp2 3x2 + 1x2 (uneven micro-batch counts)": replicas_plan(
+            cluster_name, d, [dict(single, m=3, mbs=2), dict(single, m=1, mbs=2)]),
+        "dp2 1x4 + 1x2 (uneven micro-batch sizes)": replicas_plan(
+            cluster_name, d, [dict(single, m=1, mbs=4), dict(single, m=1, mbs=2)]),
+        "dp2 2x2 + 2x2, zero-1 0.7/0.3": replicas_plan(
+            cluster_name, d, [dict(single, m=2, mbs=2), dict(single, m=2, mbs=2)], zero_stage=1, ratios=[0.7, 0.3]),
+        "dp2 3x2 + 1x2, zero-1 0.7/0.3": replicas_plan(
+            cluster_name, d, [dict(single, m=3, mbs=2), dict(single, m=1, mbs=2)], zero_stage=1, ratios=[0.7, 0.3]),
+    })
     if procs >= 4:
         out["pp2 x tp2 (4 processes)"] = simple_plan(
             SPEC, cluster=cluster_name, stages=[[(d[0], 2), (d[1], 2)], [(d[2], 2), (d[3], 2)]], layers=[3, 3],
             units_per_layer=4, micro_batch_size=2, num_microbatches=4)
+        pipe = dict(stages=[[1], [1]], layers=[3, 3], m=4, mbs=2)
+        out["pp2 3+3 (4x2) + single (2x2) (3 processes)"] = replicas_plan(cluster_name, d, [pipe, dict(single, m=2, mbs=2)])
+        out["pp2 3+3 (4x2) + single (2x2), zero-1 0.7/0.7/0.3 (3 processes)"] = replicas_plan(
+            cluster_name, d, [pipe, dict(single, m=2, mbs=2)], zero_stage=1, ratios=[0.7, 0.7, 0.3])
+    return out
+
+
+def replicas_plan(cluster_name: str, ids: list[str], replicas: list[dict], *, zero_stage: int = 0,
+                  ratios: list[float] | None = None) -> Plan:
+    """A plan of data-parallel replicas, each its own shape and batch: ``replicas[r]`` has ``stages`` ([[units,
+    ...], ...], one unit per layer), ``layers`` per stage, ``m`` micro-batches of ``mbs`` samples; devices
+    ``ids`` in order; ``ratios``: one ``shard_ratio`` per device in that order (zero_stage 1)."""
+    pipes, it = [], iter(ids)
+    for rep in replicas:
+        one = simple_plan(SPEC, cluster=cluster_name, stages=[[(next(it), u) for u in st] for st in rep["stages"]],
+                          layers=rep["layers"], units_per_layer=1)
+        pipes.append(Pipeline(stages=one.pipelines[0].stages, micro_batch_size=rep["mbs"], num_microbatches=rep["m"]))
+    if ratios is not None:
+        flat = iter(ratios)
+        pipes = [replace(p, stages=tuple(replace(s, devices=tuple(replace(dv, shard_ratio=next(flat)) for dv in s.devices))
+                                         for s in p.stages)) for p in pipes]
+    return validate(Plan(model=SPEC, cluster=cluster_name, micro_batch_size=pipes[0].micro_batch_size,
+                         num_microbatches=pipes[0].num_microbatches, pipelines=tuple(pipes), zero_stage=zero_stage))
+
+
+# --- waits at the gradient sync ------------------------------------------------------------------------
+#
+# Replicas run the same kind of work on their own cores and meet at every step's gradient sync; the cost
+# model prices each replica at its profile's (median) time and the sync as the collective alone (eq. 11,
+# 15). A step really lasts as long as the replica that arrives last *in that step*, so noise in every
+# replica's time adds E[max_r P_r] - max_r E[P_r] per step. Measured from the ranks' traces (one wall
+# clock on one machine, ``runtime.trace``), per kept step k:
+#   S_k        the step's start: the earliest span of the step on any rank (the ranks leave the previous
+#              step's last all-reduce together);
+#   A_{r,k}    replica r's arrival: the last of its ranks to enter the gradient-sync span, minus S_k;
+#   wait       L_k - A_{r,k} with L_k = max_r A_{r,k} (the step's last arrival); per step the mean over
+#              the replicas, W_k = L_k - mean_r A_{r,k};
+#   collective exit - max_j enter_j per rank: the sync once every peer has arrived;
+#   excess     mean_k L_k - max_r mean_k A_{r,k}: what the step pays over the slowest replica's mean.
+# The model: P_r ~ Normal(mu_r, sigma_r^2), independent; E[max] by Clark's (1961) moments, exact for
+# two (E[max] - mu = sigma / sqrt(pi) for two equal replicas).
+
+def _phi(x: float) -> float:
+    return math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _Phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2)))
+
+
+def expected_max(mus: list[float], sigmas: list[float], rho: float = 0.0) -> float:
+    """E[max_r X_r] for X_r ~ Normal(mu_r, sigma_r^2): Clark's recursion (pairs exact; the running maximum
+    is taken as normal for three or more). ``rho``: correlation of the first two (the rest independent)."""
+    m, v = mus[0], sigmas[0] ** 2
+    for i, (mu, sd) in enumerate(zip(mus[1:], sigmas[1:])):
+        r = rho if i == 0 else 0.0
+        theta = math.sqrt(max(v + sd * sd - 2 * r * math.sqrt(v) * sd, 0.0))
+        if theta < 1e-12:
+            m, v = max(m, mu), v
+            continue
+        a = (m - mu) / theta
+        first = m * _Phi(a) + mu * _Phi(-a) + theta * _phi(a)
+        second = (m * m + v) * _Phi(a) + (mu * mu + sd * sd) * _Phi(-a) + (m + mu) * theta * _phi(a)
+        m, v = first, max(second - first * first, 0.0)
+    return m
+
+
+def _sd(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def _robust_sd(xs: list[float]) -> float:
+    """The interquartile range as a normal's sd: blind to the rare stalls of a loaded machine."""
+    if len(xs) < 4:
+        return _sd(xs)
+    q = statistics.quantiles(xs, n=4)
+    return (q[2] - q[0]) / 1.349
+
+
+def sync_samples(plan: Plan, spans: dict[int, list[dict]], per_rank: dict) -> list[dict]:
+    """Per step of one run (its first, warm-up step dropped): replica arrivals A_r (ms from the step's start),
+    every rank's sync entry wait and collective (ms), and every rank's compute (forward + backward, ms)."""
+    topo = Topology(plan)
+    replica_of = [topo.position(r).pipeline for r in range(topo.world_size)]
+    out = []
+    steps = sorted({e["args"].get("step") for ev in spans.values() for e in ev if "step" in e.get("args", {})})
+    for k in steps[1:]:
+        start, enter, leave = math.inf, {}, {}
+        for rank, events in spans.items():
+            for e in events:
+                if e.get("args", {}).get("step") != k:
+                    continue
+                start = min(start, e["ts"])
+                if e["name"].startswith("gradient sync"):
+                    enter[rank], leave[rank] = e["ts"], e["ts"] + e["dur"]
+        if len(enter) != topo.world_size:
+            continue
+        last = max(enter.values())
+        arrivals = [max(enter[j] for j in enter if replica_of[j] == r) for r in range(len(plan.pipelines))]
+        hist = {r: next((st for st in h if st.step == k), None) for r, h in per_rank.items()}
+        out.append({"arrival_ms": [(a - start) / 1e3 for a in arrivals],
+                    "wait_ms": [(last - enter[j]) / 1e3 for j in sorted(enter)],
+                    "collective_ms": [(leave[j] - last) / 1e3 for j in sorted(enter)],
+                    "sync_ms": [(leave[j] - enter[j]) / 1e3 for j in sorted(enter)],
+                    "compute_ms": [sum(h.forward_ms) + sum(h.backward_ms) if h else None for _, h in sorted(hist.items())]})
+    return out
+
+
+def wait_analysis(samples: list[dict], num_replicas: int, layer_cv: float | None, passes: list[int]) -> dict | None:
+    """Measured waits at the sync and what the noise model predicts for them (see above). ``layer_cv``: the
+    relative spread of one layer's forward + backward over the profiler-style repetitions; ``passes``: layer
+    passes (forward + backward) per step of each replica's slowest rank, for the profile-based sigma."""
+    if num_replicas < 2 or len(samples) < 3:
+        return None
+    arr = [[s["arrival_ms"][r] for s in samples] for r in range(num_replicas)]
+    mus, sds = [statistics.mean(a) for a in arr], [_sd(a) for a in arr]
+    meds, rsds = [statistics.median(a) for a in arr], [_robust_sd(a) for a in arr]
+    last = [max(s["arrival_ms"]) for s in samples]
+    waits = [max(s["arrival_ms"]) - statistics.mean(s["arrival_ms"]) for s in samples]
+    rho = statistics.correlation(arr[0], arr[1]) if min(sds[:2]) > 0 else 0.0
+    ranks = len(samples[0]["wait_ms"])
+    compute = [[s["compute_ms"][j] for s in samples if s["compute_ms"][j] is not None] for j in range(ranks)]
+    out = {
+        "steps": len(samples),
+        "replica_arrival_ms": {"mean": mus, "sd": sds, "median": meds, "robust_sd": rsds, "correlation_01": rho,
+                               "per_step": arr},
+        "wait_per_step_ms": {"mean": statistics.mean(waits), "sd": _sd(waits), "median": statistics.median(waits)},
+        "excess_over_slowest_mean_ms": statistics.mean(last) - max(mus),
+        # The same with medians (what the benchmark's iteration figure is) and the IQR's sigma: robust to stalls.
+        "excess_over_slowest_median_ms": statistics.median(last) - max(meds),
+        "rank_sync_ms": {
+            "sync": [statistics.mean(s["sync_ms"][j] for s in samples) for j in range(ranks)],
+            "wait": [statistics.mean(s["wait_ms"][j] for s in samples) for j in range(ranks)],
+            "collective": [statistics.median(s["collective_ms"][j] for s in samples) for j in range(ranks)]},
+        "rank_compute_ms": {"mean": [statistics.mean(c) if c else None for c in compute],
+                            "sd": [_sd(c) if c else None for c in compute]},
+        "model": {
+            # sigma from the run itself: how well the formula explains the wait, given the jitter.
+            "wait_ms": expected_max(mus, sds) - statistics.mean(mus),
+            "wait_ms_with_correlation": expected_max(mus, sds, rho) - statistics.mean(mus),
+            "excess_ms": expected_max(mus, sds) - max(mus),
+            "excess_ms_with_correlation": expected_max(mus, sds, rho) - max(mus),
+            "excess_ms_robust": expected_max(meds, rsds) - max(meds),
+        },
+    }
+    if layer_cv is not None:
+        # sigma from the profile's repetitions of one layer pass (forward + backward): the step's noise as
+        # independent per pass (cv * mu / sqrt(passes)) or as one speed factor for the whole step (cv * mu).
+        indep = [layer_cv * m / math.sqrt(max(n, 1)) for m, n in zip(meds, passes)]
+        common = [layer_cv * m for m in meds]
+        out["model"].update({
+            "layer_cv": layer_cv, "passes": passes, "run_cv": [sd / m for sd, m in zip(rsds, meds)],
+            "profile_sigma_independent_ms": indep, "profile_sigma_common_ms": common,
+            "excess_ms_profile_independent": expected_max(meds, indep) - max(meds),
+            "excess_ms_profile_common": expected_max(meds, common) - max(meds),
+        })
+    return out
+
+
+def layer_repetition_cv(micro_batch: int, *, warmup: int = 3, reps: int = 30) -> float:
+    """Relative spread (sd / mean, sd from the interquartile range as a normal's) of one layer's forward +
+    backward over ``reps`` repetitions, timed as the op profiler times the whole layer, on core 0 of this
+    process (the other cores idle): what a profile could record next to its medians."""
+    from runtime.tp_layer import MicroBatch, ParallelBlock
+
+    saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if saved:
+        os.sched_setaffinity(0, {min(saved)})
+    try:
+        torch.manual_seed(0)
+        dtype = compute_dtype(SPEC.dtype)
+        block = ParallelBlock(SPEC, 0, heads=range(SPEC.num_heads), ffn_cols=range(SPEC.ffn_dim)).to(dtype=dtype)
+        mb = MicroBatch(seed=0, step=0, samples=torch.arange(micro_batch))
+        x = torch.randn(micro_batch, SPEC.seq_len, SPEC.hidden_dim).to(dtype)
+        times = []
+        for i in range(warmup + reps):
+            xi = x.detach().requires_grad_()
+            t0 = time.perf_counter()
+            y = block(xi, mb)
+            y.backward(torch.ones_like(y))
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            block.zero_grad(set_to_none=True)
+    finally:
+        if saved:
+            os.sched_setaffinity(0, saved)  # spawned ranks inherit it: gloo's threads must stay free (runtime.affinity)
+    q = statistics.quantiles(times, n=4)
+    return (q[2] - q[0]) / 1.349 / statistics.median(times)
+
+
+def layer_passes(plan: Plan) -> list[int]:
+    """Per replica: layer passes (one forward and one backward of one layer) of its busiest stage per step."""
+    out = []
+    for r, pipe in enumerate(plan.pipelines):
+        m = plan.batch(r)[1]
+        out.append(max(s.num_layers for s in pipe.stages) * m)
     return out
 
 
@@ -94,6 +317,7 @@ def write_cluster(dst: Path, procs: int, link) -> Path:
     data["nodes"][0]["gpus"][0]["count"] = procs
     data["nodes"][0]["gpus"][0]["memory_gib"] = 24 // procs
     data["nodes"][0]["intra_node_link"] = link.link_fields()
+    dst.mkdir(parents=True, exist_ok=True)
     path = dst / f"cpu{procs}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -134,61 +358,86 @@ def main() -> None:
     if args.only:
         cases = {k: v for k, v in cases.items() if args.only in k}
     # Every micro-batch size and share the hand plans use, plus those the solver may pick.
-    mbs = sorted({p.micro_batch_size for p in cases.values()} | {1, 2, 4})
-    shares = sorted({d.units / s.units_per_layer for p in cases.values() for s in p.pipelines[0].stages for d in s.devices}
+    mbs = sorted({p.batch(i)[0] for p in cases.values() for i in range(len(p.pipelines))} | {1, 2, 4})
+    shares = sorted({d.units / s.units_per_layer for p in cases.values() for pipe in p.pipelines for s in pipe.stages
+                     for d in s.devices}
                     | {0.25, 0.5, 0.75, 1.0})
     table_path = profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len)
-    tables, links, histories, round_ms = [], [], {}, {}
+    links, syncs, layer_cv, rounds = [], {}, {}, {}
+    replica_mbs = sorted({p.batch(i)[0] for p in cases.values() if len(p.pipelines) > 1 for i in range(len(p.pipelines))})
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: measuring the link over gloo ...")
         # The in-layer all-reduce measurement runs fp32 layers only; its GB/s figure carries over to a bf16
         # twin of the same shape (the bytes it moves are priced from the model's own dtype).
         links.append(measure_links(world_size=2, spec=SPEC.with_overrides(dtype="fp32"), micro_batches=(1, 2, 4)))
+        cluster_path = write_cluster(work / f"round-{r}", args.procs, links[-1])
+        cluster = load_cluster(cluster_path)
         if r == 0:
-            cluster_path = write_cluster(work, args.procs, links[0])
-        print(f"round {r + 1}/{args.rounds}: profiling {SPEC.name} on this CPU (micro-batches {mbs}, shares {shares}) ...")
-        tables.append(profile_table(SPEC, device="cpu", micro_batches=tuple(mbs), shares=tuple(shares), warmup=3, reps=args.reps,
-                                    concurrent=args.procs))
-        if r == 0:
-            write_table(tables[0], table_path)
+            print(f"round 1: profiling {SPEC.name} for the solver (micro-batches {mbs}, shares {shares}) ...")
+            write_table(profile_table(SPEC, device="cpu", micro_batches=tuple(mbs), shares=tuple(shares), warmup=3,
+                                      reps=args.reps, concurrent=args.procs), table_path)
             extra = solver_plan(cluster_path, profiles, work / "solved.json")
             if extra is not None and (not args.only or args.only in "baton solve"):
                 cases[f"baton solve (mb {extra.micro_batch_size} x {extra.num_microbatches})"] = extra
-        for name, plan in cases.items():
-            print(f"  running {name} ...")
+        for b in replica_mbs:  # the spread of a layer's repetitions: the profile-side sigma of the wait model
+            layer_cv.setdefault(b, []).append(layer_repetition_cv(b))
+        for index, (name, plan) in enumerate(cases.items()):
+            # Paired: the table of exactly what this plan runs, measured right before it runs, so the machine's
+            # drift (10-35% over tens of seconds here) hits prediction and measurement alike.
+            plan_mbs = sorted({plan.batch(i)[0] for i in range(len(plan.pipelines))})
+            plan_shares = sorted({d.units / st.units_per_layer for pipe in plan.pipelines for st in pipe.stages
+                                  for d in st.devices} | {1.0})
+            print(f"  profiling then running {name} ...")
+            plan_profiles = work / f"round-{r}" / f"plan-{index}"
+            write_table(profile_table(SPEC, device="cpu", micro_batches=tuple(plan_mbs), shares=tuple(plan_shares), warmup=3,
+                                      reps=args.reps, concurrent=args.procs),
+                        plan_profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len))
             per_rank: dict = {}
-            train(TrainConfig(plan=plan, steps=args.steps, seed=0, collect_all_ranks=True, timeout_s=300), per_rank=per_rank)
-            for rank, hist in per_rank.items():
-                # Each round's first step pays for warm-up; the report drops the first of the whole history.
-                histories.setdefault(name, {}).setdefault(rank, hist[:1]).extend(hist[1:])
-            round_ms.setdefault(name, []).append(statistics.median(st.iteration_ms for st in per_rank[0][1:]))
-    write_table(median_of_tables(tables), table_path)
+            trace = work / f"trace-{index}-{r}.json"
+            train(TrainConfig(plan=plan, steps=args.steps, seed=0, collect_all_ranks=True, timeout_s=300, trace=str(trace)),
+                  per_rank=per_rank)
+            syncs.setdefault(name, []).extend(sync_samples(plan, read_spans(trace), per_rank))
+            rep = build_report(plan, cluster, ProfileSet(SPEC, directory=plan_profiles), per_rank)
+            rounds.setdefault(name, []).append(rep)
+            print(f"    round {r + 1}: {rep['iteration_time_ms']['measured']:.1f} ms measured, "
+                  f"{rep['iteration_time_ms']['predicted']:.1f} predicted ({rep['iteration_time_ms']['rel_error']:+.1%})")
     link = median_link(links)
-    cluster = load_cluster(write_cluster(work, args.procs, link))
 
     rows = []
     for name, plan in cases.items():
-        per_rank = histories[name]
-        rep = build_report(plan, cluster, ProfileSet(SPEC, directory=profiles), per_rank)
+        reps = rounds[name]
+        measured = [x["iteration_time_ms"]["measured"] for x in reps]
+        predicted = [x["iteration_time_ms"]["predicted"] for x in reps]
+        paired = [x["iteration_time_ms"]["rel_error"] for x in reps]
+        # The round whose error is the median stands for the plan (its phases and stages are printed).
+        rep = sorted(reps, key=lambda x: x["iteration_time_ms"]["rel_error"])[len(reps) // 2]
         act_m = sum(d["measured"]["peak_saved_bytes"] for d in rep["devices"])
         act_p = sum(d["predicted"]["activation_bytes"] for d in rep["devices"])
-        worst_act = max(abs(d["activation_rel_error"]) for d in rep["devices"])
+        worst_act = max(abs(d["activation_rel_error"]) for x in reps for d in x["devices"])
+        cvs = [statistics.median(layer_cv[plan.batch(i)[0]]) for i in range(len(plan.pipelines)) if plan.batch(i)[0] in layer_cv]
+        waits = wait_analysis(syncs.get(name, []), len(plan.pipelines), statistics.median(cvs) if cvs else None,
+                              layer_passes(plan))
         rows.append({
-            "plan": name, "devices": len(plan.device_ids()),
-            "iteration_ms_measured": rep["iteration_time_ms"]["measured"],
-            "iteration_ms_predicted": rep["iteration_time_ms"]["predicted"],
-            "iteration_rel_error": rep["iteration_time_ms"]["rel_error"],
+            "plan": name, "devices": len(plan.device_ids()), "sync_wait": waits,
+            "iteration_ms_measured": statistics.median(measured), "iteration_ms_predicted": statistics.median(predicted),
+            "iteration_rel_error": statistics.median(paired), "iteration_rel_error_per_round": paired,
             "activation_bytes_measured": act_m, "activation_bytes_predicted": act_p,
             "activation_worst_device_rel_error": worst_act,
-            "iteration_ms_per_round": round_ms[name],
-            "round_spread": (max(round_ms[name]) - min(round_ms[name])) / statistics.median(round_ms[name]),
+            "iteration_ms_per_round": measured, "iteration_ms_predicted_per_round": predicted,
+            "round_spread": (max(measured) - min(measured)) / statistics.median(measured),
             "stages": rep["stages"], "report": rep,
         })
-        print(f"  iteration {rep['iteration_time_ms']['measured']:.1f} ms measured, "
-              f"{rep['iteration_time_ms']['predicted']:.1f} ms predicted ({rep['iteration_time_ms']['rel_error']:+.1%}); "
-              f"activations worst device {worst_act:.2%}")
+        print(f"  {name}: iteration {statistics.median(measured):.1f} ms measured, {statistics.median(predicted):.1f} ms predicted "
+              f"(paired error, median over rounds: {statistics.median(paired):+.1%}; rounds "
+              + ", ".join(f"{e:+.1%}" for e in paired) + f"); activations worst device {worst_act:.2%}")
         print("    phases (measured/predicted ms): " + ", ".join(
             f"{k.removesuffix('_ms')} {v['measured']:.1f}/{v['predicted']:.1f}" for k, v in rep["phases"].items()))
+        if waits is not None:
+            print(f"    sync wait per step {waits['wait_per_step_ms']['mean']:.2f} ms (sd {waits['wait_per_step_ms']['sd']:.2f}; "
+                  f"model {waits['model']['wait_ms']:.2f}); replica arrival sd "
+                  + ", ".join(f"{v:.2f}" for v in waits["replica_arrival_ms"]["sd"])
+                  + f" ms; excess over the slowest mean {waits['excess_over_slowest_mean_ms']:.2f} ms "
+                  f"(model {waits['model']['excess_ms']:.2f})")
         print("    stages per micro-batch (measured/predicted ms, TP all-reduce): " + ", ".join(
             f"{st['measured_ms']:.1f}/{st['predicted_ms']:.1f} ({st['allreduce_measured_ms'] or 0:.1f}/{st['allreduce_predicted_ms']:.1f})"
             for st in rep["stages"]))
@@ -217,12 +466,48 @@ def main() -> None:
               "", f"Model `{SPEC.name}` ({SPEC.dtype}, {SPEC.attention} attention), {args.procs} CPU processes, one thread each, pinned; link measured over gloo: "
               f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us per transfer; all-reduce {link.allreduce_bandwidth_gb_per_s:.2f} GB/s, "
               f"{link.allreduce_latency_us:.0f} us per ring step between idle ranks, {link.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s, "
-              f"{link.tp_allreduce_latency_us:.0f} us inside the tensor-parallel layer; {args.rounds} rounds of "
-              f"(profile on {args.procs} cores at once, median of {args.reps}; run every plan {args.steps} steps, first dropped). "
-              "Measured: median over all kept steps; spread: (slowest - fastest round median) / median; predicted: from the "
-              "median of the rounds' tables."]
+              f"{link.tp_allreduce_latency_us:.0f} us inside the tensor-parallel layer, reduce-scatter "
+              f"{link.reduce_scatter_bandwidth_gb_per_s:.2f} GB/s and all-gather {link.all_gather_bandwidth_gb_per_s:.2f} GB/s "
+              f"per ring step (medians over rounds); {args.rounds} rounds of "
+              f"(link; then per plan: profile its sizes and shares on {args.procs} cores at once, median of {args.reps}, and run it "
+              f"{args.steps} steps, first dropped). Measured and predicted: medians over rounds; error: median over rounds of the "
+              "round's (predicted - measured) / measured, each round's prediction from that round's table and link; spread: "
+              "(slowest - fastest round) / median."]
+    lines += wait_table(rows)
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def wait_table(rows: list[dict]) -> list[str]:
+    """Markdown: the waits at the gradient sync of the plans with replicas (``wait_analysis``)."""
+    rows = [r for r in rows if r["sync_wait"] is not None]
+    if not rows:
+        return []
+    out = ["", "Waits at the gradient sync (plans with replicas; ms per step, mean over kept steps):", "",
+           "| plan | replica arrival ms (sd) | rank compute sd | sync per rank: wait + collective | wait per step (sd) | "
+           "model wait (independent / with rho) | excess over slowest | model excess (run sigma) | median excess | model (IQR sigma / profile cv) |",
+           "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        w = r["sync_wait"]
+        a, mdl = w["replica_arrival_ms"], w["model"]
+        arrivals = " / ".join(f"{m:.1f} ({s:.2f})" for m, s in zip(a["mean"], a["sd"]))
+        compute = " / ".join("-" if v is None else f"{v:.2f}" for v in w["rank_compute_ms"]["sd"])
+        ranks = " / ".join(f"{x:.1f}+{c:.1f}" for x, c in zip(w["rank_sync_ms"]["wait"], w["rank_sync_ms"]["collective"]))
+        prof = f"{mdl['excess_ms_profile_common']:.2f}" if "excess_ms_profile_common" in mdl else "-"
+        out.append(f"| {r['plan']} | {arrivals} | {compute} | {ranks} | {w['wait_per_step_ms']['mean']:.2f} "
+                   f"({w['wait_per_step_ms']['sd']:.2f}) | {mdl['wait_ms']:.2f} / {mdl['wait_ms_with_correlation']:.2f} "
+                   f"(rho {a['correlation_01']:+.2f}) | "
+                   f"{w['excess_over_slowest_mean_ms']:.2f} | "
+                   f"{mdl['excess_ms']:.2f} | {w['excess_over_slowest_median_ms']:.2f} | {mdl['excess_ms_robust']:.2f} / {prof} |")
+    out += ["", "Replica arrival: its last rank's entry into the gradient sync, from the step's first span (one wall clock, "
+            "`runtime.trace`). Wait per step: last arrival minus the replicas' mean arrival; model: E[max] of independent "
+            "normals (Clark) with each replica's measured mean and sd, minus their mean (sigma / sqrt(pi) for two equal "
+            "replicas); with rho: the first two replicas' measured correlation (ranks that share a core arrive "
+            "together). Excess: mean of the steps' last arrival minus the slowest replica's mean arrival, what the cost model "
+            "(max of the replicas' pipelines) leaves out; median excess: the same with medians, against the model with each "
+            "replica's median and interquartile sigma (robust to a loaded machine's stalls) and with sigma = the layer's "
+            "repetition spread (cv, IQR-based) times the replica's median: one speed factor for the whole step."]
+    return out
 
 
 if __name__ == "__main__":

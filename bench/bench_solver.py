@@ -1,6 +1,6 @@
 """Benchmark of `baton solve`: build/solve seconds, proven gap, predicted iteration time of Baton and of
 each baseline, speedups, efficiency vs the ideal additive bound, and what heterogeneous data parallelism
-(uneven per-replica batches, sharding stage 1) changed in Baton's plan against the best plan with every
+(uneven per-replica batches, sharding stages 1-3) changed in Baton's plan against the best plan with every
 replica on one batch at stage 0. Writes bench/results/solver.{json,md}; fails (after writing them) if a
 baseline is faster than Baton.
 
@@ -74,7 +74,8 @@ def heterogeneous_dp(spec, cluster, profiles, global_batch, gap, threads, baton)
         return {"error": str(exc)}
     out = {"iteration_ms": res.objective_ms, "status": res.status, "gap": res.gap, "plan": _plan_summary(res.plan)}
     if "iteration_ms" in baton:
-        what = [w for w, on in (("uneven split", not baton["plan"]["uniform_batches"]), ("stage 1", baton["plan"]["zero_stage"] == 1)) if on]
+        z = baton["plan"]["zero_stage"]
+        what = [w for w, on in (("uneven split", not baton["plan"]["uniform_batches"]), (f"stage {z}", z > 0)) if on]
         out["changed"] = what
         out["gain"] = res.objective_ms / baton["iteration_ms"] - 1
     return out
@@ -141,7 +142,7 @@ def markdown(rows, meta) -> str:
            "Iteration times are the cost model's predictions (`baton.evaluate`), for the plan each strategy returns. "
            "Speedup = baseline time / Baton time. Efficiency = tokens/s over the ideal additive bound of all devices "
            "of the cluster (eq. 12). Gap = proven relative gap of Baton over its search space. Het. DP = what uneven "
-           "per-replica batches and sharding stage 1 changed in Baton's plan, against Baton with every replica on one "
+           "per-replica batches and sharding stages 1-3 changed in Baton's plan, against Baton with every replica on one "
            f"batch at stage 0 ({UNIFORM_LIMIT_S} s limit): that plan's ms, then how much faster Baton's is.", "",
            "| case | Baton ms | status | gap | build s | solve s | eff. vs ideal | "
            + " | ".join(f"{names[s]} ms (x)" for s in BASELINES) + " | het. DP |",

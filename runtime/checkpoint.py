@@ -12,8 +12,8 @@ A checkpoint is a directory ``<save-dir>/step-000123/`` holding
   and SHA-256 of every other file (``files``).
 
 Rank 0 gathers the state point-to-point from the ranks that keep it (``runtime.replica_sync``: every
-peer group's first holder, or with ``zero_stage`` 1 each owner of a shard; any split sizes, gloo or
-NCCL), writes into a temporary
+peer group's first holder, or with ``zero_stage`` 1-3 each owner of a shard, at 2 and 3 of each unit group;
+at 3 the weights come from the owners' weight shards; any split sizes, gloo or NCCL), writes into a temporary
 directory beside the final one and renames it, so a partly written checkpoint never has the final name.
 Loading uses safetensors and JSON only (no pickle); every rank reads the slices it needs (with
 ``zero_stage`` 1, the moments of its owned shards only). Nothing in a checkpoint depends on the plan: a run
@@ -190,7 +190,7 @@ def _gather_full_state(engine) -> dict[str, torch.Tensor] | None:
     AdamW moments (zeros before the first step); None on the other ranks.
 
     The state is read group by group (``baton.peers``' peer groups, ``runtime.replica_sync``), from the
-    ranks that keep it: at stage 0 each group's first holder (all holders have the same), at stage 1
+    ranks that keep it: at stage 0 each group's first holder (all holders have the same), at stages 1-3
     each owner of a shard; only the pieces a group is the first to hold are read. Each region of a full
     tensor is assembled from the shards that cover it and written into place; ranks send point-to-point
     in the same order rank 0 receives, so any split sizes work on gloo and NCCL."""

@@ -64,8 +64,17 @@ class LinkFit:
     """Bandwidth implied by the all-reduces timed inside the tensor-parallel layer (None: not measured)."""
     tp_allreduce_latency_us: float | None
     """Per-step latency implied by those."""
+    reduce_scatter_bandwidth_gb_per_s: float | None = None
+    """Per-step bandwidth of the padded reduce-scatter the sharded sync runs (None: not measured)."""
+    reduce_scatter_latency_us: float | None = None
+    """Per-step latency of that reduce-scatter."""
+    all_gather_bandwidth_gb_per_s: float | None = None
+    """Per-step bandwidth of the sharded sync's all-gather (None: not measured)."""
+    all_gather_latency_us: float | None = None
+    """Per-step latency of that all-gather."""
     points: dict
-    """{'p2p': [[bytes, ms], ...], 'allreduce': [...], 'allreduce_in_layer': [...] (given a model)}"""
+    """{'p2p': [[bytes, ms], ...], 'allreduce': [...], 'reduce_scatter': [...], 'all_gather': [...] (bytes: the
+    whole flat vector, n chunks), 'allreduce_in_layer': [...] (given a model)}"""
 
     def link_fields(self) -> dict:
         """The fields of a cluster YAML link block."""
@@ -75,6 +84,11 @@ class LinkFit:
         if self.tp_allreduce_bandwidth_gb_per_s is not None:
             fields.update(tp_allreduce_bandwidth_gb_per_s=round(self.tp_allreduce_bandwidth_gb_per_s, 4),
                           tp_allreduce_latency_us=round(self.tp_allreduce_latency_us, 2))
+        for kind in ("reduce_scatter", "all_gather"):
+            bw = getattr(self, f"{kind}_bandwidth_gb_per_s")
+            if bw is not None:
+                fields[f"{kind}_bandwidth_gb_per_s"] = round(bw, 4)
+                fields[f"{kind}_latency_us"] = round(getattr(self, f"{kind}_latency_us"), 2)
         return fields
 
     def yaml_block(self) -> str:
@@ -184,10 +198,23 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
             if backend == "nccl":
                 torch.cuda.synchronize()
 
-        p2p, ar = [], []
+        from runtime.replica_sync import _all_gather, _reduce_scatter  # the calls the sharded sync makes
+
+        def timed(fn) -> float:
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(BATCH):
+                fn()
+            sync()
+            return (time.perf_counter() - t0) * 1e3 / BATCH
+
+        p2p, ar, rs, ag = [], [], [], []
         for size in sizes:
             t = torch.ones(size // 4, dtype=torch.float32, device=device)
-            times_p, times_a = [], []
+            chunk = torch.empty(-(-t.numel() // world), dtype=t.dtype, device=device)
+            flat = torch.ones(chunk.numel() * world, dtype=t.dtype, device=device)
+            times_p, times_a, times_rs, times_ag = [], [], [], []
             for i in range(reps + 2):
                 dist.barrier()
                 sync()
@@ -208,12 +235,18 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
                     dist.all_reduce(t)
                 sync()
                 took = (time.perf_counter() - t0) * 1e3 / BATCH
+                scattered = timed(lambda: _reduce_scatter(chunk, flat))
+                gathered = timed(lambda: _all_gather(flat, chunk))
                 if i >= 2:
                     times_p.append(transfers)
                     times_a.append(took)
+                    times_rs.append(scattered)
+                    times_ag.append(gathered)
             p2p.append((size, statistics.median(times_p)))
             ar.append((size, statistics.median(times_a)))
-        points = {"p2p": p2p, "allreduce": ar}
+            rs.append((flat.numel() * 4, statistics.median(times_rs)))
+            ag.append((flat.numel() * 4, statistics.median(times_ag)))
+        points = {"p2p": p2p, "allreduce": ar, "reduce_scatter": rs, "all_gather": ag}
         if spec is not None:
             points["allreduce_in_layer"] = _in_layer_allreduce(spec, rank, world, micro_batches, reps)
         if rank == 0:
@@ -266,14 +299,23 @@ def link_fit(backend: str, world_size: int, points: dict) -> LinkFit:
         lat, slope = fit_line(pts)
         return (2 * (n - 1) / n) / (slope * 1e6), lat * 1e3 / (2 * (n - 1))
 
+    def ring_pass(pts):
+        """One ring pass of X bytes (n chunks of X/n): (n - 1) * (latency + X/n / bandwidth), eq. 13."""
+        lat, slope = fit_line(pts)
+        return ((n - 1) / n) / (slope * 1e6), lat * 1e3 / (n - 1)
+
     lat_p, slope_p = fit_line(points["p2p"])
     ar_bw, ar_lat = ring(points["allreduce"])
     inside = points.get("allreduce_in_layer") or []
     tp_bw, tp_lat = ring(inside) if len(inside) >= 2 else (None, None)
+    rs_bw, rs_lat = ring_pass(points["reduce_scatter"]) if len(points.get("reduce_scatter") or []) >= 2 else (None, None)
+    ag_bw, ag_lat = ring_pass(points["all_gather"]) if len(points.get("all_gather") or []) >= 2 else (None, None)
     return LinkFit(
         backend=backend, world_size=n, bandwidth_gb_per_s=1.0 / (slope_p * 1e6), latency_us=lat_p * 1e3,
         allreduce_bandwidth_gb_per_s=ar_bw, allreduce_latency_us=ar_lat,
         tp_allreduce_bandwidth_gb_per_s=tp_bw, tp_allreduce_latency_us=tp_lat,
+        reduce_scatter_bandwidth_gb_per_s=rs_bw, reduce_scatter_latency_us=rs_lat,
+        all_gather_bandwidth_gb_per_s=ag_bw, all_gather_latency_us=ag_lat,
         points={k: [[float(x) for x in p] for p in v] for k, v in points.items()})
 
 

@@ -6,7 +6,9 @@ micro-batches of b_r samples, on samples [sum_{q<r} b_q m_q, + b_r m_r) of each 
 batch's canonical order, and every micro-batch's loss is divided by the global batch's token count, so
 the summed update is the single-device update on the whole global batch. Gradients are summed across
 replicas over ``baton.peers``' peer groups (``runtime.replica_sync``); with ``zero_stage`` 1 the
-optimizer state is sharded over each group's holders (``runtime.sharded_optimizer``).
+optimizer state is sharded over each group's holders (``runtime.sharded_optimizer``). With ``zero_stage`` 2
+and 3 every replica is one stage and runs its micro-batches layer by layer instead of 1F1B, the gradients
+(and at 3 the weights) sharded too, unit by unit (``runtime.layered``, docs/cost-model.md eq. 16-18).
 
 The model spec's dtype decides the precision (``runtime.precision``): the stage's parameters,
 activations, pipeline messages and gradients are in the compute dtype, the stage's cross-entropy works
@@ -42,7 +44,9 @@ import torch.distributed as dist
 
 from baton.pipeline import schedule_1f1b
 from baton.plan import Plan
+from baton.peers import EDGES
 from runtime.host_memory import keep_freed_memory
+from runtime.layered import UnitShards
 from runtime.model import init_parameter, parameter_shapes
 from runtime.meters import SavedBytes
 from runtime.precision import LossScaleSettings, MasterWeights, compute_dtype
@@ -86,7 +90,14 @@ class StepStats:
     optimizer_ms: float = 0.0
     """The AdamW update on this rank (at ``zero_stage`` 1 with the all-gathers of the updated weights)."""
     gather_ms: float = 0.0
-    """At ``zero_stage`` 1: the all-gathers of the updated weights on this rank (part of optimizer_ms)."""
+    """At ``zero_stage`` 1 and 2: the all-gathers of the updated weights on this rank (part of optimizer_ms); at
+    3: the all-gathers of the units before their forward and backward (part of the passes' wall time)."""
+    unit_reduce_ms: list[float] = field(default_factory=list)
+    """At ``zero_stage`` 2 and 3, per unit (the edges, then layer 0, 1, ...): its reduce-scatter on this rank,
+    waits for peers included (their sum is grad_sync_ms)."""
+    unit_gather_ms: list[float] = field(default_factory=list)
+    """At ``zero_stage`` 2 and 3, per unit: its all-gathers on this rank (stage 2 the one after the update,
+    stage 3 the ones before its forward and backward), waits included (their sum is gather_ms)."""
     peak_saved_bytes: int = 0
     """Peak bytes of activations kept for backward on this rank during the step."""
     peak_allocated_bytes: int = 0
@@ -100,9 +111,11 @@ class StepStats:
     loss_scale: float = 1.0
     """The loss scale this step's backward ran with (1 outside fp16)."""
     weights_bytes: int = 0
-    """Measured after the step: this rank's parameters in the compute dtype (eq. 8's W_d)."""
+    """Measured after the step: this rank's parameters in the compute dtype (eq. 8's W_d); at ``zero_stage`` 2
+    and 3 the peak over the step of its parameters and weight shards (eq. 18's weights)."""
     grads_bytes: int = 0
-    """Measured after the step: their gradients (eq. 8's second W_d)."""
+    """Measured after the step: their gradients (eq. 8's second W_d); at ``zero_stage`` 2 and 3 the peak over
+    the step of its full gradients and gradient shards (eq. 18's grads)."""
     master_bytes: int = 0
     """Measured after the step: fp32 master weights (fp16/bf16 only; at ``zero_stage`` 1 the owned shards')."""
     moments_bytes: int = 0
@@ -160,6 +173,11 @@ class Engine:
         self.model.load_full(full or (lambda name: init_parameter(spec, name, seed)))
         self.model.to(self.device)
         self.dtype = compute_dtype(spec.dtype)
+        self.layered = plan.zero_stage >= 2
+        """Stages 2 and 3: the replica runs its micro-batches layer by layer (``runtime.layered``)."""
+        if self.layered and self.num_stages != 1:
+            raise ValueError(f"zero_stage {plan.zero_stage} needs every replica to be one stage; replica "
+                             f"{self.pos.pipeline} has {self.num_stages} (baton.plan.validate refuses such plans)")
         self.sync = ReplicaSync(plan, self.topo, self.pos, self.model, self.groups.peers)
         # Both cast the module to the compute dtype after copying the fp32 masters (fp16/bf16).
         if plan.zero_stage >= 1:
@@ -170,10 +188,19 @@ class Engine:
                                            weight_decay=weight_decay, loss_scale=loss_scale,
                                            decays=[decays(n) for n, _ in self.model.named_parameters()])
         self.optimizer = self.precision.optimizer
-        """The torch AdamW over this rank's (master) parameters; None with sharded state (``zero_stage`` 1)."""
-        self.grad_buffer = self._contiguous_grads()
-        self.sync.bind_grads(self.grad_buffer, {n: v for (n, _), (_, v) in zip(self.model.named_parameters(), self._grad_views)})
-        self._norm_views = self.sync.norm_views()
+        """The torch AdamW over this rank's (master) parameters; None with sharded state (``zero_stage`` >= 1)."""
+        self.units: UnitShards | None = None
+        """Stages 2 and 3: the owned gradient (and weight) shards of the unit groups and their collectives."""
+        if self.layered:
+            # No flat gradient buffer: a layer's gradients exist from its backward to its reduce-scatter.
+            self.units = UnitShards(self.sync, self.model, zero_stage=plan.zero_stage, measure=measure)
+            self.precision.attach(self.units)
+            self.grad_buffer = None
+            self._norm_views = self.units.norm_views()
+        else:
+            self.grad_buffer = self._contiguous_grads()
+            self.sync.bind_grads(self.grad_buffer, {n: v for (n, _), (_, v) in zip(self.model.named_parameters(), self._grad_views)})
+            self._norm_views = self.sync.norm_views()
         self.measure = measure
         self.samples_per_step = plan.global_batch
         self.tracer = None
@@ -182,7 +209,10 @@ class Engine:
     def load_full(self, full) -> None:
         """Set this rank's weights (and fp32 master weights) from ``full(name) -> full fp32 tensor``."""
         if isinstance(self.precision, ShardedAdamW):
-            self.model.load_full(full)  # the compute-dtype weights, rounded from the full values
+            if self.plan.zero_stage == 3:
+                self.units.load_weights(full)  # the owned weight shards (the parameters hold nothing now)
+            else:
+                self.model.load_full(full)  # the compute-dtype weights, rounded from the full values
             self.precision.load_masters(full)
             return
         if not self.precision.mixed:
@@ -207,7 +237,7 @@ class Engine:
 
     @property
     def sharded(self) -> bool:
-        """The optimizer state is sharded over peer groups (``zero_stage`` 1)."""
+        """The optimizer state is sharded over peer groups (``zero_stage`` >= 1)."""
         return isinstance(self.precision, ShardedAdamW)
 
     def optimizer_steps(self) -> int:
@@ -295,12 +325,14 @@ class Engine:
 
     # --- one step ----------------------------------------------------------------------------------
     def forward_backward(self, step: int, data) -> StepStats:
-        """Run the 1F1B schedule of one step and leave the synchronised gradients in ``.grad``."""
-        plan, spec, pos, topo = self.plan, self.plan.model, self.pos, self.topo
-        m, mbs = self.num_microbatches, self.micro_batch_size
+        """Run the 1F1B schedule of one step and leave the synchronised gradients in ``.grad`` (stages 2 and
+        3: the layered passes, leaving the summed gradients in the owners' shards, ``runtime.layered``)."""
+        plan, spec, pos = self.plan, self.plan.model, self.pos
+        m = self.num_microbatches
         denom = self.samples_per_step * spec.seq_len
         sync = self.device.type == "cuda"
-        self._bind_grads()
+        if not self.layered:
+            self._bind_grads()
         meter = self.model.meter
         meter.reset()
         saved = SavedBytes(self.model.parameters()) if self.measure else None
@@ -315,6 +347,61 @@ class Engine:
         if tracer is not None:
             AllReduceClock.spans, meter.recompute_spans = [], []
         start = time.perf_counter()
+        if self.layered:
+            loss_sum = self._layered_passes(step, data, stats, saved, scale, denom)
+        else:
+            loss_sum = self._pipeline_passes(step, data, stats, saved, scale, denom)
+        if tracer is not None:
+            for a, b in meter.recompute_spans:
+                tracer.add("recompute", "recompute", a, b, step=step)
+            for a, b in AllReduceClock.spans:
+                tracer.add("tp all-reduce", "allreduce", a, b, step=step)
+            AllReduceClock.spans, meter.recompute_spans = None, None
+        stats.tp_allreduce_ms = None if sync else AllReduceClock.seconds * 1e3
+        if self.layered:  # the reduce-scatters ran inside the backward pass, unit by unit
+            stats.grad_sync_ms = sum(self.units.reduce_ms.values())
+        else:
+            t0 = time.perf_counter()
+            self._sync_grads()
+            if sync:
+                torch.cuda.synchronize()
+            stats.grad_sync_ms = (time.perf_counter() - t0) * 1e3
+        if tracer is not None and not self.layered:
+            tracer.add("gradient sync (tied, data-parallel)" if not self.sharded else
+                       "gradient sync (tied, data-parallel reduce-scatter)", "allreduce", t0, t0 + stats.grad_sync_ms / 1e3, step=step)
+        t_metrics = time.perf_counter()
+        my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
+        # One small all-reduce carries the global loss, every stage's compute time and (fp16) the count of
+        # ranks whose gradients overflowed to all ranks, so every rank skips an overflowing step together.
+        # The same all-reduce sums the squared gradient norm (each element counted once over all ranks).
+        metrics = torch.zeros(3 + plan.num_stages, dtype=torch.float64)
+        if self.last and pos.tp_rank == 0:
+            metrics[0] = loss_sum
+        if pos.pipeline == 0 and pos.tp_rank == 0:
+            metrics[3 + pos.stage] = my_ms
+        if self.precision.scaler is not None and not (
+                self.units.all_finite() if self.layered else bool(torch.isfinite(self.grad_buffer).all())):
+            metrics[1] = 1.0
+        metrics[2] = self._grad_square_sum()
+        metrics = self._all_reduce_cpu(metrics)
+        if tracer is not None:
+            tracer.add("grad norm, step all-reduce", "allreduce", t_metrics, time.perf_counter(), step=step)
+        stats.loss = float(metrics[0])
+        stats.skipped = bool(metrics[1] > 0)
+        stats.grad_norm = math.sqrt(float(metrics[2])) / scale if math.isfinite(float(metrics[2])) else math.inf
+        stats.stage_ms = [float(v) for v in metrics[3:]]
+        stats.peak_saved_bytes = saved.peak if saved is not None else 0
+        stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device) if sync else 0
+        stats.recomputed_ops = dict(meter.recomputed)
+        stats.iteration_ms = (time.perf_counter() - start) * 1e3
+        meter.saved = None
+        return stats
+
+    def _pipeline_passes(self, step: int, data, stats: StepStats, saved, scale: float, denom: int) -> float:
+        """The 1F1B schedule of one step on this rank (stages 0 and 1); returns its summed loss (last stage)."""
+        pos, topo, meter, tracer = self.pos, self.topo, self.model.meter, self.tracer
+        m, mbs = self.num_microbatches, self.micro_batch_size
+        sync = self.device.type == "cuda"
         pending, inflight, loss_sum = [], {}, 0.0
         fwd_src, bwd_src = topo.forward_source(pos), topo.backward_source(pos)
         fwd_dst, bwd_dst = topo.forward_targets(pos), topo.backward_targets(pos)
@@ -366,46 +453,116 @@ class Engine:
             work.wait()
         if tracer is not None:
             tracer.add("wait for sends", "p2p", t0, time.perf_counter(), step=step)
-            for a, b in meter.recompute_spans:
-                tracer.add("recompute", "recompute", a, b, step=step)
-            for a, b in AllReduceClock.spans:
-                tracer.add("tp all-reduce", "allreduce", a, b, step=step)
-            AllReduceClock.spans, meter.recompute_spans = None, None
-        stats.tp_allreduce_ms = None if sync else AllReduceClock.seconds * 1e3
-        t0 = time.perf_counter()
-        self._sync_grads()
-        if sync:
-            torch.cuda.synchronize()
-        stats.grad_sync_ms = (time.perf_counter() - t0) * 1e3
-        if tracer is not None:
-            tracer.add("gradient sync (tied, data-parallel)" if not self.sharded else
-                       "gradient sync (tied, data-parallel reduce-scatter)", "allreduce", t0, t0 + stats.grad_sync_ms / 1e3, step=step)
-        t_metrics = time.perf_counter()
-        my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
-        # One small all-reduce carries the global loss, every stage's compute time and (fp16) the count of
-        # ranks whose gradients overflowed to all ranks, so every rank skips an overflowing step together.
-        # The same all-reduce sums the squared gradient norm (each element counted once over all ranks).
-        metrics = torch.zeros(3 + plan.num_stages, dtype=torch.float64)
-        if self.last and pos.tp_rank == 0:
-            metrics[0] = loss_sum
-        if pos.pipeline == 0 and pos.tp_rank == 0:
-            metrics[3 + pos.stage] = my_ms
-        if self.precision.scaler is not None and not bool(torch.isfinite(self.grad_buffer).all()):
-            metrics[1] = 1.0
-        metrics[2] = self._grad_square_sum()
-        metrics = self._all_reduce_cpu(metrics)
-        if tracer is not None:
-            tracer.add("grad norm, step all-reduce", "allreduce", t_metrics, time.perf_counter(), step=step)
-        stats.loss = float(metrics[0])
-        stats.skipped = bool(metrics[1] > 0)
-        stats.grad_norm = math.sqrt(float(metrics[2])) / scale if math.isfinite(float(metrics[2])) else math.inf
-        stats.stage_ms = [float(v) for v in metrics[3:]]
-        stats.peak_saved_bytes = saved.peak if saved is not None else 0
-        stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device) if sync else 0
-        stats.recomputed_ops = dict(meter.recomputed)
-        stats.iteration_ms = (time.perf_counter() - start) * 1e3
-        meter.saved = None
-        return stats
+        return loss_sum
+
+    def _layered_passes(self, step: int, data, stats: StepStats, saved, scale: float, denom: int) -> float:
+        """Stages 2 and 3 (docs/cost-model.md, eq. 17): the replica's micro-batches layer by layer, with the
+        units' collectives where they fall (``runtime.layered``); returns the summed loss.
+
+        Every layer runs on a detached copy of its input, as pipeline stages do at their boundaries, so
+        autograd runs one layer (and micro-batch) at a time: forward: the embedding of every micro-batch,
+        layer 0 of every one, ..., then the head and loss of each with its backward right away (the fp32
+        softmax of one micro-batch alive at a time); backward: layer L-1 of every micro-batch, then its
+        reduce-scatter, ..., layer 0, the embedding, the edges' reduce-scatter. Stage 3 gathers the edges
+        first (kept to the end of the step), and each layer before its forward and before its backward."""
+        units, model, meter, tracer = self.units, self.model, self.model.meter, self.tracer
+        m, mbs, dev = self.num_microbatches, self.micro_batch_size, self.device
+        cuda = dev.type == "cuda"
+        stage3 = self.plan.zero_stage == 3
+        batches = []
+        for i in range(m):
+            samples = torch.arange(mbs) + self.first_sample + i * mbs
+            tokens, targets = data.batch(step, samples)
+            batches.append((tokens.to(dev), targets.to(dev), MicroBatch(self.seed, step, samples.to(dev))))
+
+        def gather(unit):
+            t0 = time.perf_counter()
+            units.gather(unit)
+            if saved is not None:
+                saved.track_params(self.model.parameters())  # gathered storages have new addresses
+            if tracer is not None:
+                tracer.add(f"gather {_unit_name(unit)}", "allreduce", t0, time.perf_counter(), step=step)
+
+        def reduce_scatter(unit):
+            t0 = time.perf_counter()
+            units.reduce_scatter(unit)
+            if tracer is not None:
+                tracer.add(f"reduce-scatter {_unit_name(unit)}", "allreduce", t0, time.perf_counter(), step=step)
+
+        def forward(key, i, fn):
+            t0 = time.perf_counter()
+            with saved.record(key) if saved is not None else nullcontext():
+                out = fn()
+            if cuda:
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            stats.forward_ms[i] += (t1 - t0) * 1e3
+            if tracer is not None:
+                tracer.add(f"F{i} {_unit_name(key[0])}", "forward", t0, t1, step=step, mb=i)
+            return out
+
+        def backward(key, i, y, grad):
+            t0, r0 = time.perf_counter(), meter.recompute_s
+            meter.in_backward = True
+            try:
+                torch.autograd.backward(y, grad)
+            finally:
+                meter.in_backward = False
+            if cuda:
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            stats.backward_ms[i] += (t1 - t0) * 1e3
+            stats.recompute_ms[i] += (meter.recompute_s - r0) * 1e3
+            if tracer is not None:
+                tracer.add(f"B{i} {_unit_name(key[0])}", "backward", t0, t1, step=step, mb=i)
+            if saved is not None:
+                saved.release(key)
+
+        if stage3:
+            gather(EDGES)
+        # Forward. outs[i]: micro-batch i's activation; graph[(unit, i)]: (detached input, output) for backward.
+        graph, outs = {}, []
+        for i, (tokens, _, _) in enumerate(batches):
+            y = forward((EDGES, i), i, lambda: model.embed(tokens))
+            graph[(EDGES, i)] = (None, y)
+            outs.append(y)
+        layers = [int(k) for k in model.h]
+        for layer in layers:
+            if stage3:
+                gather(layer)
+            block = model.h[str(layer)]
+            for i, (_, _, mb) in enumerate(batches):
+                x = outs[i].detach().requires_grad_()
+                outs[i] = forward((layer, i), i, lambda: block(x, mb))
+                graph[(layer, i)] = (x, outs[i])
+            if stage3:
+                units.release(layer)
+        # The head and loss of each micro-batch, and its backward.
+        loss_sum, grads = 0.0, []
+        for i, (_, targets, _) in enumerate(batches):
+            x = outs[i].detach().requires_grad_()
+            outs[i] = None
+            loss = forward(("head", i), i, lambda: model.head(x, targets)) / denom
+            loss_sum += loss.item()
+            backward(("head", i), i, loss * scale if scale != 1.0 else loss, None)
+            grads.append(x.grad)
+        # Backward, layer by layer; each layer's gradient is complete after its pass over all micro-batches.
+        for layer in reversed(layers):
+            if stage3:
+                gather(layer)
+            for i in range(m):
+                x, y = graph.pop((layer, i))
+                backward((layer, i), i, y, grads[i])
+                grads[i] = x.grad
+            reduce_scatter(layer)
+            if stage3:
+                units.release(layer)
+        for i in range(m):
+            _, y = graph.pop((EDGES, i))
+            backward((EDGES, i), i, y, grads[i])
+            grads[i] = None
+        reduce_scatter(EDGES)  # the edges stay whole (stage 3) until after the optimizer step
+        return loss_sum
 
     # --- validation -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -421,30 +578,33 @@ class Engine:
         fwd_src, fwd_dst = self.topo.forward_source(pos), self.topo.forward_targets(pos)
         self.model.eval()
         pending, loss_sum = [], 0.0
-        try:
-            for index in range(source.num_batches):
-                windows = min(source.global_batch, source.num_windows - index * source.global_batch)
-                for i in range(m):
-                    first_sample = self.first_sample + i * mbs
-                    n = min(mbs, windows - first_sample)  # a prefix of the micro-batch: the same on every rank
-                    if n <= 0:
-                        continue
-                    samples = torch.arange(n) + first_sample
-                    tokens, targets = source.batch(index, samples) if (self.first or self.last) else (None, None)
-                    if self.first:
-                        x = tokens.to(self.device)
-                    else:
-                        x = self._recv(fwd_src, rows=n, validation_batch=index, mb=i)
-                    y = self.model(x, MicroBatch(self.seed, 0, samples.to(self.device)),
-                                   targets=targets.to(self.device) if self.last else None)
-                    if self.last:
-                        loss_sum += float(y)
-                    else:
-                        self._send(y, fwd_dst, pending)
-            for work, _ in pending:
-                work.wait()
-        finally:
-            self.model.train()
+        # Stage 3: every unit gathered for the validation passes, released again after them.
+        whole = self.units.gathered() if self.plan.zero_stage == 3 else nullcontext()
+        with whole:
+            try:
+                for index in range(source.num_batches):
+                    windows = min(source.global_batch, source.num_windows - index * source.global_batch)
+                    for i in range(m):
+                        first_sample = self.first_sample + i * mbs
+                        n = min(mbs, windows - first_sample)  # a prefix of the micro-batch: the same on every rank
+                        if n <= 0:
+                            continue
+                        samples = torch.arange(n) + first_sample
+                        tokens, targets = source.batch(index, samples) if (self.first or self.last) else (None, None)
+                        if self.first:
+                            x = tokens.to(self.device)
+                        else:
+                            x = self._recv(fwd_src, rows=n, validation_batch=index, mb=i)
+                        y = self.model(x, MicroBatch(self.seed, 0, samples.to(self.device)),
+                                       targets=targets.to(self.device) if self.last else None)
+                        if self.last:
+                            loss_sum += float(y)
+                        else:
+                            self._send(y, fwd_dst, pending)
+                for work, _ in pending:
+                    work.wait()
+            finally:
+                self.model.train()
         total = torch.tensor([loss_sum if self.last and pos.tp_rank == 0 else 0.0], dtype=torch.float64)
         return float(self._all_reduce_cpu(total)[0]) / (source.num_windows * spec.seq_len)
 
@@ -466,7 +626,10 @@ class Engine:
         """Forward, backward, gradient sync, clipping and one AdamW update at the schedule's learning
         rate (skipped on every rank when fp16 gradients overflowed on any)."""
         t0 = time.perf_counter()
-        self.grad_buffer.zero_()  # the gradients are views of it: keep them (no set_to_none)
+        if self.layered:
+            self.units.start_step()  # the gradients were freed unit by unit: nothing to zero
+        else:
+            self.grad_buffer.zero_()  # the gradients are views of it: keep them (no set_to_none)
         stats = self.forward_backward(step, data)
         t1 = time.perf_counter()
         stats.lr = self.schedule.lr_at(step)
@@ -475,11 +638,18 @@ class Engine:
         factor = clip_coefficient(stats.grad_norm, self.clip_grad) if self.clip_grad > 0 else 1.0
         stats.clipped = factor < 1.0
         self.precision.step(overflow=stats.skipped, grad_factor=factor)
+        if self.layered and self.plan.zero_stage == 3:
+            self.units.release(EDGES)  # the owners' updated edge shards are cut out; the rest is freed
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)  # the update included
         stats.optimizer_ms = (time.perf_counter() - t1) * 1e3
         stats.gather_ms = getattr(self.precision, "gather_ms", 0.0)
+        if self.layered:
+            gathers = self.units.gather_ms if self.plan.zero_stage == 3 else self.precision.unit_gather_ms
+            stats.unit_reduce_ms = [self.units.reduce_ms[u] for u in self.units.units]
+            stats.unit_gather_ms = [gathers.get(u, 0.0) for u in self.units.units]
+            stats.gather_ms = sum(stats.unit_gather_ms)
         if self.tracer is not None:
             self.tracer.add("optimizer", "optimizer", t1, t1 + stats.optimizer_ms / 1e3, step=step, lr=stats.lr)
         stats.iteration_ms = (time.perf_counter() - t0) * 1e3
@@ -495,3 +665,10 @@ class Engine:
         held = torch.zeros(dist.get_world_size(), dtype=torch.float64)
         held[dist.get_rank()] = float(mine)
         return [float(v) for v in self._all_reduce_cpu(held)]
+
+
+def _unit_name(unit) -> str:
+    """'edges', 'layer 3' or 'head' for a unit (or the head's key) in trace span names."""
+    if unit is EDGES:
+        return "edges"
+    return unit if isinstance(unit, str) else f"layer {unit}"

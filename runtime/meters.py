@@ -47,9 +47,20 @@ class SavedBytes:
 
     def __init__(self, params):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.moving: list | None = None
         self.live: dict[int, dict[int, int]] = {}
         self.current: dict[int, int] | None = None
         self.peak = 0
+
+    def track_params(self, params) -> None:
+        """Parameters whose storage moves (stage 3 gathers a layer into new storage and releases it after):
+        their addresses are read again at every ``record``, since an activation may take the address a
+        released layer had, and must not be taken for a parameter."""
+        self.moving = list(params)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in self.moving} - {0}
 
     def add(self, t: torch.Tensor) -> None:
         if self.current is None or not isinstance(t, torch.Tensor):
@@ -63,7 +74,9 @@ class SavedBytes:
         return t
 
     @contextmanager
-    def record(self, mb: int):
+    def record(self, mb):
+        if self.moving is not None:
+            self._refresh()
         self.current = self.live.setdefault(mb, {})
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
@@ -72,7 +85,7 @@ class SavedBytes:
             self.current = None
             self.peak = max(self.peak, self.total())
 
-    def release(self, mb: int) -> None:
+    def release(self, mb) -> None:
         self.live.pop(mb, None)
 
     def total(self) -> int:

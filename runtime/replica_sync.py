@@ -10,6 +10,9 @@ replica:
 * ``zero_stage`` 0: one all-reduce of the group's gradients (each holder adds its gradient divided by
   ``copies``), in place on the rank's flat gradient buffer when the group is all it holds (replicas of one
   shape), else through a staging buffer of the group's size.
+* ``zero_stage`` 2 and 3: the groups are ``baton.peers.unit_groups`` (``sync_groups``), one per unit and
+  holder set; ``runtime.layered`` runs their reduce-scatters (``reduce_scatter``) and all-gathers
+  (``all_gather_weights``) unit by unit, in the same padded layout as stage 1.
 * ``zero_stage`` 1: a reduce-scatter of the (scaled) gradients to the holders' owned shards
   (``group_shard_sizes``; the input is n chunks each padded to the largest shard, the layout the cost
   model charges, since collectives take equal chunks) written back into the owner's gradients; after the
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from baton.operators import padded_vocab
-from baton.peers import PeerGroup, group_shard_sizes, peer_groups, whole_groups
+from baton.peers import EDGES, PeerGroup, group_shard_sizes, peer_groups, unit_groups, whole_groups
 from runtime.model import parameter_shapes
 from runtime.schedule import decays
 from runtime.slicing import block_slices, local_region, parameter_slice, region_shape
@@ -124,11 +127,15 @@ def _region_ranges(entry: Entry, region) -> list[tuple[int, int]]:
     return [(entry.offset + r * cols + start, entry.offset + r * cols + start + length) for r in range(rows)]
 
 
-def group_layouts(plan, topo) -> tuple[Layout, ...]:
-    """The flat layout of every peer group of ``plan`` (``topo``: its ``runtime.topology.Topology``)."""
+def group_layouts(plan, topo, groups=None) -> tuple[Layout, ...]:
+    """The flat layout of every peer group of ``plan`` (``topo``: its ``runtime.topology.Topology``), or of
+    ``groups`` (``sync_groups``: at stages 2 and 3 the unit groups, none of them whole)."""
     spec, shapes = plan.model, parameter_shapes(plan.model)
     first_group: dict = {}
-    groups, wholes = peer_groups(plan), whole_groups(plan)
+    if groups is None:
+        groups, wholes = peer_groups(plan), whole_groups(plan)
+    else:
+        wholes = (False,) * len(groups)
     for gi, g in enumerate(groups):
         for b in g.blocks:
             first_group.setdefault((b.part, b.layer, b.lo, b.hi), gi)
@@ -167,6 +174,20 @@ def group_layouts(plan, topo) -> tuple[Layout, ...]:
         out.append(Layout(entries=tuple(entries), numel=numel, whole=whole, counted=_merge(counted),
                           starts=tuple(e.offset for e in entries)))
     return tuple(out)
+
+
+def sync_groups(plan) -> tuple[PeerGroup, ...]:
+    """The groups whose collectives the runtime runs, in order: ``peer_groups`` at stages 0 and 1; at stages 2
+    and 3 the unit groups (``baton.peers.unit_groups``: the edges, then layer 0, 1, ..., each unit's groups in
+    ``peer_groups`` order), one collective per unit group."""
+    if plan.zero_stage >= 2:
+        return tuple(g for _, gs in unit_groups(plan) for g in gs)
+    return peer_groups(plan)
+
+
+def unit_of(group: PeerGroup) -> int | None:
+    """The unit a unit group belongs to: its layer, or ``EDGES`` (None)."""
+    return group.blocks[0].layer
 
 
 def flat_pieces(view: torch.Tensor, a: int, b: int) -> list[torch.Tensor]:
@@ -212,6 +233,8 @@ class SyncGroup:
     offsets: tuple[int, ...]
     regions: list
     """Per entry, where it lies in this rank's local tensor (``local_region``)."""
+    unit: int | None = EDGES
+    """Stages 2 and 3: the unit (layer, or ``EDGES``) of this unit group."""
 
     @property
     def size(self) -> int:
@@ -241,8 +264,8 @@ class ReplicaSync:
     def __init__(self, plan, topo, pos, model, peer_process_groups: dict):
         self.plan, self.zero_stage = plan, plan.zero_stage
         self.rank_of = dict(topo.rank_of)
-        self.groups = peer_groups(plan)
-        self.layouts = group_layouts(plan, topo)
+        self.groups = sync_groups(plan)
+        self.layouts = group_layouts(plan, topo, self.groups if plan.zero_stage >= 2 else None)
         self.model = model
         spec = plan.model
         self.params = dict(model.named_parameters())
@@ -259,7 +282,7 @@ class ReplicaSync:
             self.mine.append(SyncGroup(
                 index=gi, group=g, layout=layout, ranks=ranks, me=me, copies=g.copies[me],
                 process_group=peer_process_groups[ranks] if len(ranks) > 1 else None, shards=shards, offsets=offsets,
-                regions=[local_region(mine[e.name], e.where) for e in layout.entries]))
+                regions=[local_region(mine[e.name], e.where) for e in layout.entries], unit=unit_of(g)))
         whole = [sg for sg in self.mine if sg.layout.whole]
         if whole:
             assert len(self.mine) == 1, "a group that holds all of a rank's parameters is its only group"
@@ -355,29 +378,37 @@ class ReplicaSync:
         self._grads_from(sg, 0, sg.layout.numel, buf)
 
     def _reduce_scatter(self, sg: SyncGroup) -> None:
+        lo, hi = sg.owned
+        mine = self.reduce_scatter(sg, self._grads_to, self.grad_buffer.dtype, self.grad_buffer.device)
+        self._grads_from(sg, lo, hi, mine[:hi - lo])
+
+    def reduce_scatter(self, sg: SyncGroup, grads_to, dtype, device) -> torch.Tensor:
+        """Sum the holders' gradients of ``sg`` into each owner's shard: returns this rank's (``largest``
+        elements, the owned ones first). ``grads_to(sg, lo, hi, buf)`` copies this rank's local gradients
+        of flat elements [lo, hi) into ``buf``."""
         n, S = sg.size, sg.largest
         # Always the padded staging, even for equal shards whose input could be the gradient buffer itself:
         # it is what eq. 14 charges (n + 1 chunks), and one rule keeps memory predictable across ratios.
-        chunks = torch.empty(n * S, dtype=self.grad_buffer.dtype, device=self.grad_buffer.device)
+        chunks = torch.empty(n * S, dtype=dtype, device=device)
         for k, (o, s) in enumerate(zip(sg.offsets, sg.shards)):
-            self._grads_to(sg, o, o + s, chunks[k * S:k * S + s])
+            grads_to(sg, o, o + s, chunks[k * S:k * S + s])
             chunks[k * S + s:(k + 1) * S].zero_()
         if sg.copies != 1:
             chunks.div_(sg.copies)
         mine = torch.empty(S, dtype=chunks.dtype, device=chunks.device)
         _reduce_scatter(mine, chunks, group=sg.process_group)
-        lo, hi = sg.owned
-        self._grads_from(sg, lo, hi, mine[:hi - lo])
+        return mine
 
     @torch.no_grad()
-    def all_gather_weights(self, sg: SyncGroup, mine: torch.Tensor) -> None:
-        """Stage 1, after the owners' update: ``mine`` (the largest shard's size, this rank's updated weights
-        first) to every holder, padded to equal chunks, and into every holder's parameters."""
+    def all_gather_weights(self, sg: SyncGroup, mine: torch.Tensor, *, own: bool = False) -> None:
+        """Stages 1 and 2, after the owners' update (and stage 3 before a unit is used): ``mine`` (the
+        largest shard's size, this rank's weights first) to every holder, padded to equal chunks, and into
+        every holder's parameters (``own``: this rank's shard too, else it is there already)."""
         n, S = sg.size, sg.largest
         chunks = torch.empty(n * S, dtype=mine.dtype, device=mine.device)
         _all_gather(chunks, mine, group=sg.process_group)
         for k, (o, s) in enumerate(zip(sg.offsets, sg.shards)):
-            if k != sg.me:  # this rank's own shard is in its parameters already
+            if own or k != sg.me:
                 self.copy(sg, self._param, o, o + s, chunks[k * S:k * S + s], into_buffer=False)
 
     # --- what the norm counts -------------------------------------------------------------------------

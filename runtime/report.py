@@ -4,12 +4,15 @@ Measured figures are medians over the steps after the first (the first pays for 
 forward, backward (recomputation included) and recomputation time per micro-batch, and the peak bytes
 of activations kept for backward; per stage: compute time of one micro-batch (TP rank 0's forward +
 backward, all-reduces included); the iteration time, and its phases (1F1B pipeline, gradient
-all-reduces, optimizer step). Predicted figures are the evaluator's for
+all-reduces, optimizer step; at ``zero_stage`` 2 and 3 the passes, the units' reduce-scatters, their
+all-gathers and the optimizer step, and per unit its reduce-scatter and all-gather time next to eq. 16's
+ring pass, ``units``). Predicted figures are the evaluator's for
 the same plan, cluster and profiles (docs/cost-model.md).
 
 Memory per device besides activations (eq. 7/8), measured from the rank's tensors after its last step:
 weights and gradients in the compute dtype, and the optimizer state (fp32 master weights in fp16/bf16,
-AdamW's two fp32 moments). Throughput: the run's average tokens/s and MFU (``runtime.meters``), next
+AdamW's two fp32 moments); at ``zero_stage`` 2 and 3 the weights and gradients are the peaks over the step
+(owned shards, gathered units, full gradients before their reduce-scatter: eq. 18's terms). Throughput: the run's average tokens/s and MFU (``runtime.meters``), next
 to the evaluator's; for fp16, the final loss scale and the steps skipped for overflowing gradients.
 
 ``--report-timeline PATH.png`` draws one step (``timeline_step``: the median one after the first) twice over
@@ -103,6 +106,11 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
                                for k in range(len(rank0)))
     opt_m = statistics.median(max(per_step(k, "optimizer_ms", list(steps))) for k in range(len(rank0)))
     gather_m = statistics.median(max(per_step(k, "gather_ms", list(steps))) for k in range(len(rank0)))
+    if plan.zero_stage >= 2:
+        # The collectives of every set of ranks joined by them, as the reduce-scatters above: the rank that
+        # arrives last at each waits least, so its time is the collective's own.
+        gather_m = statistics.median(max((min(per_step(k, "gather_ms", g) or [0.0]) for g in sets), default=0.0)
+                                     for k in range(len(rank0)))
     # At zero_stage 1 the data-parallel sync is two passes (eq. 15): the reduce-scatters before the step's
     # norm, the all-gathers after the owners' update (measured inside the optimizer step).
     reduce_pred = pred.dp_sync_ms / 2 if plan.zero_stage else pred.dp_sync_ms
@@ -113,12 +121,29 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
     }
     if plan.zero_stage:
         phases["gather_ms"] = {"measured": gather_m, "predicted": pred.dp_sync_ms - reduce_pred}
+    units = None
+    if plan.zero_stage >= 2:
+        units = _unit_phases(plan, cluster, steps, sets, len(rank0))
+        reduce_pred = sum(u["reduce_scatter_ms"]["predicted"] for u in units)
+        gather_pred = sum(u["gather_ms"]["predicted"] for u in units)
+        # Eq. 17: the passes (compute, and the waits for slower replicas at every collective), the units'
+        # reduce-scatters during the backward pass, their all-gathers (stage 2: after the update, inside the
+        # measured optimizer step; stage 3: before each unit's forward and backward, inside the passes).
+        opt_own = opt_m - gather_m if plan.zero_stage == 2 else opt_m
+        phases = {
+            "pipeline_ms": {"measured": measured_iter - sync_m - gather_m - opt_own, "predicted": pred.pipeline_ms},
+            "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + reduce_pred},
+            "gather_ms": {"measured": gather_m, "predicted": gather_pred},
+            "optimizer_ms": {"measured": opt_own, "predicted": pred.optimizer_ms},
+        }
     replicas = []
     for r in range(len(plan.pipelines)):
         ranks = [k for k, i in enumerate(ids) if next(d for d in pred.devices if d.id == i).pipeline == r]
         # A replica's pipeline: its slowest rank's step before the gradient sync (which includes waiting
         # for slower replicas) and the optimizer.
+        # (stage 3: less the gathers too, which fall inside the passes)
         own = statistics.median(max(st.iteration_ms - st.grad_sync_ms - st.optimizer_ms
+                                    - (st.gather_ms if plan.zero_stage == 3 else 0.0)
                                     for st in (steps[k][j] for k in ranks if k in steps and j < len(steps[k])))
                                 for j in range(len(rank0)))
         b, mr = plan.batch(r)
@@ -144,11 +169,39 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
                        "peak_tflops": speed.peak_tflops, "mfu": {"measured": speed.mfu, "predicted": pred.mfu}},
         "precision": {"dtype": plan.model.dtype, "loss_scale": last0.loss_scale, "skipped_steps": speed.skipped_steps},
         "phases": phases,
+        **({"units": units} if units is not None else {}),
         "replicas": replicas,
         "stages": stages,
         "devices": devices,
         "prediction": pred.to_dict(),
     }
+
+
+def _unit_phases(plan: Plan, cluster: ClusterSpec, steps: dict, sets: list[list[int]], num_steps: int) -> list[dict]:
+    """Stages 2 and 3: per unit (the edges, then each layer) its reduce-scatter and all-gather time, measured
+    (``StepStats.unit_reduce_ms`` / ``unit_gather_ms``: median over steps of the slowest set of the time of
+    the rank that arrives last) next to eq. 16's ring passes (reduce-scatter: one; all-gathers: stage 2
+    one after the update, stage 3 the edges one and a layer two, before its forward and its backward)."""
+    from baton.costmodel import sync_terms
+    from baton.peers import EDGES, unit_groups
+
+    terms = sync_terms(cluster, plan)
+    out = []
+    for k, (unit, _) in enumerate(unit_groups(plan)):
+        r_u, g_u = terms.unit_reduce_ms[unit], terms.unit_gather_ms[unit]
+        gathers = 1 if plan.zero_stage == 2 or unit is EDGES else 2
+
+        def measured(field, k=k):
+            def one(j):
+                times = [[getattr(steps[r][j], field)[k] for r in g if r in steps and j < len(steps[r])] for g in sets]
+                return max((min(t) for t in times if t), default=0.0)
+            return statistics.median(one(j) for j in range(num_steps))
+
+        rs, ga = measured("unit_reduce_ms"), measured("unit_gather_ms")
+        out.append({"unit": "edges" if unit is EDGES else unit,
+                    "reduce_scatter_ms": {"measured": rs, "predicted": r_u, "rel_error": _rel(rs, r_u)},
+                    "gather_ms": {"measured": ga, "predicted": gathers * g_u, "rel_error": _rel(ga, gathers * g_u)}})
+    return out
 
 
 def _gradient_sync_sets(plan: Plan) -> list[list[int]]:
@@ -255,6 +308,12 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
     rows = [("iteration ms", f"{it['measured']:.1f}", f"{it['predicted']:.1f}", pct(it["rel_error"]))]
     for name, v in report.get("phases", {}).items():
         rows.append((f"  {name.removesuffix('_ms').replace('_', ' ')} ms", f"{v['measured']:.1f}", f"{v['predicted']:.1f}", pct(v["rel_error"])))
+    for u in report.get("units", ()):  # stages 2 and 3: one row per unit, its reduce-scatter + its gathers
+        rs, ga = u["reduce_scatter_ms"], u["gather_ms"]
+        name = "edges" if u["unit"] == "edges" else f"layer {u['unit']}"
+        rows.append((f"    {name} reduce-scatter + gather ms", f"{rs['measured']:.1f} + {ga['measured']:.1f}",
+                     f"{rs['predicted']:.1f} + {ga['predicted']:.1f}",
+                     pct(_rel(rs["measured"] + ga["measured"], rs["predicted"] + ga["predicted"]))))
     many = len(report.get("replicas", ())) > 1
     for r in report.get("replicas", ()) if many else ():
         v = r["pipeline_ms"]

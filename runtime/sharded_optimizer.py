@@ -1,4 +1,5 @@
-"""ZeRO stage 1 with uneven shards: each holder of a peer group keeps the optimizer state (fp32 master
+"""ZeRO stage 1 (and the optimizer of stages 2 and 3) with uneven shards: each holder of a peer group keeps
+the optimizer state (fp32 master
 weights in fp16/bf16, AdamW's two fp32 moments) of its owned shard of the group's flat vector only
 (``baton.peers.group_shard_sizes``: its ``shard_ratio`` over the group's, 0 owning nothing), as
 docs/cost-model.md eq. 14 prices it.
@@ -16,6 +17,12 @@ of its shard are the sum over the replicas, and the engine has the global norm f
 2. then, group by group in ``peer_groups`` order, an all-gather of the updated weights in the compute
    dtype, every chunk padded to the largest shard, copied into the other holders' parameters.
 
+At stages 2 and 3 the groups are unit groups (``runtime.replica_sync.sync_groups``) and ``attach`` hands it
+the ``runtime.layered.UnitShards``: the owned gradients are its flat gradient shards (the module keeps no
+gradient after a unit's reduce-scatter); stage 2 then updates the module's parameters and all-gathers them
+unit by unit as above; stage 3 updates the flat weight shards (the edges, whole until after the step, in the
+module's parameters) and gathers nothing: the weights stay sharded until the next step gathers them.
+
 It stands in for ``runtime.precision.MasterWeights`` (same ``step``, ``set_lr``, ``loss_scale``,
 ``scaler``, ``state_bytes``); checkpoints read and write the owned shards (``state_range``,
 ``load_masters``, ``load_moments``), as full tensors on disk, so a run resumes under any plan and either sharding stage.
@@ -31,6 +38,7 @@ from torch.optim.adam import adam as _adam
 
 from runtime.precision import LossScaler, LossScaleSettings, StateBytes, _storage_bytes, compute_dtype
 from runtime.replica_sync import ReplicaSync, SyncGroup
+from runtime.layered import entry_ranges
 from runtime.slicing import take_slice
 
 
@@ -53,6 +61,10 @@ class ShardedAdamW:
     def __init__(self, module: torch.nn.Module, sync: ReplicaSync, dtype: str, *, lr: float, betas: tuple[float, float],
                  eps: float, weight_decay: float, loss_scale: LossScaleSettings | None = None):
         self.module, self.sync, self.dtype = module, sync, dtype
+        self.store = None
+        """Stages 2 and 3: the ``runtime.layered.UnitShards`` holding the owned gradient (and weight) shards
+        (``attach``); None at stage 1, where the gradients are the module's."""
+        self.unit_gather_ms: dict = {}
         self.mixed = dtype != "fp32"
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.steps = 0
@@ -73,6 +85,11 @@ class ShardedAdamW:
         self.params = list(module.parameters())
         self._batch_limit = max((p.numel() for p in self.params), default=0)
 
+    def attach(self, store) -> None:
+        """Stages 2 and 3: take the gradients from ``store``'s flat shards (and at stage 3 update its weight
+        shards instead of the module's parameters, which are released between uses)."""
+        self.store = store
+
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
@@ -81,7 +98,7 @@ class ShardedAdamW:
         self.lr = lr
 
     def master_of(self) -> dict:
-        raise ValueError("with zero_stage 1 a rank keeps master weights only for its owned shards; "
+        raise ValueError("with zero_stage >= 1 a rank keeps master weights only for its owned shards; "
                          "use the module's parameters or a checkpoint")
 
     # --- the step -------------------------------------------------------------------------------------
@@ -101,15 +118,20 @@ class ShardedAdamW:
         for shard in self.shards:
             if shard.sg.owned[1] > shard.sg.owned[0]:
                 self._update(shard, inv_scale)
+        if self.store is not None and self.store.zero_stage == 3:
+            return True  # the weights stay sharded: each owner's update is in its weight shard (or whole edges)
         t0 = time.perf_counter()
+        self.unit_gather_ms = {}
         for shard in self.shards:
             sg = shard.sg
             if sg.process_group is not None:
+                t1 = time.perf_counter()
                 lo, hi = sg.owned
                 p0 = self.params[0]
                 mine = torch.zeros(sg.largest, dtype=p0.dtype, device=p0.device)
                 self.sync.copy(sg, self.sync._param, lo, hi, mine[:hi - lo], into_buffer=True)
                 self.sync.all_gather_weights(sg, mine)
+                self.unit_gather_ms[sg.unit] = self.unit_gather_ms.get(sg.unit, 0.0) + (time.perf_counter() - t1) * 1e3
         self.gather_ms = (time.perf_counter() - t0) * 1e3
         return True
 
@@ -119,8 +141,19 @@ class ShardedAdamW:
         if shard.exp_avg is None:
             shard.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.params[0].device)
             shard.exp_avg_sq = torch.zeros_like(shard.exp_avg)
-        grads = sync.pieces(sg, sync.grads.__getitem__, lo, hi)
-        params = sync.pieces(sg, sync._param, lo, hi)
+        if self.store is None:
+            grads = sync.pieces(sg, sync.grads.__getitem__, lo, hi)
+            params = sync.pieces(sg, sync._param, lo, hi)
+        else:
+            # The owned gradients are one flat shard; the weights the module's (stage 2, whole edges) or the
+            # flat weight shard (stage 3).
+            if self.store.whole_at_step(sg):
+                params = sync.pieces(sg, sync._param, lo, hi)
+            else:
+                flat = self.store.weight_shards[sg.index]
+                params = [(a, flat[a - lo:b - lo], e) for a, b, e in entry_ranges(sg, lo, hi)]
+            flat = self.store.grad_shards[sg.index]
+            grads = [(a, flat[a - lo:a - lo + p.numel()].view(p.shape), e) for a, p, e in params]
         batches = {True: _Batch(), False: _Batch()}
         for (start, g, entry), (_, p, _) in zip(grads, params):
             a, n, shape = start - lo, g.numel(), g.shape
@@ -155,7 +188,13 @@ class ShardedAdamW:
 
     # --- what it holds ------------------------------------------------------------------------------
     def state_bytes(self) -> StateBytes:
-        return StateBytes(weights_bytes=_storage_bytes(self.params), grads_bytes=_storage_bytes(p.grad for p in self.params),
+        """What this rank holds; at stages 2 and 3 the weights and gradients are the peaks over the last step
+        (``UnitShards``: owned shards, whole units, full gradients before their reduce-scatter)."""
+        if self.store is not None:
+            weights, grads = self.store.peak_weights_bytes, self.store.peak_grads_bytes
+        else:
+            weights, grads = _storage_bytes(self.params), _storage_bytes(p.grad for p in self.params)
+        return StateBytes(weights_bytes=weights, grads_bytes=grads,
                           master_bytes=sum(s.master.nbytes for s in self.shards if s.master is not None),
                           moments_bytes=sum(t.nbytes for s in self.shards for t in (s.exp_avg, s.exp_avg_sq) if t is not None))
 
@@ -176,6 +215,8 @@ class ShardedAdamW:
         out = torch.zeros((3, hi - lo), dtype=torch.float32, device=self.params[0].device)
         if self.mixed:
             out[0] = shard.master[lo - o:hi - o]
+        elif self.store is not None and not self.store.whole_at_step(shard.sg):
+            out[0] = self.store.weight_shards[index][lo - o:hi - o]  # stage 3: the weights are the shards
         else:
             self.sync.copy(shard.sg, self.sync._param, lo, hi, out[0], into_buffer=True)
         if shard.exp_avg is not None:

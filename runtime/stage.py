@@ -67,15 +67,24 @@ class StageModel(nn.Module):
         (an fp32 scalar, the same on every rank of the stage), or without targets this rank's logits
         (B, T, V_d) for its vocabulary rows."""
         if self.first:
-            T = x.size(1)
-            x = reduce_from_tp(vocab_embedding(self.wte.weight, x, self.vocab.start), self.tp_group)
-            # The position rows as a slice of the weight: its backward keeps nothing (a lookup would
-            # keep a (T,) index tensor).
-            x = x + self.wpe.weight[:T]
+            x = self.embed(x)
         for block in self.h.values():
             x = block(x, mb)
         if not self.last:
             return x
+        return self.head(x, targets)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """First stage: tokens (B, T) -> the embedded input (B, T, C) of the first layer."""
+        T = tokens.size(1)
+        x = reduce_from_tp(vocab_embedding(self.wte.weight, tokens, self.vocab.start), self.tp_group)
+        # The position rows as a slice of the weight: its backward keeps nothing (a lookup would
+        # keep a (T,) index tensor).
+        return x + self.wpe.weight[:T]
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """Last stage: the final LayerNorm and tied head on (B, T, C); the summed cross-entropy against
+        ``targets``, or without them this rank's logits (see ``forward``)."""
         logits = F.linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)  # (B, T, V_d)
         if targets is None:
             return logits

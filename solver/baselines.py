@@ -7,11 +7,11 @@
   exactly by the inner MILP), recompute none or full per stage, every type order tried.
 * hap: one TP group (no pipeline) with uneven shares from HAP's sharding-ratio LP, rounded to units.
 * poplar: pure data parallelism, every device its own replica with its own batch, balanced on each device's
-  compute time as Poplar's Algorithm 2 does for ZeRO-0/1; each sharding stage we support (0, 1, even
-  shards), the best that fits.
-* cephalo: pure data parallelism at stage 1, every device its own batch (Cephalo's dynamic programme:
-  slowest device's compute time, aggregate memory), full recomputation (activation checkpointing), and
-  uneven optimizer-state shards given greedily to the device with the lowest memory use.
+  compute time as Poplar's Algorithm 2 does; each ZeRO stage 0-3 (even shards), the best that fits.
+* cephalo: pure data parallelism at stage 3 (Cephalo is built on FSDP, i.e. ZeRO-3, with layered gradient
+  accumulation), every device its own batch (Cephalo's dynamic programme: slowest device's compute time,
+  aggregate memory), full recomputation (activation checkpointing), and uneven training-state shards given
+  greedily to the device with the lowest memory use.
 * exhaustive: every plan (layout, rank order, batch split, sharding stage and shard-ratio grid, layers,
   units, recompute sets from a given universe), each evaluated. Small instances only: the test oracle.
 """
@@ -27,7 +27,7 @@ import numpy as np
 
 from baton.errors import BatonError
 from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, layer_cost, layer_param_count,
-                             layer_train_ms, optimizer_bytes, sync_buffer_bytes)
+                             layer_train_ms, sync_buffer_bytes)
 from baton.evaluate import evaluate
 from baton.memory import recompute_space
 from baton.operators import operator_names
@@ -177,22 +177,28 @@ def hap(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None =
 
 
 def _lone(spec, cluster, profiles, device_id: str, b: int, recompute: tuple, *, owned: float = 1.0, group: int = 1,
-          zero_stage: int = 0):
-    """A device training the whole model alone on micro-batches of b: (F + B ms per micro-batch, peak bytes,
-    bytes without optimizer state and sync buffer, optimizer bytes of all its weights), from the cost model
-    (eq. 2, 7-9, 14)."""
-    slot = device_slot(cluster, profiles, spec, b, device_id, stage=0, num_stages=1, num_microbatches=1)
+          zero_stage: int = 0, num_microbatches: int = 1):
+    """A device training the whole model alone on ``num_microbatches`` micro-batches of b (in flight together at
+    stages 2 and 3): (F + B ms per micro-batch, peak bytes owning ``owned`` of its state, bytes owning none of it
+    and without sync buffer, bytes owning all of it adds), from the cost model (eq. 2, 7-9, 14, 18). At stages 2
+    and 3 the buffer is the largest unit's (a layer or the edges)."""
+    slot = device_slot(cluster, profiles, spec, b, device_id, stage=0, num_stages=1, num_microbatches=num_microbatches,
+                       layered=zero_stage >= 2)
     lc = layer_cost(slot.profile, spec, b, 1.0, recompute)
     edge = edge_cost(slot, spec, b, 1.0)
     N = spec.num_layers
     ms = N * (sum(lc.block_fwd_ms()) + sum(lc.block_bwd_ms())) + edge.fwd_ms + edge.bwd_ms
-    params = layer_param_count(spec, 1.0) * N + edge_param_count(spec, 1.0, first=True, last=True)
-    buf = sync_buffer_bytes(spec, group, params * owned, zero_stage)
-    mem = device_memory(slot, spec, N, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes, transient_bytes=lc.transient_bytes,
-                        edge=edge, owned_fraction=owned, sync_buffer_bytes=buf)
-    bare = device_memory(slot, spec, N, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes, transient_bytes=lc.transient_bytes,
-                         edge=edge, owned_fraction=0.0)
-    return ms, float(mem.peak_bytes), float(bare.peak_bytes), float(optimizer_bytes(mem.weights_bytes, spec))
+    layer, edges = layer_param_count(spec, 1.0), edge_param_count(spec, 1.0, first=True, last=True)
+    params = max(layer, edges) if zero_stage >= 2 else layer * N + edges
+    buf = sync_buffer_bytes(spec, group, params * owned, min(zero_stage, 1))
+
+    def peak(own, buffer):
+        return float(device_memory(slot, spec, N, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
+                                   transient_bytes=lc.transient_bytes, edge=edge, owned_fraction=own, sync_buffer_bytes=buffer,
+                                   zero_stage=zero_stage, owned_layer_fraction=own).peak_bytes)
+
+    bare = peak(0.0, 0.0)
+    return ms, peak(owned, buf), bare, peak(1.0, 0.0) - bare
 
 
 def _sizes(cluster, profiles, device_id, global_batch, micro_batch):
@@ -215,13 +221,15 @@ def _dp_plan(spec, cluster, ids, batches, zero_stage, recompute, ratios=None) ->
 
 def poplar_batches(spec, cluster, profiles, ids, *, global_batch: int, zero_stage: int, micro_batch: int | None = None,
                    keep_all: bool = False):
-    """Poplar's batch allocation for ZeRO-0/1 (Algorithm 2, lines 1-16) over the devices ``ids``: each device's
-    speed is its best samples/ms over the micro-batch sizes that fit it (its memory with every device in the
-    sync group, stage-1 shards even); the global batch goes in proportion to speed, rounded down, and the
-    samples left go one by one to the device that would finish them soonest. A device then runs the fastest
-    fitting micro-batch size that divides its samples (Poplar's last smaller batch is not in our plan format).
-    Returns (ids kept, [(b, m)] per kept device) or None; devices given no sample are dropped, unless
-    ``keep_all`` (then None)."""
+    """Poplar's batch allocation (Algorithm 2, lines 1-16) over the devices ``ids``: each device's speed is its
+    best samples/ms over the micro-batch sizes that fit it with one micro-batch (Algorithm 1 runs one batch at
+    the given ZeRO stage: its memory with every device in the sync group, shards even); the global batch goes in
+    proportion to speed, rounded down, and the samples left go one by one to the device that would finish them
+    soonest. A device then runs the fastest fitting micro-batch size that divides its samples (Poplar's last
+    smaller batch is not in our plan format). At stages 2 and 3 our replicas run layer by layer, every
+    micro-batch in flight (eq. 18), which Poplar's one-batch measurement does not see; the evaluator decides
+    whether the plan fits. Returns (ids kept, [(b, m)] per kept device) or None; devices given no sample are
+    dropped, unless ``keep_all`` (then None)."""
     n = len(ids)
     own = 1.0 / n if zero_stage else 1.0
     speed, options = [], []
@@ -255,16 +263,18 @@ def poplar_batches(spec, cluster, profiles, ids, *, global_batch: int, zero_stag
     return kept, batches
 
 
-def poplar(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None) -> SolveResult:
+def poplar(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None,
+           zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> SolveResult:
     """Poplar: every device its own replica (no tensor or pipeline parallelism, no recomputation), per-device
-    batches balancing compute time, each sharding stage we support (0, 1 with even shards); the best that fits."""
+    batches balancing compute time, each ZeRO stage 0-3 (even shards; Poplar searches every stage); the best that
+    fits."""
     t0 = time.perf_counter()
     micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
     ids = [d.id for d in cluster.devices]
     best, n_eval = None, 0
-    for z in (0, 1):
+    for z in zero_stages:
         got = poplar_batches(spec, cluster, profiles, ids, global_batch=global_batch, zero_stage=z, micro_batch=micro_batch)
-        if got is None or (z == 1 and len(got[0]) == 1):
+        if got is None or (z >= 1 and len(got[0]) == 1):
             continue
         best = _consider(best, _dp_plan(spec, cluster, got[0], got[1], z, ()), cluster, profiles)
         n_eval += 1
@@ -275,45 +285,62 @@ CEPHALO_GRAIN = 256
 """Cephalo's greedy hands out the optimizer state in 1/256 pieces (a power of two: exact ratios)."""
 
 
+CEPHALO_STAGE = 3
+"""Cephalo is built on FSDP (ZeRO-3: weights, gradients and optimizer state sharded) with layered gradient
+accumulation (all micro-batches of one layer before the next); its paper has no other stage."""
+
+
+def _cephalo_memory(spec, cluster, profiles, device_id: str, b: int, l: int):
+    """(bytes owning none of the training state, bytes owning all of it adds) of a device running l micro-batches
+    of b at Cephalo's stage with every layer recomputed: its compute memory and its training state (eq. 18)."""
+    _, _, bare, state = _lone(spec, cluster, profiles, device_id, b, tuple(operator_names(spec)), zero_stage=CEPHALO_STAGE,
+                              num_microbatches=l)
+    return bare, state
+
+
 def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_batch: int | None = None, skip: int = 0):
     """Cephalo's compute partition (its dynamic programme, eq. 4 of the paper): every device i gets l_i >= 1
-    micro-batches of a size b_i whose compute memory fits it (weights, gradients, activations of one
-    micro-batch with every layer recomputed; constraint II), sum b_i l_i = G, the free memory left adds up to
-    at least the whole optimizer state (constraint III), minimising the slowest device's l_i (F + B). The
-    ``skip``-th smallest feasible threshold is taken (0: the best). Returns [(b, l)] per device or None."""
+    micro-batches of a size b_i whose compute memory fits it (the unsharded part at stage 3: the edges, one
+    gathered layer and one layer's gradient, the activations of all l_i micro-batches with every layer
+    recomputed, as layered accumulation keeps them; constraint II), sum b_i l_i = G, the free memory left holds
+    the whole training state between them (constraint III: sum_i free_i / state_i >= 1, state_i the state's
+    bytes on device i), minimising the slowest device's l_i (F + B). The ``skip``-th smallest feasible threshold
+    is taken (0: the best). Returns [(b, l)] per device or None."""
     full = tuple(operator_names(spec))
     G = global_batch
-    state = None
-    opts = []  # per device: [(b, ms, free bytes)]
+    opts = []  # per device: [(b, l, ms, free / state)]
     for i in ids:
         row = []
         for b in _sizes(cluster, profiles, i, G, micro_batch):
-            ms, _, bare, opt = _lone(spec, cluster, profiles, i, b, full)
-            state = opt
-            free = cluster.device(i).memory_bytes - bare
-            if free >= 0:
-                row.append((b, ms, free))
+            ms = _lone(spec, cluster, profiles, i, b, full)[0]
+            for l in range(1, G // b + 1):
+                bare, state = _cephalo_memory(spec, cluster, profiles, i, b, l)
+                free = cluster.device(i).memory_bytes - bare
+                if free < 0:
+                    break  # more micro-batches in flight only need more
+                row.append((b, l, ms, free / state))
         if not row:
             return None
         opts.append(row)
-    times = np.unique([l * ms for row in opts for b, ms, _ in row for l in range(1, G // b + 1)])
+    times = np.unique([l * ms for row in opts for b, l, ms, _ in row])
 
     def table(T):
-        """best[j] = most free memory over assignments of j samples with every device within T."""
+        """best[j] = most free memory (in states) over assignments of j samples with every device within T."""
         best = np.zeros(G + 1)
         best[1:] = -np.inf
         picks = []
         for row in opts:
             new = np.full(G + 1, -np.inf)
             pick = np.zeros((G + 1, 2), dtype=np.int64)
-            for b, ms, free in row:
-                for l in range(1, min(G // b, int(T / ms + 1e-9)) + 1):
-                    n = b * l
-                    cand = np.full(G + 1, -np.inf)
-                    cand[n:] = best[:G + 1 - n] + free
-                    better = cand > new
-                    new = np.where(better, cand, new)
-                    pick[better] = (b, l)
+            for b, l, ms, free in row:
+                if l * ms > T * (1 + 1e-12):
+                    continue
+                n = b * l
+                cand = np.full(G + 1, -np.inf)
+                cand[n:] = best[:G + 1 - n] + free
+                better = cand > new
+                new = np.where(better, cand, new)
+                pick[better] = (b, l)
             best = new
             picks.append(pick)
         return best, picks
@@ -322,7 +349,7 @@ def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_ba
 
     def ok(k):
         best, picks = table(times[k])
-        if best[G] >= state:
+        if best[G] >= 1:
             feasible[0] = picks
             return True
         return False
@@ -349,32 +376,31 @@ def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_ba
 
 
 def cephalo_ratios(spec, cluster, profiles, ids, batches) -> list[float] | None:
-    """Cephalo's training-state partition: pieces of 1/CEPHALO_GRAIN of the optimizer state, each to the device
+    """Cephalo's training-state partition: pieces of 1/CEPHALO_GRAIN of the training state, each to the device
     whose memory use (compute memory plus the state it owns, over its capacity) is lowest, until all are given."""
-    full = tuple(operator_names(spec))
-    used, cap, state = [], [], None
-    for i, (b, _) in zip(ids, batches):
-        _, _, bare, state = _lone(spec, cluster, profiles, i, b, full)
+    used, cap, piece = [], [], []
+    for i, (b, l) in zip(ids, batches):
+        bare, state = _cephalo_memory(spec, cluster, profiles, i, b, l)
         used.append(bare)
         cap.append(cluster.device(i).memory_bytes)
-    piece = state / CEPHALO_GRAIN
+        piece.append(state / CEPHALO_GRAIN)
     pieces = [0] * len(ids)
     for _ in range(CEPHALO_GRAIN):
-        room = [k for k in range(len(ids)) if used[k] + piece <= cap[k]]
+        room = [k for k in range(len(ids)) if used[k] + piece[k] <= cap[k]]
         if not room:
             return None
-        k = min(room, key=lambda k: ((used[k] + piece) / cap[k], k))
+        k = min(room, key=lambda k: ((used[k] + piece[k]) / cap[k], k))
         pieces[k] += 1
-        used[k] += piece
+        used[k] += piece[k]
     return [x / CEPHALO_GRAIN for x in pieces]
 
 
 def cephalo(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None, tries: int = 8) -> SolveResult:
-    """Cephalo: every device its own replica at stage 1 (no tensor or pipeline parallelism), its batch from the
-    dynamic programme, every layer recomputed, uneven shards from the greedy. Layered gradient accumulation
-    is not built (our replicas accumulate micro-batch by micro-batch and sync once); FSDP's sharded weights
-    and gradients (ZeRO-3) are not either: stage 1 shards the optimizer state only. When the sync's staging
-    buffer (eq. 14, which Cephalo's memory model lacks) does not fit, the next larger time threshold is tried."""
+    """Cephalo: every device its own replica at stage 3 with layered accumulation (FSDP; no tensor or pipeline
+    parallelism), its batch from the dynamic programme, every layer recomputed, uneven training-state shards from
+    the greedy. Cephalo offloads the layer inputs it keeps to CPU memory; our plans keep them on the GPU (eq. 18).
+    When the units' staging buffer (eq. 18, which Cephalo's memory model lacks) does not fit, the next larger
+    time threshold is tried."""
     t0 = time.perf_counter()
     micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
     ids = [d.id for d in cluster.devices]
@@ -386,7 +412,7 @@ def cephalo(spec, cluster, profiles, *, global_batch: int, micro_batch: int | No
             ratios = cephalo_ratios(spec, cluster, profiles, ids, batches) if batches else None
             if ratios is None:
                 break
-            best = _consider(best, _dp_plan(spec, cluster, ids, batches, 1, full, ratios), cluster, profiles)
+            best = _consider(best, _dp_plan(spec, cluster, ids, batches, CEPHALO_STAGE, full, ratios), cluster, profiles)
             n_eval += 1
             if best is not None:
                 break
@@ -400,7 +426,7 @@ def baseline_splits(spec, cluster, profiles, skeleton, *, global_batch: int, mic
         return []
     ids = [pipe[0][0] for pipe in skeleton.pipelines]
     out = []
-    for z in (0, 1):
+    for z in (0, 1, 2, 3):
         got = poplar_batches(spec, cluster, profiles, ids, global_batch=global_batch, zero_stage=z, micro_batch=micro_batch,
                              keep_all=True)
         if got is not None:
@@ -440,15 +466,37 @@ def _raw_pipelines(devs, shape=None):
 
 
 def raw_layouts(device_ids: list[str], max_stages: int):
-    """All replica sets: each replica a sequence of ordered groups; replicas share the group sizes."""
-    def more(reps, left, shape):
+    """All replica sets: each replica a sequence of ordered groups, of any shape (stage count, group sizes)."""
+    def more(reps, left):
         yield reps
-        for pipe, rest in _raw_pipelines(left, shape):
-            if pipe > reps[-1]:
-                yield from more(reps + (pipe,), rest, shape)
+        for pipe, rest in _raw_pipelines(left):
+            if pipe > reps[-1] and len(pipe) <= max_stages:
+                yield from more(reps + (pipe,), rest)
     for pipe, rest in _raw_pipelines(list(device_ids)):
         if len(pipe) <= max_stages:
-            yield from more((pipe,), rest, tuple(len(g) for g in pipe))
+            yield from more((pipe,), rest)
+
+
+def _layered(reps) -> bool:
+    """Stages 2 and 3 apply: every replica one stage."""
+    return all(len(pp) == 1 for pp in reps)
+
+
+def _one_shape(reps) -> bool:
+    return len({tuple(len(g) for g in pp) for pp in reps}) == 1
+
+
+def _cuts(reps, N, Us):
+    """Every (layers per stage, (U, units) per stage) per replica: one split shared by replicas of one shape (the
+    planner's positions, solver/README.md), each replica its own for replicas of different shapes."""
+    if _one_shape(reps):
+        for layers in _splits(N, len(reps[0])):
+            for units in itertools.product(*[list(_unit_splits(len(g), Us)) for g in reps[0]]):
+                yield ((layers, units),) * len(reps)
+        return
+    own = [[(layers, units) for layers in _splits(N, len(pp))
+            for units in itertools.product(*[list(_unit_splits(len(g), Us)) for g in pp])] for pp in reps]
+    yield from itertools.product(*own)
 
 
 def _splits(N, p):
@@ -507,10 +555,13 @@ def ratio_vectors(replicas: int, grid: int):
 
 def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None,
                universe: list[frozenset] | None = None, max_plans: int = 3_000_000, shard_grid: int = 8,
-               zero_stages: tuple[int, ...] = (0, 1)) -> SolveResult:
-    """Evaluate every plan: every layout, batch split over its replicas (each replica its own profiled micro-batch
-    size and count), sharding stage and, at stage 1, every grid of shard ratios per position; layers, units and
-    recompute sets from ``universe`` (default: all). Small instances only: the test oracle."""
+               zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> SolveResult:
+    """Evaluate every plan: every layout (replicas of any shapes), batch split over its replicas (each replica its
+    own profiled micro-batch size and count), sharding stage (2 and 3 for replicas of one stage each) and, at
+    stages 1-3, every grid of shard ratios per position; layers, units and recompute sets from ``universe``
+    (default: all). Replicas of different shapes each take their own layer split and units, with equal shards at
+    stages 1-3; replicas of one shape share one split and units (the planner's space, solver/README.md). Small
+    instances only: the test oracle."""
     t0 = time.perf_counter()
     N = spec.num_layers
     names = operator_names(spec)
@@ -534,24 +585,32 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
     # Rough size check before starting: layouts x splits x stages x ratios x layer splits x units x recompute choices.
     estimate = 0
     for reps in layouts:
-        p, r = len(reps[0]), len(reps)
-        units = math.prod(sum(1 for _ in _unit_splits(len(g), Us)) for g in reps[0])
+        r = len(reps)
+        cuts = [math.comb(N + 1, max(len(pp) - 1, 0)) * math.prod(sum(1 for _ in _unit_splits(len(g), Us)) for g in pp)
+                for pp in reps]
         splits = sum(1 for _ in all_splits([sizes_of(pp) for pp in reps], global_batch))
         positions = sum(len(g) for g in reps[0])
-        ratios = 1 + (sum(1 for _ in ratio_vectors(r, shard_grid)) ** positions if r > 1 and 1 in zero_stages else 0)
-        estimate += (math.comb(N + 1, max(p - 1, 0)) * units * splits * ratios
-                     * len(universe) ** sum(len(g) for pp in reps for g in pp))
+        sharded = len([z for z in zero_stages if z == 1 or (z > 1 and _layered(reps))]) if r > 1 else 0
+        if _one_shape(reps):
+            ratios = 1 + sharded * sum(1 for _ in ratio_vectors(r, shard_grid)) ** positions
+            cuts = cuts[:1]
+        else:
+            ratios = 1 + sharded
+        estimate += math.prod(cuts) * splits * ratios * len(universe) ** sum(len(g) for pp in reps for g in pp)
     if estimate > max_plans:
         raise BatonError(f"exhaustive search would evaluate about {estimate:.2g} plans (limit {max_plans:.2g}); "
                          "use it on small instances only", field="--strategy")
     best, n_eval = None, 0
     for reps in layouts:
-        r, p = len(reps), len(reps[0])
+        r = len(reps)
         flat = [d for pp in reps for g in pp for d in g]
         positions = [(s, k) for s, g in enumerate(reps[0]) for k in range(len(g))]
         shardings = [(0, None)]
-        if r > 1 and 1 in zero_stages:
-            shardings += [(1, combo) for combo in itertools.product(list(ratio_vectors(r, shard_grid)), repeat=len(positions))]
+        for z in [z for z in zero_stages if z == 1 or (z > 1 and _layered(reps))] if r > 1 else []:
+            if _one_shape(reps):
+                shardings += [(z, combo) for combo in itertools.product(list(ratio_vectors(r, shard_grid)), repeat=len(positions))]
+            else:  # unlike replicas: equal parts (the planner's restriction, solver/unlike.py and solver/layered.py)
+                shardings.append((z, None))
         shardings = [x for x in shardings if x[0] in zero_stages]
         for split in all_splits([sizes_of(pp) for pp in reps], global_batch):
             uniform = len(set(split)) == 1
@@ -561,24 +620,24 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
                     for (s, k), vec in zip(positions, combo):
                         for rho, pp in enumerate(reps):
                             ratio[pp[s][k]] = None if vec is None else vec[rho]
-                for layers in _splits(N, p):
-                    for units in itertools.product(*[list(_unit_splits(len(g), Us)) for g in reps[0]]):
-                        for recs in itertools.product(universe, repeat=len(flat)):
-                            rec_of = dict(zip(flat, recs))
-                            pipes = []
-                            for rho, pp in enumerate(reps):
-                                stages, first = [], 0
-                                for s, g in enumerate(pp):
-                                    U, us = units[s]
-                                    stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
-                                        DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d))
-                                        for d, u in zip(g, us))))
-                                    first += layers[s]
-                                b, m = split[rho]
-                                pipes.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
-                                                      num_microbatches=None if uniform else m))
-                            plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=split[0][0],
-                                                 num_microbatches=split[0][1], pipelines=tuple(pipes), zero_stage=z))
-                            best = _consider(best, plan, cluster, profiles)
-                            n_eval += 1
+                for cut in _cuts(reps, N, Us):
+                    for recs in itertools.product(universe, repeat=len(flat)):
+                        rec_of = dict(zip(flat, recs))
+                        pipes = []
+                        for rho, pp in enumerate(reps):
+                            layers, units = cut[rho]
+                            stages, first = [], 0
+                            for s, g in enumerate(pp):
+                                U, us = units[s]
+                                stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
+                                    DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d))
+                                    for d, u in zip(g, us))))
+                                first += layers[s]
+                            b, m = split[rho]
+                            pipes.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
+                                                  num_microbatches=None if uniform else m))
+                        plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=split[0][0],
+                                             num_microbatches=split[0][1], pipelines=tuple(pipes), zero_stage=z))
+                        best = _consider(best, plan, cluster, profiles)
+                        n_eval += 1
     return _result(best, "exhaustive", t0, n_eval)

@@ -158,6 +158,8 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
     patterns = patterns if patterns is not None else [replica_pattern(cluster, pipe) for pipe in skeleton.pipelines]
     owned = bound_owned(skeleton.num_replicas, zero_stage, even_shards or (monotone is not None and len(set(patterns)) == 1
                                                                            and len(set(batches)) == 1))
+    if not skeleton.one_shape:  # a device of unlike replicas may own less than 1/r (groups of more holders)
+        owned = None
     # Replicas alike on one micro-batch size: only the one with the most micro-batches counts (its bound, and
     # its row in the joint bound, dominate the others': more passes, more in-flight activations).
     most: dict = {}
@@ -174,6 +176,8 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
             return float("inf")
         best, opt = max(best, rb), max(opt, ro)
     shared = None
+    if not skeleton.one_shape:  # each replica its own layer split (solver/unlike.py): nothing couples them here
+        return best + skeleton_constant(spec, cluster, skeleton, cache, sync=sync) + opt
     if zero_stage and owned is None and skeleton.num_replicas > 1:  # each position's peers share its state
         shared = shared_state_caps(spec, cluster, profiles, skeleton, batches, space, cache)
     if len(seen) > 1 or shared is not None:  # replicas share one layer split (and, at stage 1, their state)
@@ -319,17 +323,20 @@ def dp_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleto
     """Eq. 13, 15 for replicas of one shape: T_dp = the slowest position's group sync. A stage s of n_s ranks
     holding L layers has a rank at share >= 1/n_s, whose group holds at least P_s(L) = layer_param_count(1/n_s)
     L + edge_param_count(1/n_s) parameters; its all-reduce costs at least the cheapest line among the stage's
-    positions at P_s(L) (at stage 1 the largest shard is >= P/r, and two ring steps of P/r cost the all-reduce
-    of P). Minimised over real-valued layer splits (L_s within its limits, sum N) by bisection: a lower
+    positions at P_s(L) (at stage 1 the largest shard is >= P/r: the cheaper of the all-reduce of P and the two
+    ring passes of P/r, equal without measured pass figures). Minimised over real-valued layer splits (L_s within its limits, sum N) by bisection: a lower
     bound on every plan of the skeleton, whatever its batches and sharding stage."""
     r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
-    if r == 1 or p > N + 2:
+    if r == 1 or p > N + 2 or not skeleton.one_shape:  # unlike replicas: no positions (0 is a bound)
         return 0.0
     lo, hi = layer_limits(N, p)
     lines = []
     for s in range(p):
         n = len(skeleton.pipelines[0][s])
-        ends = [(group_sync_ms(cluster, spec, peers, 0.0, 0.0, 0), group_sync_ms(cluster, spec, peers, 1e9, 1e9, 0))
+        # The cheaper of stage 0's all-reduce and stage 1's two passes at equal parts (its least largest shard),
+        # which need not cost the same when a link has measured pass figures.
+        ends = [(min(group_sync_ms(cluster, spec, peers, 0.0, 0.0, 0), group_sync_ms(cluster, spec, peers, 0.0, 0.0, 1)),
+                 min(group_sync_ms(cluster, spec, peers, 1e9, 1e9, 0), group_sync_ms(cluster, spec, peers, 1e9, 1e9 / r, 1)))
                 for peers in ([pipe[s][k] for pipe in skeleton.pipelines] for k in range(n))]
         fixed = min(e[0] for e in ends)
         slope = min(e[1] - e[0] for e in ends) / 1e9  # ms per parameter
@@ -478,3 +485,91 @@ def tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N, owned: f
     fb = np.where(count > 0, fb_run[np.maximum(count - 1, 0)], np.inf)
     bb = np.where(count > 0, b_run[np.maximum(count - 1, 0)], np.inf)
     return fb, bb
+
+
+def layered_replica_bound(spec, cluster, profiles, ids, b: int, m: int, space, cache: BoundCache, zero_stage: int) -> float:
+    """Stages 2 and 3 (eq. 17): a one-stage replica's own compute, m (N tau + edges), with nothing recomputed at
+    the most favourable shares; eq. 17 is at least every replica's compute (a sum of per-segment maxima) plus
+    the collectives. Infinite when a device cannot fit owning nothing (``_layered_room``). It does not decrease
+    with the count (linear in m; more micro-batches in flight)."""
+    rooms = [_layered_state(spec, cluster, profiles, i, b, m, len(ids), space, cache, zero_stage)[0] for i in ids]
+    if any(len(room) == 0 or room.max() < 0 for room in rooms):  # more ranks than units, or a device that cannot hold
+        return float("inf")  # even its part owning nothing, at its leanest share and set
+    key = ("layered", b, tuple(ids))
+    if key not in cache.tau:
+        tau = stage_layer_lower_bound(spec, cluster, profiles, b, ids)
+        slots = [_slot(spec, cluster, profiles, b, i, 0, 1, 1) for i in ids]
+        low = [edge_lower_bounds(spec, x, b, possible_shares(spec, len(ids), False)) for x in slots]
+        const = stage_constants(cluster, spec, b, ids, first=True, last=True)
+        cache.tau[key] = spec.num_layers * tau + max(x[0] for x in low) + const.edge_fwd_comm_ms + const.edge_bwd_comm_ms
+    return m * cache.tau[key]
+
+
+def layered_lower_bound(spec, cluster, profiles, skeleton: Skeleton, batches, space, cache: BoundCache | None = None, *,
+                        zero_stage: int, collectives: float | None = None) -> float:
+    """A lower bound on every stage-2/3 plan of the candidate: the slowest replica's compute
+    (``layered_replica_bound``) plus ``collectives`` when given (the skeleton's least collectives over its units
+    at equal parts, ``layered.collectives_lower_bound``; not ``dp_sync_lower_bound``, which takes a reduce-scatter
+    and an all-gather to cost an all-reduce, while a link may have measured figures of its own for each pass).
+    Replicas of one stage hold no tied-embedding copy (eq. 11's term is 0). Eq. 17 is at least every replica's
+    compute plus every collective. Infinite when the state cannot fit (``_layered_state_fits``)."""
+    cache = cache or BoundCache()
+    best = max(layered_replica_bound(spec, cluster, profiles, pipe[0], b, m, space, cache, zero_stage)
+               for pipe, (b, m) in zip(skeleton.pipelines, batches))
+    if math.isfinite(best) and not _layered_state_fits(spec, cluster, profiles, skeleton, batches, space, cache, zero_stage):
+        return float("inf")
+    return best + skeleton_constant(spec, cluster, skeleton, cache, sync=False) + (collectives or 0.0)
+
+
+def _layered_state(spec, cluster, profiles, device_id: str, b: int, m: int, n: int, space, cache: BoundCache,
+                   zero_stage: int):
+    """Per share a rank of a one-stage replica of TP size n may get (``possible_shares``): (its room left at stage
+    2 or 3 owning nothing, at the recompute set with the least memory and no staging buffer: capacity - peak(0);
+    the bytes owning everything adds, peak(1) - peak(0)). Eq. 18 is linear in the owned fraction phi (the owned
+    gradients, the optimizer state and, at stage 3, the owned layer weights). Memoised."""
+    slot = device_slot(cluster, profiles, spec, b, device_id, stage=0, num_stages=1, num_microbatches=m, layered=True)
+    key = ("layered-state", slot, b, n, zero_stage)
+    if key not in cache.slack:
+        N = spec.num_layers
+        room, state = [], []
+        for share in possible_shares(spec, n, False):
+            t = layer_prices(slot.profile, spec, b, share, space)
+            edge = edge_cost(slot, spec, b, share)
+            def peak(owned, held, transient):
+                return device_memory(slot, spec, N, param_bytes=t.param_bytes, held_bytes=held, transient_bytes=transient,
+                                     edge=edge, owned_fraction=owned, zero_stage=zero_stage, owned_layer_fraction=owned).peak_bytes
+            room.append(slot.memory_bytes - float(np.min(peak(0.0, t.held_bytes, t.transient_bytes))))
+            state.append(float(peak(1.0, 0.0, 0.0) - peak(0.0, 0.0, 0.0)))
+        cache.slack[key] = (np.array(room), np.array(state))
+    return cache.slack[key]
+
+
+def _layered_state_fits(spec, cluster, profiles, skeleton: Skeleton, batches, space, cache: BoundCache, zero_stage: int) -> bool:
+    """Replicas of one shape at stage 2 or 3: at each position the peers' owned fractions add up to 1 and each
+    device fits only if phi_d <= room_d / state_d, so the peers' sum of room_d / state_d must reach 1 at the
+    position's share (Cephalo's aggregate memory; every peer has the same share); and the positions' largest
+    shares passing that test must add up to at least 1 (the shares of a plan do). Replicas of
+    different shapes take equal parts (solver/layered.py): every device owns 1/n_g of each group it holds, n_g at
+    most the skeleton's device count D, so it must fit owning 1/D."""
+    if not skeleton.one_shape:
+        D = sum(len(pipe[0]) for pipe in skeleton.pipelines)
+        for pipe, (b, m) in zip(skeleton.pipelines, batches):
+            for i in pipe[0]:
+                room, state = _layered_state(spec, cluster, profiles, i, b, m, len(pipe[0]), space, cache, zero_stage)
+                if np.all(room < state / D * (1 - 1e-9)):
+                    return False
+        return True
+    largest = []
+    for k in range(len(skeleton.pipelines[0][0])):
+        peers = [(pipe[0][k], batch) for pipe, batch in zip(skeleton.pipelines, batches)]
+        n = len(skeleton.pipelines[0][0])
+        rows = [_layered_state(spec, cluster, profiles, i, b, m, n, space, cache, zero_stage) for i, (b, m) in peers]
+        ok = np.all([room >= 0 for room, _ in rows], axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            total = np.sum([np.where(state > 0, room / np.where(state > 0, state, 1.0), np.inf) for room, state in rows], axis=0)
+        ok &= total >= 1 - 1e-9  # loose: the evaluator's sums may round the other way
+        shares = np.array(possible_shares(spec, n, False))
+        if not ok.any():
+            return False
+        largest.append(float(shares[ok].max()))
+    return sum(largest) >= 1 - 1e-9

@@ -11,7 +11,7 @@ import typer
 from baton.cli_support import say, check_output_path, console, guarded
 from baton.fields import excerpt
 from baton.model_spec import LIMITS as MODEL_LIMITS
-from baton.plan import MAX_DEVICES, MAX_GLOBAL_BATCH
+from baton.plan import MAX_DEVICES, MAX_GLOBAL_BATCH, SUPPORTED_ZERO_STAGES
 from baton.cluster import load_cluster
 from baton.commands import render_report
 from baton.errors import BatonError
@@ -24,16 +24,31 @@ STRATEGIES = ("baton", "megatron", "hethub", "hap", "poplar", "cephalo", "exhaus
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
 
 
+STAGED = ("baton", "poplar", "exhaustive")
+"""Strategies that search the sharding stage (``--zero-stage`` restricts them to one)."""
+
+
 def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, micro_batch: int | None,
-                 time_limit: float, gap: float, threads: int, shard_grid: int = DEFAULT_SHARD_GRID, log=None):
-    """Dispatch to the planner or a baseline; every result has been re-checked by baton.evaluate."""
+                 time_limit: float, gap: float, threads: int, shard_grid: int = DEFAULT_SHARD_GRID, log=None,
+                 zero_stage: int | None = None):
+    """Dispatch to the planner or a baseline; every result has been re-checked by baton.evaluate. ``zero_stage``
+    restricts the strategies of ``STAGED`` to one sharding stage (default: every stage they search)."""
     from solver import baselines
     from solver.search import search
 
+    stages = SUPPORTED_ZERO_STAGES if zero_stage is None else (zero_stage,)
+    if zero_stage is not None:
+        if zero_stage not in SUPPORTED_ZERO_STAGES:
+            raise BatonError(f"sharding stage {excerpt(str(zero_stage))} is not one of "
+                             f"{', '.join(map(str, SUPPORTED_ZERO_STAGES))} (0 replicated, 1 optimizer state sharded, "
+                             "2 and gradients, 3 and weights)", field="--zero-stage")
+        if strategy not in STAGED:
+            raise BatonError(f"strategy '{strategy}' has its own sharding stage; --zero-stage applies to "
+                             f"{', '.join(STAGED)}", field="--zero-stage")
     if strategy == "baton":
         # One line per better plan on stderr: a long solve is never silent, and stdout stays the result.
         return search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit,
-                      gap=gap, threads=threads, shard_grid=shard_grid,
+                      gap=gap, threads=threads, shard_grid=shard_grid, zero_stages=stages,
                       log=(lambda line: say(line, err=True)) if log is None else log,
                       extra_splits=lambda sk: baselines.baseline_splits(spec, cluster, profiles, sk, global_batch=global_batch,
                                                                         micro_batch=micro_batch))
@@ -45,12 +60,12 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
     if strategy == "hap":
         return baselines.hap(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, threads=threads)
     if strategy == "poplar":
-        return baselines.poplar(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
+        return baselines.poplar(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, zero_stages=stages)
     if strategy == "cephalo":
         return baselines.cephalo(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
     if strategy == "exhaustive":
         return baselines.exhaustive(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch,
-                                    shard_grid=shard_grid)
+                                    shard_grid=shard_grid, zero_stages=stages)
     raise BatonError(f"unknown strategy '{strategy}' (choose one of {', '.join(STRATEGIES)})", field="--strategy")
 
 
@@ -68,7 +83,10 @@ def register(app: typer.Typer) -> None:
         threads: Annotated[int, typer.Option(help="Solver threads.")] = 2,
         strategy: Annotated[str, typer.Option(help="baton | megatron | hethub | hap | poplar | cephalo | exhaustive.")] = "baton",
         shard_grid: Annotated[int, typer.Option(help="K: at sharding stage 1 a device owns a multiple of 1/K of its peer "
-                                                     "group's optimizer state, or the equal part.")] = DEFAULT_SHARD_GRID,
+                                                     "group's training state (stages 1-3), or the equal part.")] = DEFAULT_SHARD_GRID,
+        zero_stage: Annotated[Optional[int], typer.Option(
+            "--zero-stage", help="Search only this sharding stage: 0 replicated, 1 optimizer state sharded, 2 and "
+                                 "gradients, 3 and weights (2 and 3: replicas of one stage each). Default: every stage.")] = None,
         profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: yours, then the shipped ones).")] = None,
         out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -107,7 +125,7 @@ def register(app: typer.Typer) -> None:
             if prof.seq_len != spec.seq_len:
                 raise BatonError(f"the profile is for seq_len {prof.seq_len}, not {spec.seq_len}", source=prof.source, field="--seq-len")
         result = run_strategy(strategy, spec, c, profile_set, global_batch=global_batch, micro_batch=micro_batch,
-                              time_limit=time_limit, gap=gap, threads=threads, shard_grid=shard_grid)
+                              time_limit=time_limit, gap=gap, threads=threads, shard_grid=shard_grid, zero_stage=zero_stage)
         if out is not None:
             save_plan(result.plan, out)
         rep = result.report

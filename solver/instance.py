@@ -196,6 +196,8 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
     """Constants and choices for one candidate: ``batches[i]`` = (micro-batch size, micro-batches) of replica i.
     ``allowed`` optionally restricts choices (baselines); ``even_shards`` restricts stage 1 to equal parts
     (the constructive plan, and the structured family's replicas of one pattern)."""
+    if not skeleton.one_shape:
+        raise ValueError(f"replicas of different shapes ({skeleton.describe()}) are solved by solver/unlike.py, not the MILP")
     r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
     batches = [tuple(x) for x in batches]
     if len(batches) != r:

@@ -2,11 +2,15 @@
 bound pruning, inner MILP per candidate, and an independent re-check of the winner by ``baton.evaluate``.
 
 Level 1: the batch split (replica i trains on m_i micro-batches of a profiled size b_i, sum b_i m_i = G;
-         solver/splits.py) and the sharding stage (0, or 1 with shard ratios from a grid; solver/instance.py).
+         solver/splits.py) and the sharding stage (0; 1 with shard ratios from a grid, solver/instance.py; 2 and 3,
+         the same ratios, for replicas of one stage each, solver/layered.py).
 Level 2: the skeleton: which devices form each TP group (mixed GPU types allowed), in which rank order,
          and the order of the groups along each pipeline (solver/space.py).
 Level 3: the MILP (solver/milp.py): layers per stage, units per layer U and units per device,
          recompute set per device, owned fractions at stage 1, and the exact 1F1B schedule of every replica.
+         For replicas of different shapes (solver/unlike.py), and at stages 2 and 3 (solver/layered.py), every
+         replica's layer split and units (and at stages 2-3 the shard ratios) are enumerated instead, one heap
+         entry per structure, and the recompute sets are chosen exactly per stage.
 
 Candidates are visited in increasing order of a lower bound (solver/bounds.py), from a heap; a candidate
 whose bound is not below the incumbent (shrunk by the allowed gap) cannot hold a better plan and is
@@ -33,12 +37,15 @@ from baton.memory import RecomputeSpace, recompute_space
 from baton.model_spec import ModelSpec
 from baton.plan import Plan, validate
 
-from solver.bounds import BoundCache, bound_owned, candidate_lower_bound, replica_bound, skeleton_constant
+from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, layered_lower_bound, layered_replica_bound,
+                           replica_bound, skeleton_constant)
 from solver.greedy import greedy_incumbent
 from solver.instance import DEFAULT_SHARD_GRID, build_instance
+from solver.layered import LAYERED_STAGES, collectives_lower_bound, expand_layered, layered_skeleton, solve_layered
 from solver.milp import InnerModel
 from solver.options import monotone_in_share, valid_unit_counts
 from solver.space import Skeleton, exact_skeletons, iter_structured_skeletons, replica_pattern
+from solver.unlike import expand, solve_structure
 from solver.splits import _largest_m, canonical, exact_splits_below, replica_classes, structured_splits, uniform_splits
 
 EXACT_LIMIT = 5000
@@ -118,8 +125,12 @@ def stage_one_dominates(spec: ModelSpec, cluster: ClusterSpec, profiles: Profile
     """True when, for replicas (r >= 2), stage 1 with equal parts is never worse than stage 0 (solver/README.md,
     rule 8): mixed precision, and every table's parameter bytes are at least the analytic counts times the
     element size at every share, so each device's optimizer bytes saved, O (1 - 1/r) = 6 W (r - 1)/r, cover
-    the staging buffer (r + 1)/r P e of eq. 14 (4 (r + 1) <= 24 (r - 1) for r >= 2)."""
+    the staging buffer (r + 1)/r P e of eq. 14 (4 (r + 1) <= 24 (r - 1) for r >= 2); and no link has measured
+    reduce-scatter or all-gather figures of its own, so stage 1's two passes at equal parts cost the all-reduce
+    (eq. 13)."""
     if spec.dtype_bytes >= 4:
+        return False
+    if cluster.has_ring_pass_figures:  # measured passes need not add up to the all-reduce: stage 1 may sync slower
         return False
     e, Umax = spec.dtype_bytes, max(valid_unit_counts(spec))
     for g in cluster.gpu_types:
@@ -206,12 +217,13 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
            time_limit: float = 60.0, gap: float = 1e-4, threads: int = 2, space: RecomputeSpace | None = None,
            skeletons: list[Skeleton] | None = None, family: str = "auto", strategy: str = "baton",
            allowed: dict | None = None, reduce_symmetry: bool = True, log=None, detail_log=None,
-           shard_grid: int = DEFAULT_SHARD_GRID, zero_stages: tuple[int, ...] = (0, 1), splits: str = "auto",
+           shard_grid: int = DEFAULT_SHARD_GRID, zero_stages: tuple[int, ...] = (0, 1, 2, 3), splits: str = "auto",
            extra_splits=None) -> SolveResult:
     """Best plan over the candidates; raises NoPlanFits when none fits.
 
     A candidate is a skeleton, every replica's batch (micro-batch size and count, adding up to the global
-    batch) and the sharding stage (0, or 1 with shard ratios multiples of 1/``shard_grid``). ``splits``:
+    batch) and the sharding stage (0; 1 with shard ratios multiples of 1/``shard_grid``; 2 and 3, the same
+    ratios, for skeletons of at least two replicas of one stage each, solver/layered.py), one of ``zero_stages``. ``splits``:
     'auto' (every split in the exact family, a few in the structured one, solver/splits.py) or 'uniform'
     (every replica the same batch). ``extra_splits(skeleton)`` may add splits for a skeleton (the baselines'
     per-GPU batches). ``log`` gets one line per improvement, ``detail_log`` one per MILP solved.
@@ -231,6 +243,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     seq = itertools.count()
     infos: list[_Skeleton] = []
     ceilings: dict = {}  # (skeleton, stage) -> largest finite bound of its splits
+    collectives: dict = {}  # (skeleton, stage 2 or 3) -> least collectives of eq. 17 over its units
     t0 = time.perf_counter()
     best = None  # (objective, plan, instance or None)
     progress = Progress(log, t_start, detail_log)
@@ -248,6 +261,14 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         return not single or len(set(info.classes)) == 1
 
     def bound(info: _Skeleton, batches, z: int, sync: bool | None = None) -> float:
+        if z in LAYERED_STAGES:  # the collectives' bound when the candidate reaches the front (``sync``)
+            coll = None
+            if sync:
+                if (info.sk, z) not in collectives:
+                    collectives[info.sk, z] = collectives_lower_bound(spec, cluster, info.sk.pipelines, z, info.patterns,
+                                                                      even=not exact)
+                coll = collectives[info.sk, z]
+            return layered_lower_bound(spec, cluster, profiles, info.sk, batches, space, cache, zero_stage=z, collectives=coll)
         return candidate_lower_bound(spec, cluster, profiles, info.sk, batches, space, cache, monotone if reduce_symmetry else None,
                                      zero_stage=z, patterns=info.patterns, sync=exact if sync is None else sync,
                                      even_shards=even(info))
@@ -256,6 +277,8 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         """Replica i's cheap bound on m micro-batches of b (owning ``owned`` of its optimizer state at stage 1;
         None: anything)."""
         mono = monotone if reduce_symmetry else None
+        if z in LAYERED_STAGES:
+            return lambda i, b, m: layered_replica_bound(spec, cluster, profiles, info.sk.pipelines[i][0], b, m, space, cache, z)
         return lambda i, b, m: replica_bound(spec, cluster, profiles, info.sk.pipelines[i], b, m, space, cache, mono,
                                              zero_stage=z, pattern=info.patterns[i], owned=owned)[0]
 
@@ -267,6 +290,8 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     def try_greedy(info, batches, z):
         """A constructive plan for a promising candidate: an incumbent within seconds (solver/greedy.py)."""
         nonlocal best
+        if not info.sk.one_shape or z in LAYERED_STAGES:  # its rules cut every replica one way, at stage 0 or 1
+            return
         inst = instance(info, batches, z, even_shards=True)  # it splits every peer group evenly anyway
         if inst.infeasible_reason is not None:
             return
@@ -284,11 +309,16 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         heapq.heappush(heap, (lb, next(seq), "cand", k, z, key[1], refined))
         pushed += 1
 
+    def constant(info: _Skeleton, z: int) -> float:
+        """What a candidate's bound adds to its slowest replica's before it reaches the front (the splits of a group
+        are listed against it): at stages 2 and 3 no sync bound (``bounds.layered_lower_bound``)."""
+        return skeleton_constant(spec, cluster, info.sk, cache, sync=z not in LAYERED_STAGES)
+
     def group_range(info: _Skeleton, z: int) -> tuple[float, float]:
         """Bounds of the skeleton's splits: below, each replica runs at least one micro-batch; above, the largest
         finite bound a replica can reach (no split with a finite bound lies beyond it)."""
         f, r = phi(info, z), info.sk.num_replicas
-        const = skeleton_constant(spec, cluster, info.sk, cache, sync=True)
+        const = constant(info, z)
         floor = const + max(min(f(i, b, 1) for b in info.sizes[i]) for i in range(r))
         top = [f(i, b, _largest_m(lambda m, i=i, b=b: math.isfinite(f(i, b, m)), global_batch // b))
                for i in range(r) for b in info.sizes[i] if math.isfinite(f(i, b, 1))]
@@ -306,23 +336,28 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
             continue
         k = len(infos)
         infos.append(info)
-        zs = [z for z in zero_stages if z == 0 or sk.num_replicas > 1]
+        zs = [z for z in zero_stages if z == 0 or (sk.num_replicas > 1 and (z == 1 or layered_skeleton(sk)))]
         if sk.num_replicas > 1 and 1 in zs and dominated:
-            zs = [1]  # stage 0 can only tie with stage 1 (rule 8)
+            zs = [z for z in zs if z != 0]  # stage 0 can only tie with stage 1 (rule 8)
+        pipelined = [z for z in zs if z not in LAYERED_STAGES]
+        extras = None
         for z in zs:
             if splits == "uniform" or exact:
                 cands = uniform_splits(info.sizes, global_batch)
             else:
                 # Speeds from the bound the candidates get (its stage bounds are then shared with theirs).
-                owned = bound_owned(sk.num_replicas, zs[-1], even(info))
-                cands = structured_splits(phi(info, zs[-1], owned), info.sizes, info.classes, global_batch)
+                zb = z if z in LAYERED_STAGES or not pipelined else pipelined[-1]
+                owned = bound_owned(sk.num_replicas, zb, even(info))
+                cands = structured_splits(phi(info, zb, owned), info.sizes, info.classes, global_batch)
                 if extra_splits is not None:
-                    cands += [x for x in extra_splits(sk) if sum(b * m for b, m in x) == global_batch]
+                    if extras is None:  # once per skeleton, for every stage
+                        extras = [x for x in extra_splits(sk) if sum(b * m for b, m in x) == global_batch]
+                    cands += extras
             for batches in cands:
                 lb = bound(info, batches, z)
                 if not math.isfinite(lb):
                     continue
-                push_candidate(info, k, batches, z, lb, refined=exact)
+                push_candidate(info, k, batches, z, lb, refined=exact and z not in LAYERED_STAGES)
                 if strategy == "baton" and lb < greedy_lb * 0.97 and time.perf_counter() < deadline:
                     greedy_lb = lb
                     try_greedy(info, batches, z)
@@ -333,6 +368,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     build_s = time.perf_counter() - t0
     solve_s = 0.0
     bounds: list[float] = [0.0] if unbounded else []  # candidates never bounded could hold anything
+    notes: list[str] = []
     solved = pruned = 0
     while heap:
         lb, _, kind, k, z, data, refined = heap[0]
@@ -351,13 +387,13 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         if kind == "group":  # push the splits whose bound lies in [data, upto)
             tg = time.perf_counter()
             upto = min(inc * (1 - gap), lb * 1.05 + 1e-9) if math.isfinite(inc) else lb * 1.25 + 1e-9
-            const = skeleton_constant(spec, cluster, info.sk, cache, sync=True)
+            const = constant(info, z)
             last = upto > ceilings[k, z]  # beyond every finite replica bound: this window takes all the rest
             for batches in exact_splits_below(phi(info, z), info.sizes, info.classes, global_batch,
                                               math.inf if last else upto - const):
                 x = bound(info, batches, z)
-                if data <= x and (last or x < upto):
-                    push_candidate(info, k, batches, z, x, refined=True)
+                if data <= x and (last or x < upto) and math.isfinite(x):
+                    push_candidate(info, k, batches, z, x, refined=z not in LAYERED_STAGES)
             if not last:  # every split not pushed yet has a bound of at least upto
                 heapq.heappush(heap, (upto, next(seq), "group", k, z, upto, True))
             build_s += time.perf_counter() - tg
@@ -367,7 +403,44 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
             if x > lb * (1 + 1e-12):
                 heapq.heappush(heap, (bound_refined, next(seq), kind, k, z, data, True))
                 continue
+        if kind == "struct":  # one layout of every unlike replica: solved exactly, no MILP (solver/unlike.py)
+            tables, struct, sync = data
+            tb = time.perf_counter()
+            got = solve_layered(tables, struct, sync) if z in LAYERED_STAGES else solve_structure(tables, struct, sync,
+                                                                                                  tables.emb_ms, z)
+            solve_s += time.perf_counter() - tb
+            solved += 1
+            if got is None:
+                continue
+            bounds.append(got[0])
+            if got[0] < inc:
+                best = (got[0], got[1], None)
+                rest = [heap[0][0]] if heap else []
+                progress.improved(best[0], min(bounds + rest + ([0.0] if unbounded else [])), "layout", left=len(heap))
+            continue
         batches = data
+        if not info.sk.one_shape or z in LAYERED_STAGES:  # list the structures that may beat the incumbent
+            tb = time.perf_counter()
+            limit = threshold if math.isfinite(inc) else math.inf
+            try:
+                if z in LAYERED_STAGES:
+                    entries, dropped = expand_layered(spec, cluster, profiles, space, info.sk.pipelines, batches, z,
+                                                      info.patterns, limit, grid=shard_grid, even=not exact,
+                                                      collectives_ms=collectives.get((info.sk, z), 0.0))
+                else:
+                    entries, dropped = expand(spec, cluster, profiles, space, info.sk.pipelines, batches, z, info.patterns, limit)
+            except OverflowError as exc:
+                bounds.append(lb)  # not searched: its cheap bound stays in the proven bound
+                notes.append(f"{info.sk.describe()} ({_describe(batches)}, stage {z}): {exc.args[0]} layouts, not searched")
+                build_s += time.perf_counter() - tb
+                continue
+            if math.isfinite(dropped):
+                bounds.append(dropped)
+            for entry in entries:
+                heapq.heappush(heap, (max(lb, entry[0]), next(seq), "struct", k, z, entry[1:], True))
+                pushed += 1
+            build_s += time.perf_counter() - tb
+            continue
         tb = time.perf_counter()
         inst = instance(info, batches, z)
         if inst.infeasible_reason is not None:
@@ -409,7 +482,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     result = SolveResult(plan=plan, report=report, strategy=strategy, status=status, objective_ms=objective, bound_ms=bound_ms,
                          gap=achieved_gap, build_s=build_s, solve_s=solve_s, total_s=total_s, family=family,
                          candidates=pushed, solved=solved, pruned=pruned, first_plan_s=progress.first_s,
-                         unbounded=unbounded)
+                         unbounded=unbounded, notes=notes)
     result.plan = plan.with_info(**result.info())
     return result
 

@@ -3,8 +3,8 @@
 Two families:
 
 * ``exact_skeletons``: every way to pick devices, cut them into ordered TP groups (rank order included)
-  and order the groups into pipelines, 1..k identical-shape replicas, modulo swapping interchangeable
-  devices. Devices are interchangeable when they share node, GPU type, memory and reserve: every cost of
+  and order the groups into pipelines, 1..k replicas of any shapes (each its own stage count and group
+  sizes), modulo swapping interchangeable devices and reordering replicas. Devices are interchangeable when they share node, GPU type, memory and reserve: every cost of
   the model depends on a device only through those and through which node it is on, so swapping two
   such devices maps a plan to one with the same time and memory. Within a TP group whose devices all sit
   on one node, rank order changes nothing either (all links from or to the group are the same whatever
@@ -33,7 +33,14 @@ class Skeleton:
 
     @property
     def num_stages(self) -> int:
+        """Stages of replica 0 (of every replica when ``one_shape``)."""
         return len(self.pipelines[0])
+
+    @property
+    def one_shape(self) -> bool:
+        """Every replica has the same number of stages and the same TP group sizes stage by stage: the peer groups
+        are then the (stage, rank) positions when the replicas share one layer split and units (the MILP's case)."""
+        return len({tuple(len(g) for g in pipe) for pipe in self.pipelines}) == 1
 
     def device_ids(self) -> list[str]:
         return [d for p in self.pipelines for s in p for d in s]
@@ -80,25 +87,16 @@ def _stages_from(counts: tuple[int, ...], classes: list[DeviceClass], max_group:
                     yield o
 
 
-def _pipelines(counts: tuple[int, ...], classes, max_group, max_stages, shape=None):
-    """Sequences of groups drawn from ``counts``; with ``shape`` the group sizes are fixed."""
-    if shape is not None and not shape:
-        yield (), counts
-        return
-    for stage in _stages_from(counts, classes, max_group if shape is None else shape[0]):
-        if shape is not None and len(stage) != shape[0]:
-            continue
+def _pipelines(counts: tuple[int, ...], classes, max_group, max_stages):
+    """Sequences of at most ``max_stages`` groups drawn from ``counts``, with the counts left over."""
+    for stage in _stages_from(counts, classes, max_group):
         rest = list(counts)
         for c in stage:
             rest[c] -= 1
         rest = tuple(rest)
-        if shape is None:
-            yield (stage,), rest
-            if max_stages > 1:
-                for tail, left in _pipelines(rest, classes, max_group, max_stages - 1):
-                    yield (stage,) + tail, left
-        else:
-            for tail, left in _pipelines(rest, classes, max_group, max_stages, shape[1:]):
+        yield (stage,), rest
+        if max_stages > 1:
+            for tail, left in _pipelines(rest, classes, max_group, max_stages - 1):
                 yield (stage,) + tail, left
 
 
@@ -108,20 +106,20 @@ def exact_skeletons(cluster: ClusterSpec, *, max_stages: int, max_group: int | N
     counts = tuple(len(c.ids) for c in classes)
     found = set()
 
-    def extend(replicas, left, shape):
+    def extend(replicas, left):
         key = tuple(sorted(replicas))
         if key in found:
             return
         found.add(key)
         if len(found) > limit:
             raise OverflowError
-        for pipe, rest in _pipelines(left, classes, max_group, max_stages, shape):
+        for pipe, rest in _pipelines(left, classes, max_group, max_stages):
             if pipe >= replicas[-1]:  # replicas generated in sorted order: each set once
-                extend(replicas + (pipe,), rest, shape)
+                extend(replicas + (pipe,), rest)
 
     try:
         for pipe, rest in _pipelines(counts, classes, max_group, max_stages):
-            extend((pipe,), rest, tuple(len(s) for s in pipe))
+            extend((pipe,), rest)
     except OverflowError:
         return None
     return [_realise(key, classes) for key in sorted(found)]

@@ -213,7 +213,7 @@ def test_plan_format_round_trips_and_reads_version_1():
 
 @pytest.mark.parametrize("edit, field, words", [
     (lambda d: d["pipelines"][0]["stages"][0]["devices"][0].update(shard_ratio=0.5), "shard_ratio", "needs zero_stage"),
-    (lambda d: d.update(zero_stage=2), "zero_stage", "not supported"),
+    (lambda d: d.update(zero_stage=4), "zero_stage", "<= 3"),
     (lambda d: d.update(zero_stage=1) or d["pipelines"][0]["stages"][0]["devices"][0].update(shard_ratio=0.5), "pipelines", "all or none"),
     (lambda d: d.update(zero_stage=1) or [x["stages"][0]["devices"][0].update(shard_ratio=0.0) for x in d["pipelines"]], "pipelines", "shard_ratio 0"),
     (lambda d: d["pipelines"][1].update(num_microbatches=0), "num_microbatches", ">= 1"),
@@ -280,7 +280,7 @@ def test_unlike_replicas_stage_their_groups_and_shard_in_two_passes(gpu_setup):
     sharded = validate(replace(plan, zero_stage=1))
     rep1 = evaluate(sharded, cluster, profiles)
     ring = [(g.holders, ring_step_ms(max(owned_fractions(sharded, g)) * g.num_params * spec.dtype_bytes, g.size,
-                                     cluster.slowest_link(list(g.holders)))) for g in groups]
+                                     cluster.slowest_link(list(g.holders)), "reduce_scatter")) for g in groups]
     assert rep1.dp_sync_ms == pytest.approx(2 * sync_schedule_ms(ring), rel=1e-12)
     assert rep1.dp_sync_ms >= sync_schedule_ms([(h, 2 * t) for h, t in ring]) - 1e-9
 

@@ -61,8 +61,18 @@ def test_baselines_fit_and_are_never_faster_than_baton(strategy):
     if strategy in ("poplar", "cephalo"):  # pure data parallelism: every device its own replica
         assert len(base.plan.pipelines) == len(cluster.devices)
         assert all(len(p.stages) == 1 and len(p.stages[0].devices) == 1 for p in base.plan.pipelines)
-    if strategy == "cephalo":
-        assert base.plan.zero_stage == 1
+    if strategy == "cephalo":  # FSDP with layered accumulation
+        assert base.plan.zero_stage == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--zero-stage", "4"), "sharding stage '4' is not one of 0, 1, 2, 3"),
+    (("--zero-stage", "-1"), "sharding stage '-1' is not one of 0, 1, 2, 3"),
+    (("--zero-stage", "2", "--strategy", "hethub"), "--zero-stage applies to baton, poplar, exhaustive"),
+])
+def test_zero_stage_option_refuses_bad_values(args, message):
+    code, _, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", *args)
+    assert code != 0 and message in stderr, stderr
 
 
 def test_solve_writes_per_replica_batches_sharding_stage_and_ratios(tmp_path):
