@@ -23,7 +23,8 @@ Set-up (explicit, because CPU processes share this machine's cores):
 
 Plans: pipelines with even and uneven layers, recomputation on one stage, tensor parallelism with
 even and uneven (3:1) units, data-parallel replicas (equal batches, uneven micro-batch counts 3 vs 1 and
-sizes 4 vs 2, optimizer state sharded 0.7/0.3 at zero_stage 1; with 4 processes also a two-stage pipeline
+sizes 4 vs 2, optimizer state sharded 0.7/0.3 at zero_stage 1, everything sharded 0.7/0.3 at zero_stage 3,
+run layer by layer; with 4 processes also a two-stage pipeline
 beside a single device), and the plan ``baton solve`` picks for this cluster under the measured table.
 Reported per plan: iteration time and activation memory, predicted and measured, with their relative
 errors; then the mean absolute and worst relative error over the plans. For plans with replicas, the
@@ -107,6 +108,8 @@ def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
             cluster_name, d, [dict(single, m=2, mbs=2), dict(single, m=2, mbs=2)], zero_stage=1, ratios=[0.7, 0.3]),
         "dp2 3x2 + 1x2, zero-1 0.7/0.3": replicas_plan(
             cluster_name, d, [dict(single, m=3, mbs=2), dict(single, m=1, mbs=2)], zero_stage=1, ratios=[0.7, 0.3]),
+        "dp2 3x2 + 1x2, zero-3 0.7/0.3 (layer by layer)": replicas_plan(
+            cluster_name, d, [dict(single, m=3, mbs=2), dict(single, m=1, mbs=2)], zero_stage=3, ratios=[0.7, 0.3]),
     })
     if procs >= 4:
         out["pp2 x tp2 (4 processes)"] = simple_plan(
