@@ -432,18 +432,9 @@ class Engine:
             else:
                 x, y = inflight.pop(i)
                 grad = None if self.last else self._recv(bwd_src, step=step, mb=i)
-                t0, r0 = time.perf_counter(), meter.recompute_s
-                meter.in_backward = True
-                try:
-                    torch.autograd.backward(y, grad)
-                finally:
-                    meter.in_backward = False
-                if sync:
-                    torch.cuda.synchronize()
-                stats.backward_ms[i] = (time.perf_counter() - t0) * 1e3
-                stats.recompute_ms[i] = (meter.recompute_s - r0) * 1e3
+                t0, t1 = _timed_backward(meter, stats, i, y, grad, sync)
                 if tracer is not None:
-                    tracer.add(f"B{i}", "backward", t0, t0 + stats.backward_ms[i] / 1e3, step=step, mb=i)
+                    tracer.add(f"B{i}", "backward", t0, t1, step=step, mb=i)
                 if saved is not None:
                     saved.release(i)
                 if not self.first:
@@ -502,17 +493,7 @@ class Engine:
             return out
 
         def backward(key, i, y, grad):
-            t0, r0 = time.perf_counter(), meter.recompute_s
-            meter.in_backward = True
-            try:
-                torch.autograd.backward(y, grad)
-            finally:
-                meter.in_backward = False
-            if cuda:
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            stats.backward_ms[i] += (t1 - t0) * 1e3
-            stats.recompute_ms[i] += (meter.recompute_s - r0) * 1e3
+            t0, t1 = _timed_backward(meter, stats, i, y, grad, cuda)
             if tracer is not None:
                 tracer.add(f"B{i} {_unit_name(key[0])}", "backward", t0, t1, step=step, mb=i)
             if saved is not None:
@@ -672,3 +653,21 @@ def _unit_name(unit) -> str:
     if unit is EDGES:
         return "edges"
     return unit if isinstance(unit, str) else f"layer {unit}"
+
+
+def _timed_backward(meter, stats: StepStats, i: int, y, grad, cuda: bool) -> tuple[float, float]:
+    """Backward of micro-batch ``i`` from ``y`` with the meter told recomputation runs now; adds its time and
+    its recomputation's to ``stats`` (a micro-batch's backward may come in several pieces, one per layer when
+    run layer by layer). Returns its (start, end) perf_counter seconds."""
+    t0, r0 = time.perf_counter(), meter.recompute_s
+    meter.in_backward = True
+    try:
+        torch.autograd.backward(y, grad)
+    finally:
+        meter.in_backward = False
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    stats.backward_ms[i] += (t1 - t0) * 1e3
+    stats.recompute_ms[i] += (meter.recompute_s - r0) * 1e3
+    return t0, t1

@@ -39,14 +39,13 @@ from __future__ import annotations
 import itertools
 import math
 
-import numpy as np
 
-from baton.costmodel import (LayeredParts, device_memory, device_optimizer_ms, device_slot, edge_cost, held_weights_bytes, layer_cost,
+from baton.costmodel import (LayeredParts, device_optimizer_ms, device_slot, edge_cost, held_weights_bytes, layer_cost,
                              layer_prices, layered_iteration_ms, layered_iteration_of, layered_parts, sync_terms)
 from baton.operators import operator_names
 from baton.plan import LAYERED_ZERO_STAGES, DeviceShare, Pipeline, Plan, Stage
 
-from solver.unlike import LAYOUT_LIMIT, _best_backward, unit_options
+from solver.unlike import LAYOUT_LIMIT, _best_backward, fitting_backwards, unit_options
 
 LAYERED_STAGES = LAYERED_ZERO_STAGES
 
@@ -262,15 +261,7 @@ def solve_layered(tables: LayeredTables, struct, sync):
     recompute, parts = {}, []
     for rho, opt in enumerate(units):
         slots, prices, edges, shares, _ = tables.group(rho, opt)
-        per_device, fitting = [], []
-        for sl, t, e in zip(slots, prices, edges):
-            mem = device_memory(sl, spec, N, param_bytes=t.param_bytes, held_bytes=t.held_bytes,
-                                transient_bytes=t.transient_bytes, edge=e, owned_fraction=sync.owned_fraction[sl.device_id],
-                                sync_buffer_bytes=sync.buffer_bytes[sl.device_id], zero_stage=tables.zero_stage,
-                                owned_layer_fraction=sync.owned_layer_fraction.get(sl.device_id))
-            ok = np.flatnonzero(mem.peak_bytes <= sl.memory_bytes)
-            fitting.append(ok)
-            per_device.append((t.bwd_ms[0] + t.rec_attn_ms[ok], t.bwd_ms[1] + t.rec_mlp_ms[ok]))
+        per_device, fitting = fitting_backwards(spec, N, slots, prices, edges, sync, tables.zero_stage)
         got = _best_backward(per_device)
         if got is None:
             return None

@@ -210,6 +210,23 @@ def _optimizer_ms(tables: StageTables, struct, sync: SyncTerms) -> float:
     return worst
 
 
+def fitting_backwards(spec, num_layers: int, slots, prices, edges, sync: SyncTerms, zero_stage: int):
+    """Per device of a group: its recompute sets that fit at ``num_layers`` layers with the structure's owned
+    fractions and staging (eq. 8, or eq. 18 at stages 2-3: ``costmodel.device_memory``, the evaluator's
+    comparison), and their per-block backward (attn, mlp) with recomputation. Returns (per_device, fitting):
+    the backward arrays and the indices of the fitting sets in the space."""
+    per_device, fitting = [], []
+    for sl, t, e in zip(slots, prices, edges):
+        mem = device_memory(sl, spec, num_layers, param_bytes=t.param_bytes, held_bytes=t.held_bytes,
+                            transient_bytes=t.transient_bytes, edge=e, owned_fraction=sync.owned_fraction[sl.device_id],
+                            sync_buffer_bytes=sync.buffer_bytes[sl.device_id], zero_stage=zero_stage,
+                            owned_layer_fraction=sync.owned_layer_fraction.get(sl.device_id))
+        ok = np.flatnonzero(mem.peak_bytes <= sl.memory_bytes)
+        fitting.append(ok)
+        per_device.append((t.bwd_ms[0] + t.rec_attn_ms[ok], t.bwd_ms[1] + t.rec_mlp_ms[ok]))
+    return per_device, fitting
+
+
 def _best_backward(per_device) -> tuple[float, list[int]] | None:
     """min over one set per device of sum_k max_d bwd_k (two blocks, eq. 9): for each threshold t of the first
     block, each device takes, among its sets within t, the least second block. ``per_device``: (first, second)
@@ -244,14 +261,7 @@ def solve_structure(tables: StageTables, struct, sync: SyncTerms, emb_ms: float,
         bwd_layer = []
         for s, (L, opt) in enumerate(zip(lay.layers, lay.units)):
             slots, prices, edges, _, _, _ = tables.stage(rho, s, opt)
-            per_device, fitting = [], []
-            for sl, t, e in zip(slots, prices, edges):
-                mem = device_memory(sl, spec, L, param_bytes=t.param_bytes, held_bytes=t.held_bytes,
-                                    transient_bytes=t.transient_bytes, edge=e, owned_fraction=sync.owned_fraction[sl.device_id],
-                                    sync_buffer_bytes=sync.buffer_bytes[sl.device_id])
-                ok = np.flatnonzero(mem.peak_bytes <= sl.memory_bytes)
-                fitting.append(ok)
-                per_device.append((t.bwd_ms[0] + t.rec_attn_ms[ok], t.bwd_ms[1] + t.rec_mlp_ms[ok]))
+            per_device, fitting = fitting_backwards(spec, L, slots, prices, edges, sync, zero_stage)
             got = _best_backward(per_device)
             if got is None:
                 return None
