@@ -319,33 +319,47 @@ def test_resume_across_sharding_stages_and_plan_shapes_keeps_the_loss_curve(tmp_
 
     Catches: a checkpoint that stores shards or local slices instead of full tensors, moments of a shard
     written to another's place, a step count or data position lost, and state read for the wrong owned range."""
-    from safetensors.torch import load_file
-
-    from runtime.launch import TrainConfig, train
-
     spec = tiny(0.1)
     x = replicas_plan(spec, PP_AND_SINGLE, zero_stage=1, ratios=[0.7, 0.7, 0.3])
     y = replicas_plan(spec, TP_AND_PP)
     z = replicas_plan(spec, TP_MISMATCHED, zero_stage=1, ratios=[0.0, 0.0, 1.0, 1.0])
     assert x.global_batch == y.global_batch == z.global_batch == 8
-    opts = dict(lr=LR, weight_decay=WD, clip_grad=CLIP, timeout_s=60)
-    full = train(TrainConfig(plan=x, steps=6, save_dir=str(tmp_path / "x"), save_every=2, **opts))
+    resume_chain(tmp_path, x, y, z)
+    assert_same_checkpoint(tmp_path / "x" / "step-000006", tmp_path / "z" / "step-000006")
+
+
+RESUME_OPTS = dict(lr=LR, weight_decay=WD, clip_grad=CLIP, timeout_s=60)
+
+
+def resume_chain(tmp_path, x, y, z) -> list[float]:
+    """Train plan ``x`` 6 steps saving every 2 (in ``tmp_path/x``); resume its step-2 checkpoint under ``y`` to
+    step 4 and that one's step-4 checkpoint under ``z`` to step 6 (in ``tmp_path/y``, ``/z``). The resumed
+    steps' losses follow the uninterrupted run's within 1e-5. Returns the uninterrupted run's losses."""
+    from runtime.launch import TrainConfig, train
+
+    full = train(TrainConfig(plan=x, steps=6, save_dir=str(tmp_path / "x"), save_every=2, **RESUME_OPTS))
     losses = [s.loss for s in full]
     assert losses[-1] < losses[0]
-
     shutil.copytree(tmp_path / "x" / "step-000002", tmp_path / "y" / "step-000002")
-    mid = train(TrainConfig(plan=y, steps=4, save_dir=str(tmp_path / "y"), resume=True, **opts))
+    mid = train(TrainConfig(plan=y, steps=4, save_dir=str(tmp_path / "y"), resume=True, **RESUME_OPTS))
     shutil.copytree(tmp_path / "y" / "step-000004", tmp_path / "z" / "step-000004")
-    end = train(TrainConfig(plan=z, steps=6, save_dir=str(tmp_path / "z"), resume=True, **opts))
+    end = train(TrainConfig(plan=z, steps=6, save_dir=str(tmp_path / "z"), resume=True, **RESUME_OPTS))
     assert [s.step for s in mid + end] == [2, 3, 4, 5]
     for got, want in zip([s.loss for s in mid + end], losses[2:]):
         assert got == pytest.approx(want, rel=1e-5)
+    return losses
+
+
+def assert_same_checkpoint(want_dir, got_dir) -> None:
+    """Two checkpoints hold the same tensors, model and optimizer, each within 1e-4 relative."""
+    from safetensors.torch import load_file
+
     for file in ("model.safetensors", "optimizer.safetensors"):
-        want, got = (load_file(tmp_path / d / "step-000006" / file) for d in ("x", "z"))
+        want, got = load_file(want_dir / file), load_file(got_dir / file)
         assert sorted(got) == sorted(want)
         for name in want:
             err = rel_err(got[name], want[name])
-            assert err <= 1e-4, f"{file}: {name} off by {err:.2e} from the uninterrupted run"
+            assert err <= 1e-4, f"{file}: {name} of {got_dir} off by {err:.2e} from {want_dir}"
 
 
 # --- (e) bf16 ------------------------------------------------------------------------------------------

@@ -282,10 +282,8 @@ def test_resume_across_stages_3_0_2_keeps_the_loss_curve(tmp_path):
 
     Catches: a stage 3 checkpoint that reads released parameters (zeros) instead of the weight shards, shards
     loaded into the wrong ranges, and a stage 3 load that writes into released storage."""
-    from safetensors.torch import load_file
-
     from runtime.launch import TrainConfig, train
-    from tests.test_data_parallel import PP_AND_SINGLE
+    from tests.test_data_parallel import PP_AND_SINGLE, RESUME_OPTS, assert_same_checkpoint, resume_chain
 
     spec = tiny(0.1)
     x = replicas_plan(spec, SINGLES_3_1, zero_stage=3, ratios=[0.7, 0.3])
@@ -293,30 +291,14 @@ def test_resume_across_stages_3_0_2_keeps_the_loss_curve(tmp_path):
     z = replicas_plan(spec, TP_AND_SINGLE, zero_stage=2, ratios=[0.0, 0.0, 1.0])
     w = replicas_plan(spec, TP_AND_SINGLE, zero_stage=3, ratios=[0.3, 0.3, 0.7])
     assert x.global_batch == y.global_batch == z.global_batch == w.global_batch == 8
-    opts = dict(lr=LR, weight_decay=WD, clip_grad=CLIP, timeout_s=60)
-    full = train(TrainConfig(plan=x, steps=6, save_dir=str(tmp_path / "x"), save_every=2, **opts))
-    losses = [s.loss for s in full]
-    assert losses[-1] < losses[0]
-
-    shutil.copytree(tmp_path / "x" / "step-000002", tmp_path / "y" / "step-000002")
-    mid = train(TrainConfig(plan=y, steps=4, save_dir=str(tmp_path / "y"), resume=True, **opts))
-    shutil.copytree(tmp_path / "y" / "step-000004", tmp_path / "z" / "step-000004")
-    end = train(TrainConfig(plan=z, steps=6, save_dir=str(tmp_path / "z"), resume=True, **opts))
-    assert [s.step for s in mid + end] == [2, 3, 4, 5]
-    for got, want in zip([s.loss for s in mid + end], losses[2:]):
-        assert got == pytest.approx(want, rel=1e-5)
+    losses = resume_chain(tmp_path, x, y, z)
     # And back into stage 3 from stage 0's checkpoint, another shape and other ratios.
     shutil.copytree(tmp_path / "y" / "step-000004", tmp_path / "w" / "step-000004")
-    back = train(TrainConfig(plan=w, steps=6, save_dir=str(tmp_path / "w"), resume=True, **opts))
+    back = train(TrainConfig(plan=w, steps=6, save_dir=str(tmp_path / "w"), resume=True, **RESUME_OPTS))
     for got, want in zip([s.loss for s in back], losses[4:]):
         assert got == pytest.approx(want, rel=1e-5)
-    for file in ("model.safetensors", "optimizer.safetensors"):
-        for other in ("z", "w"):
-            want, got = (load_file(tmp_path / d / "step-000006" / file) for d in ("x", other))
-            assert sorted(got) == sorted(want)
-            for name in want:
-                err = rel_err(got[name], want[name])
-                assert err <= 1e-4, f"{file}: {name} of {other} off by {err:.2e} from the uninterrupted run"
+    for other in ("z", "w"):
+        assert_same_checkpoint(tmp_path / "x" / "step-000006", tmp_path / other / "step-000006")
 
 
 # --- what is refused ----------------------------------------------------------------------------------------
