@@ -216,3 +216,31 @@ def reference_adamw(model: torch.nn.Module, *, lr: float, weight_decay: float) -
     return torch.optim.AdamW([{"params": [p for n, p in named if decays(n)]},
                               {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0}],
                              lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
+
+
+def reference_training(spec, global_batch: int, steps: int, *, seed: int, lr: float, weight_decay: float, clip: float,
+                       schedule) -> dict:
+    """The single-device model trained on the whole global batch: ``reference_adamw``, torch's
+    clip_grad_norm_ at ``clip``, the learning rate of ``schedule`` (an ``LRSchedule``) at every step. Returns
+    the model, its optimizer, the losses, the norms before clipping and the step-0 gradients by name."""
+    from runtime.data import TokenSource
+    from runtime.model import GPT
+
+    model = GPT(spec, seed=seed)
+    named = list(model.named_parameters())
+    opt = reference_adamw(model, lr=lr, weight_decay=weight_decay)
+    data = TokenSource(spec, seed=seed, global_batch=global_batch)
+    losses, norms, grads = [], [], None
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = data.batch(step, torch.arange(global_batch))
+        loss = model(x, y, step=step)[1]
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in named}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        for g in opt.param_groups:
+            g["lr"] = schedule.lr_at(step)
+        opt.step()
+    return {"model": model, "optimizer": opt, "losses": losses, "norms": norms, "grads": grads}

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from runtime.schedule import LRSchedule, clip_coefficient
-from tests.runtime_helpers import reference_adamw, rel_err, replicas_plan, run_ranks, tiny
+from tests.runtime_helpers import reference_training, rel_err, replicas_plan, run_ranks, tiny
 
 STEPS, SEED, LR, WD = 3, 0, 3e-3, 0.1
 CLIP = 0.05
@@ -150,27 +150,9 @@ def _worker(rank, world, plan, steps):
 def _reference(spec, global_batch, steps):
     """The single-device model on the whole global batch: AdamW with the decay rule and schedule, torch's
     clip_grad_norm_; step-0 gradients, losses, norms, and the final weights and first moments."""
-    from runtime.data import TokenSource
-    from runtime.model import GPT
-
-    model = GPT(spec, seed=SEED)
-    named = list(model.named_parameters())
-    opt = reference_adamw(model, lr=LR, weight_decay=WD)
-    data, sched = TokenSource(spec, seed=SEED, global_batch=global_batch), schedule()
-    losses, norms, grads = [], [], None
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        x, y = data.batch(step, torch.arange(global_batch))
-        loss = model(x, y, step=step)[1]
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in named}
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        norms.append(float(norm))
-        for g in opt.param_groups:
-            g["lr"] = sched.lr_at(step)
-        opt.step()
+    ref = reference_training(spec, global_batch, steps, seed=SEED, lr=LR, weight_decay=WD, clip=CLIP, schedule=schedule())
+    named, opt = list(ref["model"].named_parameters()), ref["optimizer"]
+    losses, norms, grads = ref["losses"], ref["norms"], ref["grads"]
     weights = {n: p.detach().clone() for n, p in named}
     moments = {n: opt.state[p]["exp_avg"].clone() for n, p in named}
     return {"losses": losses, "norms": norms, "grads": grads, "weights": weights, "exp_avg": moments}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.schedule import LRSchedule, clip_coefficient, decays
-from tests.runtime_helpers import reference_adamw, plan_of, rel_err, run_ranks, tiny
+from tests.runtime_helpers import plan_of, reference_training, rel_err, run_ranks, tiny
 
 STEPS, SEED, LR, CLIP, WD = 3, 1, 3e-3, 0.05, 0.1
 
@@ -73,24 +73,11 @@ def _worker(rank, world, plan, val_dir):
 
 def _reference(spec, global_batch, val_dir):
     """The single-device model: AdamW with the decay rule, torch's clip_grad_norm_, the same schedule."""
-    from runtime.data import TokenSource, ValidationSource, model_validation_loss
-    from runtime.model import GPT
+    from runtime.data import ValidationSource, model_validation_loss
 
-    model = GPT(spec, seed=SEED)
+    ref = reference_training(spec, global_batch, STEPS, seed=SEED, lr=LR, weight_decay=WD, clip=CLIP, schedule=schedule())
+    model, losses, norms = ref["model"], ref["losses"], ref["norms"]
     named = list(model.named_parameters())
-    opt = reference_adamw(model, lr=LR, weight_decay=WD)
-    data, sched = TokenSource(spec, seed=SEED, global_batch=global_batch), schedule()
-    losses, norms = [], []
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        x, y = data.batch(step, torch.arange(global_batch))
-        loss = model(x, y, step=step)[1]
-        loss.backward()
-        losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        for g in opt.param_groups:
-            g["lr"] = sched.lr_at(step)
-        opt.step()
     val = model_validation_loss(model, ValidationSource(spec, val_dir, global_batch=global_batch, max_windows=5)) \
         if val_dir else None
     return losses, norms, dict(named), val

@@ -35,6 +35,16 @@ def measured_profiles(tmp_path_factory):
     return d
 
 
+def train_with_report(plan, tmp_path, steps: int, profiles):
+    """``baton train PLAN --report`` on clusters/cpu2.yaml with ``profiles``: (the report it wrote, the run)."""
+    save_plan(plan, tmp_path / "plan.json")
+    out = tmp_path / "report.json"
+    res = baton("train", "--plan", tmp_path / "plan.json", "--steps", str(steps), "--report", out,
+                "--cluster", ROOT / "clusters" / "cpu2.yaml", "--profiles", profiles, "--timeout", "120")
+    assert res.returncode == 0, res.stderr
+    return json.loads(out.read_text()), res
+
+
 @pytest.mark.parametrize("name,stages,layers,units,recompute", [
     ("pipeline with recompute", [[("local:0", 1)], [("local:1", 1)]], [3, 1], 1, {"local:0": ["attn_scores", "softmax", "attn_dropout", "attn_v"]}),
     ("uneven TP, one rank recomputes all", [[("local:0", 3), ("local:1", 1)]], [4], 4, {"local:1": ALL_OPS, "local:0": ["gelu", "fc2"]}),
@@ -42,12 +52,7 @@ def measured_profiles(tmp_path_factory):
 def test_report_predicts_activation_memory_exactly(tmp_path, measured_profiles, name, stages, layers, units, recompute):
     plan = simple_plan(TINY, cluster="cpu2", stages=stages, layers=layers, units_per_layer=units,
                        micro_batch_size=2, num_microbatches=3, recompute=recompute)
-    save_plan(plan, tmp_path / "plan.json")
-    out = tmp_path / "report.json"
-    res = baton("train", "--plan", tmp_path / "plan.json", "--steps", "2", "--report", out,
-                "--cluster", ROOT / "clusters" / "cpu2.yaml", "--profiles", measured_profiles, "--timeout", "120")
-    assert res.returncode == 0, res.stderr
-    rep = json.loads(out.read_text())
+    rep, res = train_with_report(plan, tmp_path, 2, measured_profiles)
     assert rep["steps_measured"] == 1
     assert rep["iteration_time_ms"]["measured"] > 0 and rep["iteration_time_ms"]["predicted"] > 0
     assert [s["index"] for s in rep["stages"]] == list(range(len(stages)))
@@ -211,12 +216,7 @@ def test_report_of_uneven_replicas_with_sharded_state(tmp_path, measured_profile
     pipes = tuple(replace(p, stages=(replace(p.stages[0], devices=(replace(p.stages[0].devices[0], shard_ratio=r),)),))
                   for p, r in zip(pipes, (0.7, 0.3)))
     plan = validate(replace(a, pipelines=pipes, zero_stage=1))
-    save_plan(plan, tmp_path / "plan.json")
-    out = tmp_path / "report.json"
-    res = baton("train", "--plan", tmp_path / "plan.json", "--steps", "3", "--report", out,
-                "--cluster", ROOT / "clusters" / "cpu2.yaml", "--profiles", measured_profiles, "--timeout", "120")
-    assert res.returncode == 0, res.stderr
-    rep = json.loads(out.read_text())
+    rep, res = train_with_report(plan, tmp_path, 3, measured_profiles)
     assert [(r["samples"], r["micro_batch_size"]) for r in rep["replicas"]] == [(4, 2), (2, 1)]
     assert rep["replicas"][0]["pipeline_ms"]["predicted"] > rep["replicas"][1]["pipeline_ms"]["predicted"]
     assert all(r["pipeline_ms"]["measured"] > 0 for r in rep["replicas"])
