@@ -555,6 +555,9 @@ class SyncTerms:
 
     dp_sync_ms: float
     """Stages 0 and 1: T_dp, eq. 15 (stages 2 and 3 price their collectives per unit: ``unit_ms``)."""
+    dp_reduce_ms: float
+    """The part of ``dp_sync_ms`` before the step: all of it at stage 0, the reduce-scatters at stage 1
+    (the all-gathers follow the owners' update)."""
     owned_fraction: dict
     """Device -> share of its weights whose optimizer state (and at stages 2-3 gradients) it keeps."""
     buffer_bytes: dict
@@ -573,7 +576,7 @@ def sync_terms(cluster: ClusterSpec, plan) -> SyncTerms:
     held, owned = held_params(plan), owned_params(plan)
     buffer = {i: 0.0 for i in held}
     reduce_ms, gather_ms, layer_held, layer_owned = {}, {}, {i: 0.0 for i in held}, {i: 0.0 for i in held}
-    dp = 0.0
+    dp = reduce = 0.0
     if plan.zero_stage < 2:
         groups = peer_groups(plan)
         largest = [max(owned_fractions(plan, g)) * g.num_params for g in groups]
@@ -583,6 +586,7 @@ def sync_terms(cluster: ClusterSpec, plan) -> SyncTerms:
                                                              whole=whole))
         dp = data_parallel_sync_ms(cluster, spec, [(g.holders, g.num_params, big) for g, big in zip(groups, largest)],
                                    plan.zero_stage)
+        reduce = dp if plan.zero_stage == 0 else unit_pass_ms(cluster, spec, [(g.holders, big) for g, big in zip(groups, largest)])
     else:
         for unit, gs in unit_groups(plan):
             shards = [(g.holders, max(owned_fractions(plan, g)) * g.num_params) for g in gs]
@@ -595,7 +599,7 @@ def sync_terms(cluster: ClusterSpec, plan) -> SyncTerms:
                     if unit is not EDGES:
                         layer_held[h] += g.num_params
                         layer_owned[h] += f * g.num_params
-    return SyncTerms(dp_sync_ms=dp, owned_fraction={i: owned[i] / held[i] for i in held}, buffer_bytes=buffer, unit_reduce_ms=reduce_ms, unit_gather_ms=gather_ms,
+    return SyncTerms(dp_sync_ms=dp, dp_reduce_ms=reduce, owned_fraction={i: owned[i] / held[i] for i in held}, buffer_bytes=buffer, unit_reduce_ms=reduce_ms, unit_gather_ms=gather_ms,
                      owned_layer_fraction={i: layer_owned[i] / layer_held[i] for i in held if layer_held[i]})
 
 

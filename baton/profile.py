@@ -34,7 +34,8 @@ NUMERIC = ["micro_batch", "seq_len", "tp_share", "fwd_ms", "bwd_ms", "saved_byte
 SOURCES = ("measured", "derived")
 
 OPTIMIZER = "optimizer"
-"""Row of a measured table holding one timed AdamW step: fwd_ms for param_bytes of weights (eq. 10)."""
+"""Row of a measured table holding one timed step after the passes (the gradient norm and the AdamW update):
+fwd_ms for param_bytes of weights (eq. 10)."""
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_SHARES = tuple(sorted({1 / 64, 1 / 32, 1 / 40, 1 / 20, 1 / 10, 3 / 40} | {k / 16 for k in range(1, 17)} | {k / 8 for k in range(1, 9)}))

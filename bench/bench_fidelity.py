@@ -15,10 +15,11 @@ Set-up (explicit, because CPU processes share this machine's cores):
   written into a copy of clusters/cpu2.yaml (and cpu4 when 4 processes are asked for);
 * this machine's speed wanders by 10-35% over tens of seconds (other tenants), so prediction and
   measurement are *paired*: the benchmark runs in rounds, each round measures the link, then for every
-  plan profiles exactly the micro-batch sizes and shares the plan runs and at once trains it for
-  ``--steps`` steps (the first dropped). A plan's error is the median over rounds of its paired errors
-  (the round's prediction from the round's table and link against the round's median step), so drift
-  between rounds cancels instead of landing on one side; the measured and predicted times shown are the
+  plan profiles exactly the micro-batch sizes and shares the plan runs, at once trains it for
+  ``--steps`` steps (the first dropped) and profiles them again; the round's prediction uses the mean of
+  the two tables, so drift across the pair cancels to first order. A plan's error is the median over
+  rounds of its paired errors (the round's prediction from the round's tables and link against the
+  round's median step), so drift between rounds cancels instead of landing on one side; the measured and predicted times shown are the
   medians over rounds of each. (Round 1 also profiles every size and share once, for ``baton solve``.)
 
 Plans: pipelines with even and uneven layers, recomputation on one stage, tensor parallelism with
@@ -61,7 +62,8 @@ from baton.cluster import load_cluster  # noqa: E402
 from baton.profile import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
 from baton.plan import Pipeline, Plan, load_plan, simple_plan, validate  # noqa: E402
-from baton.profile import table_filename, write_table  # noqa: E402
+from baton.operators import EMBEDDING, HEAD  # noqa: E402
+from baton.profile import OPTIMIZER, table_filename, write_table  # noqa: E402
 from runtime.comm_profiler import measure_links, median_link  # noqa: E402
 from runtime.launch import TrainConfig, train  # noqa: E402
 from runtime.op_profiler import median_of_tables, profile_table  # noqa: E402
@@ -305,6 +307,14 @@ def layer_repetition_cv(micro_batch: int, *, warmup: int = 3, reps: int = 30) ->
     return (q[2] - q[0]) / 1.349 / statistics.median(times)
 
 
+def _layer_ms(table) -> float:
+    """The layer operators' forward + backward at the table's smallest micro-batch size and whole share (both
+    attention forms): a figure of the machine's speed while the table was measured."""
+    rows = table[(table["micro_batch"] == table["micro_batch"].min()) & (table["tp_share"] == 1.0)
+                 & ~table["op"].isin([EMBEDDING, HEAD, OPTIMIZER])]
+    return float(rows["fwd_ms"].sum() + rows["bwd_ms"].sum())
+
+
 def layer_passes(plan: Plan) -> list[int]:
     """Per replica: layer passes (one forward and one backward of one layer) of its busiest stage per step."""
     out = []
@@ -366,13 +376,12 @@ def main() -> None:
                      for d in s.devices}
                     | {0.25, 0.5, 0.75, 1.0})
     table_path = profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len)
-    links, syncs, layer_cv, rounds = [], {}, {}, {}
+    links, syncs, layer_cv, rounds, drifts = [], {}, {}, {}, {}
     replica_mbs = sorted({p.batch(i)[0] for p in cases.values() if len(p.pipelines) > 1 for i in range(len(p.pipelines))})
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: measuring the link over gloo ...")
-        # The in-layer all-reduce measurement runs fp32 layers only; its GB/s figure carries over to a bf16
-        # twin of the same shape (the bytes it moves are priced from the model's own dtype).
-        links.append(measure_links(world_size=2, spec=SPEC.with_overrides(dtype="fp32"), micro_batches=(1, 2, 4)))
+        # In the model's own dtype: gloo reduces bf16 at a fraction of fp32's rate per byte.
+        links.append(measure_links(world_size=2, spec=SPEC, micro_batches=(1, 2, 4)))
         cluster_path = write_cluster(work / f"round-{r}", args.procs, links[-1])
         cluster = load_cluster(cluster_path)
         if r == 0:
@@ -385,20 +394,27 @@ def main() -> None:
         for b in replica_mbs:  # the spread of a layer's repetitions: the profile-side sigma of the wait model
             layer_cv.setdefault(b, []).append(layer_repetition_cv(b))
         for index, (name, plan) in enumerate(cases.items()):
-            # Paired: the table of exactly what this plan runs, measured right before it runs, so the machine's
-            # drift (10-35% over tens of seconds here) hits prediction and measurement alike.
+            # Paired: the table of exactly what this plan runs, measured right before and right after it runs, so
+            # the machine's drift (10-35% over tens of seconds here) hits prediction and measurement alike.
             plan_mbs = sorted({plan.batch(i)[0] for i in range(len(plan.pipelines))})
             plan_shares = sorted({d.units / st.units_per_layer for pipe in plan.pipelines for st in pipe.stages
                                   for d in st.devices} | {1.0})
-            print(f"  profiling then running {name} ...")
+            print(f"  profiling, running, profiling again {name} ...")
             plan_profiles = work / f"round-{r}" / f"plan-{index}"
-            write_table(profile_table(SPEC, device="cpu", micro_batches=tuple(plan_mbs), shares=tuple(plan_shares), warmup=3,
-                                      reps=args.reps, concurrent=args.procs),
-                        plan_profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len))
+
+            def plan_table():
+                return profile_table(SPEC, device="cpu", micro_batches=tuple(plan_mbs), shares=tuple(plan_shares), warmup=3,
+                                     reps=args.reps, concurrent=args.procs)
+
+            before = plan_table()
             per_rank: dict = {}
             trace = work / f"trace-{index}-{r}.json"
             train(TrainConfig(plan=plan, steps=args.steps, seed=0, collect_all_ranks=True, timeout_s=300, trace=str(trace)),
                   per_rank=per_rank)
+            after = plan_table()
+            # The run sits between two tables: their mean cancels the machine's drift across the pair, to first order.
+            write_table(median_of_tables([before, after]), plan_profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len))
+            drifts.setdefault(name, []).append(_layer_ms(after) / _layer_ms(before) - 1.0)
             syncs.setdefault(name, []).extend(sync_samples(plan, read_spans(trace), per_rank))
             rep = build_report(plan, cluster, ProfileSet(SPEC, directory=plan_profiles), per_rank)
             rounds.setdefault(name, []).append(rep)
@@ -428,6 +444,7 @@ def main() -> None:
             "activation_worst_device_rel_error": worst_act,
             "iteration_ms_per_round": measured, "iteration_ms_predicted_per_round": predicted,
             "round_spread": (max(measured) - min(measured)) / statistics.median(measured),
+            "table_drift_per_round": drifts[name],
             "stages": rep["stages"], "report": rep,
         })
         print(f"  {name}: iteration {statistics.median(measured):.1f} ms measured, {statistics.median(predicted):.1f} ms predicted "
@@ -456,26 +473,28 @@ def main() -> None:
            "pinned": True, "model": SPEC.to_dict(), "steps": args.steps, "rounds": args.rounds, "reps": args.reps, "link": link.to_dict(), "seconds": round(time.time() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps({"summary": summary, "environment": env, "plans": rows}, indent=2) + "\n")
-    lines = ["| plan | devices | iteration ms measured | spread over rounds | predicted | error | activations MiB measured | predicted | worst device error |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| plan | devices | iteration ms measured | spread over rounds | table drift | predicted | error | activations MiB measured | predicted | worst device error |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['plan']} | {r['devices']} | {r['iteration_ms_measured']:.1f} | {r['round_spread']:.0%} | "
+        drift = max(r["table_drift_per_round"], key=abs)
+        lines.append(f"| {r['plan']} | {r['devices']} | {r['iteration_ms_measured']:.1f} | {r['round_spread']:.0%} | {drift:+.0%} | "
                      f"{r['iteration_ms_predicted']:.1f} | "
                      f"{r['iteration_rel_error']:+.1%} | {r['activation_bytes_measured'] / 2**20:.2f} | "
                      f"{r['activation_bytes_predicted'] / 2**20:.2f} | {r['activation_worst_device_rel_error']:.2%} |")
     lines += ["", f"Iteration time: mean absolute error {summary['iteration_time_mean_abs_rel_error']:.1%}, worst "
               f"{summary['iteration_time_worst_abs_rel_error']:.1%} (targets 5% / 10%). Activation memory: mean "
               f"{summary['activation_mean_abs_rel_error']:.2%}, worst {summary['activation_worst_abs_rel_error']:.2%} (target 2%).",
-              "", f"Model `{SPEC.name}` ({SPEC.dtype}, {SPEC.attention} attention), {args.procs} CPU processes, one thread each, pinned; link measured over gloo: "
+              "", f"Model `{SPEC.name}` ({SPEC.dtype}, {SPEC.attention} attention), {args.procs} CPU processes, one thread each, pinned; link measured over gloo in {link.dtype} messages: "
               f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us per transfer; all-reduce {link.allreduce_bandwidth_gb_per_s:.2f} GB/s, "
               f"{link.allreduce_latency_us:.0f} us per ring step between idle ranks, {link.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s, "
               f"{link.tp_allreduce_latency_us:.0f} us inside the tensor-parallel layer, reduce-scatter "
               f"{link.reduce_scatter_bandwidth_gb_per_s:.2f} GB/s and all-gather {link.all_gather_bandwidth_gb_per_s:.2f} GB/s "
               f"per ring step (medians over rounds); {args.rounds} rounds of "
-              f"(link; then per plan: profile its sizes and shares on {args.procs} cores at once, median of {args.reps}, and run it "
-              f"{args.steps} steps, first dropped). Measured and predicted: medians over rounds; error: median over rounds of the "
-              "round's (predicted - measured) / measured, each round's prediction from that round's table and link; spread: "
-              "(slowest - fastest round) / median."]
+              f"(link; then per plan: profile its sizes and shares on {args.procs} cores at once, median of {args.reps}, run it "
+              f"{args.steps} steps, first dropped, and profile it again). Measured and predicted: medians over rounds; error: median "
+              "over rounds of the round's (predicted - measured) / measured, each round's prediction from that round's link and the "
+              "mean of the two tables around the run; spread: (slowest - fastest round) / median; table drift: the largest change "
+              "of a layer's profiled time from the table before the run to the one after it, over the rounds."]
     lines += wait_table(rows)
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -37,11 +37,14 @@ from baton.errors import BatonError
 from baton.model_spec import ModelSpec, splits_into
 from runtime.affinity import pin_rank
 from runtime.host_memory import keep_freed_memory
+from runtime.precision import compute_dtype
 from runtime.processes import die_with_parent, stop_processes
 
-DEFAULT_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
+DEFAULT_SIZES = tuple(2**k for k in range(12, 27, 2))  # 4 KiB .. 64 MiB: a whole small model's gradients
 BATCH = 4
-"""Operations per timed batch."""
+"""Operations per timed batch (transfers: back to back; collectives: one at a time, ``BATCH`` timings)."""
+PIECES = 12
+"""Tensors a unit's gradients and weights come in when the sharded sync is timed (a layer has 12)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +75,9 @@ class LinkFit:
     """Per-step bandwidth of the sharded sync's all-gather (None: not measured)."""
     all_gather_latency_us: float | None = None
     """Per-step latency of that all-gather."""
+    dtype: str = "fp32"
+    """Element type the messages were timed in (the model's: gloo reduces bf16 at a fraction of fp32's rate per
+    byte, so a bf16 model's syncs are priced from bf16 messages)."""
     points: dict
     """{'p2p': [[bytes, ms], ...], 'allreduce': [...], 'reduce_scatter': [...], 'all_gather': [...] (bytes: the
     whole flat vector, n chunks), 'allreduce_in_layer': [...] (given a model)}"""
@@ -94,7 +100,7 @@ class LinkFit:
     def yaml_block(self) -> str:
         import yaml
 
-        return (f"# measured by 'baton profile --comm' over {self.backend} ({self.world_size} ranks)\n"
+        return (f"# measured by 'baton profile --comm' over {self.backend} ({self.world_size} ranks, {self.dtype} messages)\n"
                 + yaml.safe_dump({"intra_node_link": self.link_fields()}, default_flow_style=None, sort_keys=False, width=1000))
 
     def to_dict(self) -> dict:
@@ -148,14 +154,15 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
     nh, nf = spec.num_heads // world, spec.ffn_dim // world
     shard = dict(layers=range(4), heads=range(rank * nh, (rank + 1) * nh), ffn_cols=range(rank * nf, (rank + 1) * nf),
                  first=False, last=False)
+    dtype = compute_dtype(spec.dtype)
     joined, alone = StageModel(spec, tp_group=dist.group.WORLD, **shard), StageModel(spec, tp_group=None, **shard)
     for model in (joined, alone):
         _init(model, 0)
-        model.train()
+        model.to(dtype).train()
     points = []
     for b in micro_batches:
         mb = MicroBatch(seed=0, step=0, samples=torch.arange(b))
-        x = torch.randn(b, spec.seq_len, spec.hidden_dim, generator=torch.Generator().manual_seed(b))
+        x = torch.randn(b, spec.seq_len, spec.hidden_dim, generator=torch.Generator().manual_seed(b)).to(dtype)
         times = {"joined": [], "alone": []}
         calls = 0
         for i in range(reps + 2):
@@ -175,12 +182,12 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
         added = torch.tensor([max(statistics.median(times["joined"]) - statistics.median(times["alone"]), 0.0) / max(calls, 1)],
                              dtype=torch.float64)
         dist.all_reduce(added)
-        points.append((b * spec.seq_len * spec.hidden_dim * 4, float(added) / world))
+        points.append((b * spec.seq_len * spec.hidden_dim * spec.dtype_bytes, float(added) / world))
     return points
 
 
 def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: int, out_dir: str, spec=None,
-            micro_batches=(), parent_pid: int | None = None) -> None:
+            micro_batches=(), parent_pid: int | None = None, dtype: str = "fp32") -> None:
     if parent_pid is not None:
         die_with_parent(parent_pid)  # a killed `baton profile --comm` must not leave ranks behind
     try:
@@ -198,22 +205,54 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
             if backend == "nccl":
                 torch.cuda.synchronize()
 
-        from runtime.replica_sync import _all_gather, _reduce_scatter  # the calls the sharded sync makes
+        from runtime.replica_sync import padded_all_gather, padded_reduce_scatter  # the sharded sync's own passes
 
-        def timed(fn) -> float:
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
+        from runtime.op_profiler import cache_evictor
+
+        evict = cache_evictor(device)
+
+        def one_at_a_time(fn) -> list[float]:
+            """``BATCH`` calls, each alone after the ranks meet and with the caches flushed, as training makes
+            them: one collective between computations, whose start-up and wake-up are paid in full and whose
+            staging copies find nothing in cache (back to back and cache-hot, the sharded sync's passes came
+            out up to 2x faster than in a training step)."""
+            out = []
             for _ in range(BATCH):
+                evict()
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
                 fn()
-            sync()
-            return (time.perf_counter() - t0) * 1e3 / BATCH
+                sync()
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
 
+        elem = compute_dtype(dtype)
+        elem_bytes = torch.empty(0, dtype=elem).element_size()
         p2p, ar, rs, ag = [], [], [], []
         for size in sizes:
-            t = torch.ones(size // 4, dtype=torch.float32, device=device)
-            chunk = torch.empty(-(-t.numel() // world), dtype=t.dtype, device=device)
-            flat = torch.ones(chunk.numel() * world, dtype=t.dtype, device=device)
+            t = torch.ones(size // elem_bytes, dtype=elem, device=device)
+            # A unit's gradients as the sharded sync finds them: several tensors, equal shards of the whole.
+            pieces = [p.contiguous() for p in torch.ones(t.numel(), dtype=t.dtype, device=device).tensor_split(PIECES)]
+            bounds = [0]
+            for p in pieces:
+                bounds.append(bounds[-1] + p.numel())
+            shard = -(-t.numel() // world)
+            offsets = tuple(min(k * shard, t.numel()) for k in range(world))
+            shards = tuple(min(shard, t.numel() - o) for o in offsets)
+
+            def fill(lo, hi, buf):  # the runtime's copy between local tensors and a flat range, piece by piece
+                for p, a in zip(pieces, bounds):
+                    x, y = max(lo, a), min(hi, a + p.numel())
+                    if x < y:
+                        buf[x - lo:y - lo].copy_(p[x - a:y - a])
+
+            def place(lo, hi, buf):
+                for p, a in zip(pieces, bounds):
+                    x, y = max(lo, a), min(hi, a + p.numel())
+                    if x < y:
+                        p[x - a:y - a].copy_(buf[x - lo:y - lo])
+
             times_p, times_a, times_rs, times_ag = [], [], [], []
             for i in range(reps + 2):
                 dist.barrier()
@@ -228,24 +267,20 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
                         dist.send(t, 0)
                 sync()
                 transfers = (time.perf_counter() - t0) * 1e3 / (2 * BATCH)
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(BATCH):
-                    dist.all_reduce(t)
-                sync()
-                took = (time.perf_counter() - t0) * 1e3 / BATCH
-                scattered = timed(lambda: _reduce_scatter(chunk, flat))
-                gathered = timed(lambda: _all_gather(flat, chunk))
+                took = one_at_a_time(lambda: dist.all_reduce(t))
+                scattered = one_at_a_time(lambda: padded_reduce_scatter(offsets, shards, fill, copies=1, group=None,
+                                                                        dtype=t.dtype, device=device))
+                gathered = one_at_a_time(lambda: padded_all_gather(offsets, shards, rank, fill, place, group=None,
+                                                                    dtype=t.dtype, device=device))
                 if i >= 2:
                     times_p.append(transfers)
-                    times_a.append(took)
-                    times_rs.append(scattered)
-                    times_ag.append(gathered)
+                    times_a += took
+                    times_rs += scattered
+                    times_ag += gathered
             p2p.append((size, statistics.median(times_p)))
             ar.append((size, statistics.median(times_a)))
-            rs.append((flat.numel() * 4, statistics.median(times_rs)))
-            ag.append((flat.numel() * 4, statistics.median(times_ag)))
+            rs.append((shard * world * elem_bytes, statistics.median(times_rs)))
+            ag.append((shard * world * elem_bytes, statistics.median(times_ag)))
         points = {"p2p": p2p, "allreduce": ar, "reduce_scatter": rs, "all_gather": ag}
         if spec is not None:
             points["allreduce_in_layer"] = _in_layer_allreduce(spec, rank, world, micro_batches, reps)
@@ -259,13 +294,18 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
 
 
 def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_SIZES, reps: int = 10, timeout_s: float = 300,
-                  spec: ModelSpec | None = None, micro_batches=(1, 2, 4)) -> LinkFit:
-    """Spawn ``world_size`` local processes, time transfers and all-reduces, fit the link model.
+                  spec: ModelSpec | None = None, micro_batches=(1, 2, 4), dtype: str | None = None) -> LinkFit:
+    """Spawn ``world_size`` local processes, time transfers and collectives, fit the link model.
 
-    With ``spec`` (a fp32 model whose heads and FFN columns split evenly over the ranks, gloo only),
-    all-reduces at its activation sizes are timed inside its tensor-parallel layer.
+    Messages are of ``dtype`` (default: the model's, else fp32): the syncs move the model's gradients and
+    weights, and a library's reductions need not run every type at one rate. With ``spec`` (a model whose
+    heads and FFN columns split evenly over the ranks, gloo only, fp32 or bf16), all-reduces at its
+    activation sizes are timed inside its tensor-parallel layer.
     """
-    if spec is not None and (backend != "gloo" or spec.dtype != "fp32" or not splits_into(spec, world_size)):
+    dtype = dtype or (spec.dtype if spec is not None else "fp32")
+    if backend == "gloo" and dtype == "fp16":
+        raise BatonError("gloo processes on CPUs do not train in fp16; measure the link in fp32 or bf16", field="--model")
+    if spec is not None and (backend != "gloo" or spec.dtype == "fp16" or not splits_into(spec, world_size)):
         spec = None  # NCCL calls return before the GPU runs them: the microbenchmark (synchronised) is the measure there
     if world_size < 2:
         raise BatonError("needs at least 2 ranks", field="--comm-ranks")
@@ -274,7 +314,7 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(_worker, args=(world_size, backend, init_file, tuple(sizes), reps, tmp, spec, tuple(micro_batches),
-                                                os.getpid()),
+                                                os.getpid(), dtype),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -287,10 +327,10 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
         finally:
             stop_processes(ctx.processes)
         points = torch.load(os.path.join(tmp, "points.pt"), weights_only=True)
-    return link_fit(backend, world_size, points)
+    return link_fit(backend, world_size, points, dtype)
 
 
-def link_fit(backend: str, world_size: int, points: dict) -> LinkFit:
+def link_fit(backend: str, world_size: int, points: dict, dtype: str = "fp32") -> LinkFit:
     """Fit the link model to measured points: transfers as latency + bytes / bandwidth, all-reduces
     (between idle ranks, and inside the tensor-parallel layer where measured) as eq. 5's ring."""
     n = world_size
@@ -315,7 +355,7 @@ def link_fit(backend: str, world_size: int, points: dict) -> LinkFit:
         allreduce_bandwidth_gb_per_s=ar_bw, allreduce_latency_us=ar_lat,
         tp_allreduce_bandwidth_gb_per_s=tp_bw, tp_allreduce_latency_us=tp_lat,
         reduce_scatter_bandwidth_gb_per_s=rs_bw, reduce_scatter_latency_us=rs_lat,
-        all_gather_bandwidth_gb_per_s=ag_bw, all_gather_latency_us=ag_lat,
+        all_gather_bandwidth_gb_per_s=ag_bw, all_gather_latency_us=ag_lat, dtype=dtype,
         points={k: [[float(x) for x in p] for p in v] for k, v in points.items()})
 
 
@@ -323,8 +363,8 @@ def median_link(fits: list[LinkFit]) -> LinkFit:
     """One fit through the median, size by size, of several measurements of the same link."""
     first = fits[0]
     shape = {k: [p[0] for p in v] for k, v in first.points.items()}
-    if any({k: [p[0] for p in v] for k, v in f.points.items()} != shape or f.world_size != first.world_size for f in fits):
-        raise BatonError("link measurements to combine must have the same ranks, kinds and sizes", field="--comm")
+    if any({k: [p[0] for p in v] for k, v in f.points.items()} != shape or f.world_size != first.world_size or f.dtype != first.dtype for f in fits):
+        raise BatonError("link measurements to combine must have the same ranks, message type, kinds and sizes", field="--comm")
     points = {kind: [[size, statistics.median(f.points[kind][i][1] for f in fits)] for i, (size, _) in enumerate(pts)]
               for kind, pts in first.points.items()}
-    return link_fit(first.backend, first.world_size, points)
+    return link_fit(first.backend, first.world_size, points, first.dtype)

@@ -51,7 +51,7 @@ from runtime.model import init_parameter, parameter_shapes
 from runtime.meters import SavedBytes
 from runtime.precision import LossScaleSettings, MasterWeights, compute_dtype
 from runtime.replica_sync import ReplicaSync
-from runtime.schedule import LRSchedule, clip_coefficient, decays
+from runtime.schedule import LRSchedule, clip_coefficient, decays, grad_square_sum
 from runtime.sharded_optimizer import ShardedAdamW
 from runtime.slicing import parameter_slice, take_slice
 from runtime.stage import StageModel
@@ -88,7 +88,10 @@ class StepStats:
     """Tied-embedding all-reduce and the data-parallel gradient collectives on this rank (all-reduces, or at
     ``zero_stage`` 1 the reduce-scatters; waits for peers included)."""
     optimizer_ms: float = 0.0
-    """The AdamW update on this rank (at ``zero_stage`` 1 with the all-gathers of the updated weights)."""
+    """The step after the passes on this rank (eq. 10): the gradient norm it counts (``norm_ms``) and the
+    AdamW update (at ``zero_stage`` 1 with the all-gathers of the updated weights)."""
+    norm_ms: float = 0.0
+    """The sum of squares of the gradients this rank counts for the global norm (part of optimizer_ms)."""
     gather_ms: float = 0.0
     """At ``zero_stage`` 1 and 2: the all-gathers of the updated weights on this rank (part of optimizer_ms); at
     3: the all-gathers of the units before their forward and backward (part of the passes' wall time)."""
@@ -289,9 +292,7 @@ class Engine:
 
     def _grad_square_sum(self) -> float:
         """Sum of squares of the gradients this rank counts (as they are: loss-scaled in fp16)."""
-        norms = [torch.linalg.vector_norm(v, dtype=torch.float32) for v in self._norm_views if v.numel()]
-        # One host sync for all of them (a float() per parameter would stall a GPU once per tensor).
-        return float(torch.stack(norms).double().pow(2).sum()) if norms else 0.0
+        return grad_square_sum(self._norm_views)
 
     def _bind_grads(self) -> None:
         """Make every ``.grad`` its view of the buffer again (a ``zero_grad()`` elsewhere sets them to
@@ -382,7 +383,9 @@ class Engine:
         if self.precision.scaler is not None and not (
                 self.units.all_finite() if self.layered else bool(torch.isfinite(self.grad_buffer).all())):
             metrics[1] = 1.0
+        t_norm = time.perf_counter()
         metrics[2] = self._grad_square_sum()
+        stats.norm_ms = (time.perf_counter() - t_norm) * 1e3
         metrics = self._all_reduce_cpu(metrics)
         if tracer is not None:
             tracer.add("grad norm, step all-reduce", "allreduce", t_metrics, time.perf_counter(), step=step)
@@ -624,7 +627,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)  # the update included
-        stats.optimizer_ms = (time.perf_counter() - t1) * 1e3
+        stats.optimizer_ms = stats.norm_ms + (time.perf_counter() - t1) * 1e3
         stats.gather_ms = getattr(self.precision, "gather_ms", 0.0)
         if self.layered:
             gathers = self.units.gather_ms if self.plan.zero_stage == 3 else self.precision.unit_gather_ms
@@ -632,7 +635,7 @@ class Engine:
             stats.unit_gather_ms = [gathers.get(u, 0.0) for u in self.units.units]
             stats.gather_ms = sum(stats.unit_gather_ms)
         if self.tracer is not None:
-            self.tracer.add("optimizer", "optimizer", t1, t1 + stats.optimizer_ms / 1e3, step=step, lr=stats.lr)
+            self.tracer.add("optimizer", "optimizer", t1, t1 + (stats.optimizer_ms - stats.norm_ms) / 1e3, step=step, lr=stats.lr)
         stats.iteration_ms = (time.perf_counter() - t0) * 1e3
         held = self.precision.state_bytes()
         stats.weights_bytes, stats.grads_bytes = held.weights_bytes, held.grads_bytes

@@ -191,9 +191,8 @@ class UnitShards:
             if sg.process_group is None:
                 self.sync.copy(sg, self.sync._param, lo, hi, shard, into_buffer=False)
             else:
-                mine = torch.zeros(sg.largest, dtype=self.dtype, device=self.device)
-                mine[:hi - lo] = shard
-                self.sync.all_gather_weights(sg, mine, own=True)
+                self.sync.all_gather_weights(sg, lambda a, b, buf, shard=shard: buf.copy_(shard), self.dtype, self.device,
+                                             own=True)
             if unit is EDGES:
                 self.weight_shards[sg.index] = None  # the owned shard is part of the whole edges now
         self.whole.add(unit)

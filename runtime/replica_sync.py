@@ -258,6 +258,47 @@ def group_owners(plan, group: PeerGroup, numel: int) -> tuple[int, ...]:
     return (numel,) + (0,) * (group.size - 1)
 
 
+@torch.no_grad()
+def padded_reduce_scatter(offsets, shards, fill, *, copies: int, group, dtype, device) -> torch.Tensor:
+    """One reduce-scatter of a flat vector whose holders own ``shards`` elements from ``offsets``: every
+    holder's pieces are staged into n chunks padded to the largest shard (collectives take equal chunks;
+    ``fill(lo, hi, buf)`` copies this rank's elements [lo, hi) into ``buf``), divided by ``copies``, and
+    reduce-scattered. Returns this rank's chunk (the largest shard's size, its owned elements first).
+
+    The sharded sync's reduce-scatter as the runtime makes it, which ``runtime.comm_profiler`` times for
+    the link's measured pass figures (eq. 13/16 charge the pass with its staging)."""
+    n, S = len(shards), max(shards)
+    # Always the padded staging, even for equal shards whose input could be the gradient buffer itself:
+    # it is what eq. 14 charges (n + 1 chunks), and one rule keeps memory predictable across ratios.
+    chunks = torch.empty(n * S, dtype=dtype, device=device)
+    for k, (o, s) in enumerate(zip(offsets, shards)):
+        fill(o, o + s, chunks[k * S:k * S + s])
+        chunks[k * S + s:(k + 1) * S].zero_()
+    if copies != 1:
+        chunks.div_(copies)
+    mine = torch.empty(S, dtype=chunks.dtype, device=chunks.device)
+    _reduce_scatter(mine, chunks, group=group)
+    return mine
+
+
+@torch.no_grad()
+def padded_all_gather(offsets, shards, me: int, fill, place, *, group, dtype, device, skip: int | None = None) -> None:
+    """The all-gather back: this rank's (holder ``me``'s) elements, staged with ``fill(lo, hi, buf)`` into one
+    chunk padded to the largest shard, to every holder in n such chunks, each holder's elements then copied
+    out with ``place(lo, hi, buf)`` (holder ``skip``'s not: this rank's own, when they are in place already).
+    Timed as it is for the link's pass figures, staging included."""
+    n, S = len(shards), max(shards)
+    lo, size = offsets[me], shards[me]
+    mine = torch.empty(S, dtype=dtype, device=device)
+    fill(lo, lo + size, mine[:size])
+    mine[size:].zero_()
+    chunks = torch.empty(n * S, dtype=dtype, device=device)
+    _all_gather(chunks, mine, group=group)
+    for k, (o, s) in enumerate(zip(offsets, shards)):
+        if k != skip:
+            place(o, o + s, chunks[k * S:k * S + s])
+
+
 class ReplicaSync:
     """This rank's peer groups, their flat layouts, and the collectives that sum gradients across replicas."""
 
@@ -386,30 +427,17 @@ class ReplicaSync:
         """Sum the holders' gradients of ``sg`` into each owner's shard: returns this rank's (``largest``
         elements, the owned ones first). ``grads_to(sg, lo, hi, buf)`` copies this rank's local gradients
         of flat elements [lo, hi) into ``buf``."""
-        n, S = sg.size, sg.largest
-        # Always the padded staging, even for equal shards whose input could be the gradient buffer itself:
-        # it is what eq. 14 charges (n + 1 chunks), and one rule keeps memory predictable across ratios.
-        chunks = torch.empty(n * S, dtype=dtype, device=device)
-        for k, (o, s) in enumerate(zip(sg.offsets, sg.shards)):
-            grads_to(sg, o, o + s, chunks[k * S:k * S + s])
-            chunks[k * S + s:(k + 1) * S].zero_()
-        if sg.copies != 1:
-            chunks.div_(sg.copies)
-        mine = torch.empty(S, dtype=chunks.dtype, device=chunks.device)
-        _reduce_scatter(mine, chunks, group=sg.process_group)
-        return mine
+        return padded_reduce_scatter(sg.offsets, sg.shards, lambda lo, hi, buf: grads_to(sg, lo, hi, buf),
+                                     copies=sg.copies, group=sg.process_group, dtype=dtype, device=device)
 
     @torch.no_grad()
-    def all_gather_weights(self, sg: SyncGroup, mine: torch.Tensor, *, own: bool = False) -> None:
-        """Stages 1 and 2, after the owners' update (and stage 3 before a unit is used): ``mine`` (the
-        largest shard's size, this rank's weights first) to every holder, padded to equal chunks, and into
-        every holder's parameters (``own``: this rank's shard too, else it is there already)."""
-        n, S = sg.size, sg.largest
-        chunks = torch.empty(n * S, dtype=mine.dtype, device=mine.device)
-        _all_gather(chunks, mine, group=sg.process_group)
-        for k, (o, s) in enumerate(zip(sg.offsets, sg.shards)):
-            if own or k != sg.me:
-                self.copy(sg, self._param, o, o + s, chunks[k * S:k * S + s], into_buffer=False)
+    def all_gather_weights(self, sg: SyncGroup, fill, dtype, device, *, own: bool = False) -> None:
+        """Stages 1 and 2, after the owners' update (and stage 3 before a unit is used): this rank's owned
+        weights (``fill(lo, hi, buf)`` copies them into ``buf``) to every holder, padded to equal chunks, and
+        into every holder's parameters (``own``: this rank's shard too, else it is there already)."""
+        padded_all_gather(sg.offsets, sg.shards, sg.me, fill,
+                          lambda lo, hi, buf: self.copy(sg, self._param, lo, hi, buf, into_buffer=False),
+                          group=sg.process_group, dtype=dtype, device=device, skip=None if own else sg.me)
 
     # --- what the norm counts -------------------------------------------------------------------------
     def norm_views(self) -> list[torch.Tensor]:

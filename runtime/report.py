@@ -34,7 +34,7 @@ from baton.evaluate import PlanReport, evaluate
 from baton.profile import ProfileSet
 from baton.atomic import write_atomically
 from baton.plan import Plan
-from baton.costmodel import peak_flops
+from baton.costmodel import peak_flops, sync_terms
 from runtime.engine import StepStats
 from runtime.meters import Throughput, throughput
 from runtime.topology import Topology
@@ -113,7 +113,7 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
                                      for k in range(len(rank0)))
     # At zero_stage 1 the data-parallel sync is two passes (eq. 15): the reduce-scatters before the step's
     # norm, the all-gathers after the owners' update (measured inside the optimizer step).
-    reduce_pred = pred.dp_sync_ms / 2 if plan.zero_stage else pred.dp_sync_ms
+    reduce_pred = sync_terms(cluster, plan).dp_reduce_ms
     phases = {
         "pipeline_ms": {"measured": measured_iter - sync_m - opt_m, "predicted": pred.pipeline_ms},
         "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + reduce_pred},
@@ -182,7 +182,6 @@ def _unit_phases(plan: Plan, cluster: ClusterSpec, steps: dict, sets: list[list[
     (``StepStats.unit_reduce_ms`` / ``unit_gather_ms``: median over steps of the slowest set of the time of
     the rank that arrives last) next to eq. 16's ring passes (reduce-scatter: one; all-gathers: stage 2
     one after the update, stage 3 the edges one and a layer two, before its forward and its backward)."""
-    from baton.costmodel import sync_terms
     from baton.peers import EDGES, unit_groups
 
     terms = sync_terms(cluster, plan)

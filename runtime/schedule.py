@@ -57,6 +57,16 @@ def decays(name: str) -> bool:
     return name.endswith(".weight") and ".ln_" not in f".{name}" and not name.startswith("ln_f.")
 
 
+def grad_square_sum(views) -> float:
+    """Sum of squares of the gradient ``views`` (each in fp32, the sum in fp64): a rank's part of the global
+    norm. Timed with the optimizer step it precedes (``runtime.op_profiler.profile_optimizer``, eq. 10)."""
+    import torch
+
+    norms = [torch.linalg.vector_norm(v, dtype=torch.float32) for v in views if v.numel()]
+    # One host sync for all of them (a float() per parameter would stall a GPU once per tensor).
+    return float(torch.stack(norms).double().pow(2).sum()) if norms else 0.0
+
+
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """What gradients are multiplied by to clip their global norm to ``max_norm`` (torch's
     ``clip_grad_norm_`` formula, so a single-device reference using it agrees): 1 when no clipping."""

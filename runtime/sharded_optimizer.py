@@ -126,11 +126,10 @@ class ShardedAdamW:
             sg = shard.sg
             if sg.process_group is not None:
                 t1 = time.perf_counter()
-                lo, hi = sg.owned
                 p0 = self.params[0]
-                mine = torch.zeros(sg.largest, dtype=p0.dtype, device=p0.device)
-                self.sync.copy(sg, self.sync._param, lo, hi, mine[:hi - lo], into_buffer=True)
-                self.sync.all_gather_weights(sg, mine)
+                self.sync.all_gather_weights(
+                    sg, lambda a, b, buf, sg=sg: self.sync.copy(sg, self.sync._param, a, b, buf, into_buffer=True),
+                    p0.dtype, p0.device)
                 self.unit_gather_ms[sg.unit] = self.unit_gather_ms.get(sg.unit, 0.0) + (time.perf_counter() - t1) * 1e3
         self.gather_ms = (time.perf_counter() - t0) * 1e3
         return True
