@@ -241,17 +241,18 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
             offsets = tuple(min(k * shard, t.numel()) for k in range(world))
             shards = tuple(min(shard, t.numel() - o) for o in offsets)
 
-            def fill(lo, hi, buf):  # the runtime's copy between local tensors and a flat range, piece by piece
+            def copy(lo, hi, buf, into_buffer):  # as the runtime moves a flat range, piece by piece, either way
                 for p, a in zip(pieces, bounds):
                     x, y = max(lo, a), min(hi, a + p.numel())
                     if x < y:
-                        buf[x - lo:y - lo].copy_(p[x - a:y - a])
+                        part, piece = buf[x - lo:y - lo], p[x - a:y - a]
+                        (part if into_buffer else piece).copy_(piece if into_buffer else part)
+
+            def fill(lo, hi, buf):
+                copy(lo, hi, buf, True)
 
             def place(lo, hi, buf):
-                for p, a in zip(pieces, bounds):
-                    x, y = max(lo, a), min(hi, a + p.numel())
-                    if x < y:
-                        p[x - a:y - a].copy_(buf[x - lo:y - lo])
+                copy(lo, hi, buf, False)
 
             times_p, times_a, times_rs, times_ag = [], [], [], []
             for i in range(reps + 2):

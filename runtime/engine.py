@@ -627,7 +627,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)  # the update included
-        stats.optimizer_ms = stats.norm_ms + (time.perf_counter() - t1) * 1e3
+        t2 = time.perf_counter()
+        stats.optimizer_ms = stats.norm_ms + (t2 - t1) * 1e3
         stats.gather_ms = getattr(self.precision, "gather_ms", 0.0)
         if self.layered:
             gathers = self.units.gather_ms if self.plan.zero_stage == 3 else self.precision.unit_gather_ms
@@ -635,7 +636,7 @@ class Engine:
             stats.unit_gather_ms = [gathers.get(u, 0.0) for u in self.units.units]
             stats.gather_ms = sum(stats.unit_gather_ms)
         if self.tracer is not None:
-            self.tracer.add("optimizer", "optimizer", t1, t1 + (stats.optimizer_ms - stats.norm_ms) / 1e3, step=step, lr=stats.lr)
+            self.tracer.add("optimizer", "optimizer", t1, t2, step=step, lr=stats.lr)
         stats.iteration_ms = (time.perf_counter() - t0) * 1e3
         held = self.precision.state_bytes()
         stats.weights_bytes, stats.grads_bytes = held.weights_bytes, held.grads_bytes

@@ -89,9 +89,6 @@ class UnitShards:
         parameters are whole and the shard is part of them: the edges during a step)."""
         self.whole = set(self.unit_params)
         """Units whose parameters hold their full storage now."""
-        self.reduce_ms = {u: 0.0 for u in self.units}
-        self.gather_ms = {u: 0.0 for u in self.units}
-        self.peak_weights_bytes = self.peak_grads_bytes = 0
         if zero_stage == 3:
             for u in self.units:
                 self.release(u)
@@ -121,9 +118,6 @@ class UnitShards:
     def _measure_grads(self) -> None:
         if self.measure:
             self.peak_grads_bytes = max(self.peak_grads_bytes, self.grads_bytes())
-
-    def owned_params(self) -> int:
-        return sum(sg.owned[1] - sg.owned[0] for sg in self.sync.mine)
 
     def whole_at_step(self, sg: SyncGroup) -> bool:
         """The optimizer updates this group's owned elements in the module's parameters (stage 2, and the

@@ -259,10 +259,10 @@ def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, share
 OPTIMIZER_MAX_BYTES = 1 << 30
 """Cap on the weights the timed optimizer step updates."""
 EVICT_BYTES = {"cpu": 128 << 20, "cuda": 512 << 20}
-"""Bytes written between two timed optimizer steps (and sync passes, ``runtime.comm_profiler``): several times the largest last-level cache of the
-kind (CPU L3, GPU L2), so every step starts from memory as it does in training. Back to back, the
-step found part of its state in cache and ran 6-22% faster than the same step after a training
-step's passes (small preset, this CPU)."""
+"""Bytes written before each timed optimizer step (and sync pass, ``runtime.comm_profiler``): several times
+the largest last-level cache of the kind (CPU L3, GPU L2), so every repetition starts from memory as it
+does in training. Back to back, the step found part of its state in cache and ran 6-22% faster than
+the same step after a training step's passes (small preset, this CPU)."""
 
 
 def cache_evictor(device: torch.device) -> Callable[[], None]:

@@ -34,7 +34,7 @@ from baton.evaluate import PlanReport, evaluate
 from baton.profile import ProfileSet
 from baton.atomic import write_atomically
 from baton.plan import Plan
-from baton.costmodel import peak_flops, sync_terms
+from baton.costmodel import SyncTerms, peak_flops, sync_terms
 from runtime.engine import StepStats
 from runtime.meters import Throughput, throughput
 from runtime.topology import Topology
@@ -113,7 +113,8 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
                                      for k in range(len(rank0)))
     # At zero_stage 1 the data-parallel sync is two passes (eq. 15): the reduce-scatters before the step's
     # norm, the all-gathers after the owners' update (measured inside the optimizer step).
-    reduce_pred = sync_terms(cluster, plan).dp_reduce_ms
+    terms = sync_terms(cluster, plan)
+    reduce_pred = terms.dp_reduce_ms
     phases = {
         "pipeline_ms": {"measured": measured_iter - sync_m - opt_m, "predicted": pred.pipeline_ms},
         "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + reduce_pred},
@@ -123,7 +124,7 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
         phases["gather_ms"] = {"measured": gather_m, "predicted": pred.dp_sync_ms - reduce_pred}
     units = None
     if plan.zero_stage >= 2:
-        units = _unit_phases(plan, cluster, steps, sets, len(rank0))
+        units = _unit_phases(plan, terms, steps, sets, len(rank0))
         reduce_pred = sum(u["reduce_scatter_ms"]["predicted"] for u in units)
         gather_pred = sum(u["gather_ms"]["predicted"] for u in units)
         # Eq. 17: the passes (compute, and the waits for slower replicas at every collective), the units'
@@ -177,14 +178,13 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
     }
 
 
-def _unit_phases(plan: Plan, cluster: ClusterSpec, steps: dict, sets: list[list[int]], num_steps: int) -> list[dict]:
+def _unit_phases(plan: Plan, terms: SyncTerms, steps: dict, sets: list[list[int]], num_steps: int) -> list[dict]:
     """Stages 2 and 3: per unit (the edges, then each layer) its reduce-scatter and all-gather time, measured
     (``StepStats.unit_reduce_ms`` / ``unit_gather_ms``: median over steps of the slowest set of the time of
     the rank that arrives last) next to eq. 16's ring passes (reduce-scatter: one; all-gathers: stage 2
     one after the update, stage 3 the edges one and a layer two, before its forward and its backward)."""
     from baton.peers import EDGES, unit_groups
 
-    terms = sync_terms(cluster, plan)
     out = []
     for k, (unit, _) in enumerate(unit_groups(plan)):
         r_u, g_u = terms.unit_reduce_ms[unit], terms.unit_gather_ms[unit]
