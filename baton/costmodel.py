@@ -675,6 +675,13 @@ class LayeredParts:
     """Embedding backward."""
 
 
+def group_layer_ms(fwd_blocks: Sequence[Sequence[float]], bwd_blocks: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Eq. 9's layer of a tensor-parallel group: every block runs at its slowest rank (the all-reduce after it
+    waits for all), so (forward, backward) = sum over blocks of the max over ranks; ``*_blocks[rank][block]``."""
+    return (sum(max(f[k] for f in fwd_blocks) for k in range(len(BLOCKS))),
+            sum(max(b[k] for b in bwd_blocks) for k in range(len(BLOCKS))))
+
+
 def layered_parts(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str], profiles: Sequence[Profile],
                   shares: Sequence[float], costs: Sequence[LayerCost]) -> LayeredParts:
     """``LayeredParts`` of a one-stage group: device ``ids`` with their tables, shares and layer costs."""
@@ -682,12 +689,11 @@ def layered_parts(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: 
     x, loss = edge_comms_ms(cluster, spec, micro_batch, ids)
     emb = [pr.cost(EMBEDDING, micro_batch, r) for pr, r in zip(profiles, shares)]
     head = [pr.cost(HEAD, micro_batch, r) for pr, r in zip(profiles, shares)]
+    f_layer, b_layer = group_layer_ms([c.block_fwd_ms() for c in costs], [c.block_bwd_ms() for c in costs])
     return LayeredParts(
-        emb_fwd_ms=max(c.fwd_ms for c in emb) + x,
-        layer_fwd_ms=sum(max(c.block_fwd_ms()[k] for c in costs) for k in range(len(BLOCKS))) + ar,
+        emb_fwd_ms=max(c.fwd_ms for c in emb) + x, layer_fwd_ms=f_layer + ar,
         head_fwd_ms=max(c.fwd_ms for c in head) + loss, head_bwd_ms=max(c.bwd_ms for c in head) + x,
-        layer_bwd_ms=sum(max(c.block_bwd_ms()[k] for c in costs) for k in range(len(BLOCKS))) + ar,
-        emb_bwd_ms=max(c.bwd_ms for c in emb))
+        layer_bwd_ms=b_layer + ar, emb_bwd_ms=max(c.bwd_ms for c in emb))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

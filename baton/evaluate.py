@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (BLOCKS, device_memory, device_optimizer_ms, device_slot, edge_cost, embedding_sync_ms, layer_cost,
+from baton.costmodel import (device_memory, device_optimizer_ms, device_slot, edge_cost, embedding_sync_ms, group_layer_ms, layer_cost,
                              layer_train_ms, layered_iteration_of, layered_parts, model_flops_per_s, peak_flops,
                              pipeline_transfers, stage_constants, stage_time_ms, sync_terms)
 from baton.errors import BatonError
@@ -171,8 +171,7 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
             L = stage.num_layers
             if layered:
                 parts.append((m, layered_parts(cluster, spec, mb, ids, [sl.profile for sl in slots], shares, costs)))
-            f_layer = sum(max(c.block_fwd_ms()[k] for c in costs) for k in range(len(BLOCKS)))
-            b_layer = sum(max(c.block_bwd_ms()[k] for c in costs) for k in range(len(BLOCKS)))
+            f_layer, b_layer = group_layer_ms([c.block_fwd_ms() for c in costs], [c.block_bwd_ms() for c in costs])
             fwd.append(stage_time_ms(L, f_layer, const.allreduce_ms, max(e.fwd_ms for e in edges) + const.edge_fwd_comm_ms))
             bwd.append(stage_time_ms(L, b_layer, const.allreduce_ms, max(e.bwd_ms for e in edges) + const.edge_bwd_comm_ms))
             nxt = pipe.stages[si + 1].device_ids if si + 1 < p else None

@@ -278,8 +278,8 @@ def wait_analysis(samples: list[dict], num_replicas: int, layer_cv: float | None
 
 def layer_repetition_cv(micro_batch: int, *, warmup: int = 3, reps: int = 30) -> float:
     """Relative spread (sd / mean, sd from the interquartile range as a normal's) of one layer's forward +
-    backward over ``reps`` repetitions, timed as the op profiler times the whole layer, on core 0 of this
-    process (the other cores idle): what a profile could record next to its medians."""
+    backward over ``reps`` back-to-back repetitions of a plain forward and backward, on core 0 of this
+    process (the other cores idle): the kind of spread a profile could record next to its medians."""
     from runtime.tp_layer import MicroBatch, ParallelBlock
 
     saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
@@ -303,8 +303,7 @@ def layer_repetition_cv(micro_batch: int, *, warmup: int = 3, reps: int = 30) ->
     finally:
         if saved:
             os.sched_setaffinity(0, saved)  # spawned ranks inherit it: gloo's threads must stay free (runtime.affinity)
-    q = statistics.quantiles(times, n=4)
-    return (q[2] - q[0]) / 1.349 / statistics.median(times)
+    return _robust_sd(times) / statistics.median(times)
 
 
 def _layer_ms(table) -> float:

@@ -40,25 +40,12 @@ import torch
 
 from baton.peers import EDGES
 from runtime.precision import _storage_bytes
-from runtime.replica_sync import ReplicaSync, SyncGroup
+from runtime.replica_sync import ReplicaSync, SyncGroup, entry_spans
 
 
 def unit_of_name(name: str) -> int | None:
     """The unit of a ``runtime.stage.StageModel`` parameter: its layer, or ``EDGES``."""
     return int(name.split(".")[1]) if name.startswith("h.") else EDGES
-
-
-def entry_ranges(sg: SyncGroup, lo: int, hi: int):
-    """(a, b, entry): flat elements [lo, hi) of ``sg`` cut at its entries (one parameter region each)."""
-    out, entries = [], sg.layout.entries
-    i = sg.layout.locate(lo) if hi > lo else len(entries)
-    while i < len(entries) and entries[i].offset < hi:
-        e = entries[i]
-        a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
-        if a < b:
-            out.append((a, b, e))
-        i += 1
-    return out
 
 
 class UnitShards:
@@ -162,7 +149,7 @@ class UnitShards:
             lo, hi = sg.owned
             for a, b in sg.layout.counted:
                 a, b = max(a, lo), min(b, hi)
-                out += [self.grad_shards[sg.index][x - lo:y - lo] for x, y, _ in entry_ranges(sg, a, b)]
+                out += [self.grad_shards[sg.index][x - lo:y - lo] for _, x, y, _ in entry_spans(sg, a, b)]
         return out
 
     def all_finite(self) -> bool:
@@ -237,6 +224,6 @@ class UnitShards:
         for sg in self.sync.mine:
             lo, hi = sg.owned
             shard = self.weight_shards[sg.index]
-            for a, b, e in entry_ranges(sg, lo, hi):
+            for _, a, b, e in entry_spans(sg, lo, hi):
                 region = take_slice(full(e.name), e.where).reshape(-1)
                 shard[a - lo:b - lo].copy_(region[a - e.offset:b - e.offset])

@@ -258,6 +258,20 @@ def group_owners(plan, group: PeerGroup, numel: int) -> tuple[int, ...]:
     return (numel,) + (0,) * (group.size - 1)
 
 
+def entry_spans(sg: SyncGroup, lo: int, hi: int) -> list[tuple[int, int, int, Entry]]:
+    """(entry index, a, b, entry): flat elements [lo, hi) of ``sg`` cut at its entries (one parameter region
+    each)."""
+    out, entries = [], sg.layout.entries
+    i = sg.layout.locate(lo) if hi > lo else len(entries)
+    while i < len(entries) and entries[i].offset < hi:
+        e = entries[i]
+        a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+        if a < b:
+            out.append((i, a, b, e))
+        i += 1
+    return out
+
+
 @torch.no_grad()
 def padded_reduce_scatter(offsets, shards, fill, *, copies: int, group, dtype, device) -> torch.Tensor:
     """One reduce-scatter of a flat vector whose holders own ``shards`` elements from ``offsets``: every
@@ -358,22 +372,14 @@ class ReplicaSync:
         """(flat start, view, entry) of the local pieces making up flat elements [lo, hi) of ``sg``: views of
         ``tensor_of(name)`` whose row-major elements follow the flat vector."""
         out = []
-        entries = sg.layout.entries
-        if hi <= lo:
-            return out
-        i = sg.layout.locate(lo)
-        while i < len(entries) and entries[i].offset < hi:
-            e = entries[i]
-            a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
-            if a < b:
-                view = tensor_of(e.name)
-                if sg.regions[i] is not None:
-                    view = view.narrow(*sg.regions[i])
-                k = a
-                for piece in flat_pieces(view, a - e.offset, b - e.offset):
-                    out.append((k, piece, e))
-                    k += piece.numel()
-            i += 1
+        for i, a, b, e in entry_spans(sg, lo, hi):
+            view = tensor_of(e.name)
+            if sg.regions[i] is not None:
+                view = view.narrow(*sg.regions[i])
+            k = a
+            for piece in flat_pieces(view, a - e.offset, b - e.offset):
+                out.append((k, piece, e))
+                k += piece.numel()
         return out
 
     def _grads_to(self, sg: SyncGroup, lo: int, hi: int, buf: torch.Tensor) -> None:

@@ -37,8 +37,7 @@ import torch
 from torch.optim.adam import adam as _adam
 
 from runtime.precision import LossScaler, LossScaleSettings, StateBytes, _storage_bytes, compute_dtype
-from runtime.replica_sync import ReplicaSync, SyncGroup
-from runtime.layered import entry_ranges
+from runtime.replica_sync import ReplicaSync, SyncGroup, entry_spans
 from runtime.slicing import take_slice
 
 
@@ -150,7 +149,7 @@ class ShardedAdamW:
                 params = sync.pieces(sg, sync._param, lo, hi)
             else:
                 flat = self.store.weight_shards[sg.index]
-                params = [(a, flat[a - lo:b - lo], e) for a, b, e in entry_ranges(sg, lo, hi)]
+                params = [(a, flat[a - lo:b - lo], e) for _, a, b, e in entry_spans(sg, lo, hi)]
             flat = self.store.grad_shards[sg.index]
             grads = [(a, flat[a - lo:a - lo + p.numel()].view(p.shape), e) for a, p, e in params]
         batches = {True: _Batch(), False: _Batch()}

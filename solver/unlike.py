@@ -33,7 +33,7 @@ from fractions import Fraction
 import numpy as np
 
 from baton.costmodel import (BLOCKS, SyncTerms, device_memory, device_optimizer_ms, device_slot, edge_cost,
-                             embedding_sync_ms, held_weights_bytes, layer_limits, layer_prices, pipeline_transfers,
+                             embedding_sync_ms, group_layer_ms, held_weights_bytes, layer_limits, layer_prices, pipeline_transfers,
                              stage_constants, stage_time_ms, sync_terms)
 from baton.operators import operator_names
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
@@ -112,8 +112,7 @@ class StageTables:
             prices = [layer_prices(sl.profile, self.spec, b, u / U, self.space) for sl, u in zip(slots, us)]
             edges = [edge_cost(sl, self.spec, b, u / U) for sl, u in zip(slots, us)]
             const = stage_constants(self.cluster, self.spec, b, ids, first=s == 0, last=s == p - 1)
-            f_layer = sum(max(t.fwd_ms[k] for t in prices) for k in range(len(BLOCKS)))
-            b_plain = sum(max(t.bwd_ms[k] for t in prices) for k in range(len(BLOCKS)))
+            f_layer, b_plain = group_layer_ms([t.fwd_ms for t in prices], [t.bwd_ms for t in prices])
             self._memo[key] = (slots, prices, edges, const, f_layer, b_plain)
         return self._memo[key]
 
