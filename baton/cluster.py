@@ -107,7 +107,10 @@ class ClusterSpec:
     """The file it was read from, for error messages."""
     nics: dict = field(default_factory=dict)
     """Node name -> that node's network figures (its NICs together); nodes without one use ``inter_link``."""
-    """The file it was read from, for error messages."""
+    replica_time_cv: float = 0.0
+    """Relative standard deviation of a replica's time between two collectives that the other replicas do not
+    share (eq. 19: what replicas of equal predicted time lose waiting for the last of them); 0: none stated.
+    ``baton profile --comm`` measures it between the local processes."""
 
     @property
     def has_ring_pass_figures(self) -> bool:
@@ -204,7 +207,9 @@ def combined_nics(links: list[Link]) -> Link:
     )
 
 
-_TOP = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description"}
+_TOP = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description", "replica_time_cv"}
+MAX_REPLICA_TIME_CV = 0.5
+"""Beyond this the normal noise model of eq. 19 would give replicas negative times a few % of the steps."""
 _NODE = {"name", "gpus", "intra_node_link", "count", "nic", "nics"}
 _NIC_COUNT = "count"
 """How many identical NICs one ``nics`` entry stands for."""
@@ -295,6 +300,7 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
     return ClusterSpec(
         name=top.string("name", default=Path(source).stem),
         devices=tuple(devices), intra_links=intra, inter_link=inter, source=source, nics=nics,
+        replica_time_cv=top.number("replica_time_cv", default=0.0, allow_zero=True, maximum=MAX_REPLICA_TIME_CV),
     )
 
 

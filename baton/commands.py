@@ -99,7 +99,9 @@ def render_report(report: PlanReport, *, title: str) -> None:
     console.print(devs)
     console.print(
         f"iteration [bold]{report.iteration_time_ms:.1f} ms[/] ({'compute and waits, layer by layer' if report.zero_stage >= 2 else 'pipeline'} "
-        f"{report.pipeline_ms:.1f}, embedding sync "
+        f"{report.pipeline_ms:.1f}"
+        + (f" with {report.arrival_wait_ms:.1f} waiting for the last replica" if report.arrival_wait_ms > 0 else "")
+        + ", embedding sync "
         f"{report.embedding_sync_ms:.1f}, data-parallel sync {report.dp_sync_ms:.1f}, optimizer {report.optimizer_ms:.1f})  "
         + (f"{SHARDED[report.zero_stage]} sharded (stage {report.zero_stage})  " if report.zero_stage else "") +
         f"throughput [bold]{report.tokens_per_s:,.0f} tokens/s[/]  MFU {report.mfu:.1%}  "

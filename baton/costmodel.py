@@ -32,6 +32,7 @@ from baton.operators import EMBEDDING, HEAD, layer_operators, operator_flops, pa
 from baton.peers import (EDGES, held_params, owned_fractions, owned_params, peer_groups, position_param_count,
                          replicated_param_count, split_param_count, unit_groups, whole_groups)
 from baton.profile import Profile, ProfileSet
+from baton.waits import last_arrival_ms
 
 BLOCKS = ("attn", "mlp")
 ALLREDUCES_PER_LAYER = 2
@@ -706,68 +707,79 @@ class LayeredIteration:
     """The collectives' part (every ring pass of eq. 16 the iteration runs)."""
     replica_compute_ms: tuple[float, ...]
     """Each replica's own compute (no waits), its optimizer step excluded."""
+    noise_wait_ms: float = 0.0
+    """What noise in the replicas' times adds to the segments over their predicted maxima (eq. 19)."""
+
+
+def layered_chain(zero_stage: int, num_layers: int) -> list[tuple[str, object]]:
+    """Eq. 17's order of one iteration at stage 2 or 3, the one statement of it: ("compute", the LayeredParts
+    fields a replica runs, times its micro-batches), ("gather", unit), ("reduce", unit) (eq. 16's passes of a
+    unit: ``EDGES`` or a layer index) and ("optimizer", None). The evaluator prices it
+    (``layered_iteration_ms``); the runtime's report counts each unit's gathers from it."""
+    chain: list[tuple[str, object]] = []
+    if zero_stage >= 3:
+        chain.append(("gather", EDGES))
+    chain.append(("compute", ("emb_fwd_ms",)))
+    for layer in range(num_layers):
+        if zero_stage >= 3:
+            chain.append(("gather", layer))
+        chain.append(("compute", ("layer_fwd_ms",)))
+    chain.append(("compute", ("head_fwd_ms", "head_bwd_ms")))
+    for layer in reversed(range(num_layers)):
+        if zero_stage >= 3:
+            chain.append(("gather", layer))
+        chain.append(("compute", ("layer_bwd_ms",)))
+        chain.append(("reduce", layer))
+    chain.append(("compute", ("emb_bwd_ms",)))
+    chain.append(("reduce", EDGES))
+    chain.append(("optimizer", None))
+    if zero_stage == 2:  # the updated weights, every unit in order, after the owners' step
+        chain += [("gather", EDGES)] + [("gather", layer) for layer in range(num_layers)]
+    return chain
 
 
 def layered_iteration_ms(zero_stage: int, num_layers: int, replicas: Sequence[tuple[int, LayeredParts]],
                          edge_pass_ms: float, layer_pass_ms: Sequence[float], optimizer_ms: float, *,
-                         edge_gather_ms: float | None = None, layer_gather_ms: Sequence[float] | None = None) -> LayeredIteration:
-    """Eq. 17 for stage 2 or 3: ``replicas`` = (micro-batches, parts); ``edge_pass_ms`` and
-    ``layer_pass_ms[l]`` the unit's reduce-scatter, ``edge_gather_ms`` and ``layer_gather_ms[l]`` its
+                         edge_gather_ms: float | None = None, layer_gather_ms: Sequence[float] | None = None,
+                         replica_time_cv: float = 0.0) -> LayeredIteration:
+    """Eq. 17 for stage 2 or 3 over ``layered_chain``: ``replicas`` = (micro-batches, parts); ``edge_pass_ms``
+    and ``layer_pass_ms[l]`` the unit's reduce-scatter, ``edge_gather_ms`` and ``layer_gather_ms[l]`` its
     all-gather (eq. 16; the reduce-scatter's when not given); ``optimizer_ms`` the slowest device's Adam
-    step. Every replica holds every unit, so each collective waits for the last replica to reach it."""
+    step. Every replica holds every unit, so each collective waits for the last replica to reach it
+    (eq. 19 with the cluster's ``replica_time_cv``: by linearity of expectation, one speed factor per
+    replica and step or one per segment give the same expected sum of segments)."""
     L = num_layers
-    edge_gather = edge_pass_ms if edge_gather_ms is None else edge_gather_ms
-    layer_gather = list(layer_pass_ms) if layer_gather_ms is None else list(layer_gather_ms)
-    # ops: ("c", replica -> ms) compute, or ("y", ms) a collective every replica joins
-    ops: list[tuple[str, object]] = []
-
-    def compute(part):
-        ops.append(("c", [m * part(pt) for m, pt in replicas]))
-
-    def collective(ms):
-        ops.append(("y", ms))
-
-    if zero_stage >= 3:
-        collective(edge_gather)
-    compute(lambda pt: pt.emb_fwd_ms)
-    for layer in range(L):
-        if zero_stage >= 3:
-            collective(layer_gather[layer])
-        compute(lambda pt: pt.layer_fwd_ms)
-    compute(lambda pt: pt.head_fwd_ms + pt.head_bwd_ms)
-    for layer in reversed(range(L)):
-        if zero_stage >= 3:
-            collective(layer_gather[layer])
-        compute(lambda pt: pt.layer_bwd_ms)
-        collective(layer_pass_ms[layer])
-    compute(lambda pt: pt.emb_bwd_ms)
-    collective(edge_pass_ms)
-    ops.append(("c", [optimizer_ms] * len(replicas)))
-    if zero_stage == 2:
-        collective(edge_gather + sum(layer_gather))
-    total, pending, syncs = 0.0, [0.0] * len(replicas), 0.0
-    for kind, what in ops:
-        if kind == "c":
-            pending = [a + b for a, b in zip(pending, what)]
+    passes = {"reduce": {EDGES: edge_pass_ms, **dict(enumerate(layer_pass_ms))},
+              "gather": {EDGES: edge_pass_ms if edge_gather_ms is None else edge_gather_ms,
+                         **dict(enumerate(layer_pass_ms if layer_gather_ms is None else layer_gather_ms))}}
+    total, pending, syncs, noise = 0.0, [0.0] * len(replicas), 0.0, 0.0
+    for kind, what in layered_chain(zero_stage, L):
+        if kind == "compute":
+            pending = [a + m * sum(getattr(pt, name) for name in what) for a, (m, pt) in zip(pending, replicas)]
+        elif kind == "optimizer":
+            pending = [a + optimizer_ms for a in pending]
         else:
-            total += max(pending) + what
-            syncs += what
+            last = last_arrival_ms(pending, replica_time_cv)
+            ms = passes[kind][what]
+            total, noise, syncs = total + last + ms, noise + last - max(pending), syncs + ms
             pending = [0.0] * len(replicas)
-    total += max(pending)
+    last = last_arrival_ms(pending, replica_time_cv)
+    total, noise = total + last, noise + last - max(pending)
     own = tuple(m * (pt.emb_fwd_ms + L * pt.layer_fwd_ms + pt.head_fwd_ms + pt.head_bwd_ms + L * pt.layer_bwd_ms + pt.emb_bwd_ms)
                 for m, pt in replicas)
-    return LayeredIteration(iteration_ms=total, collectives_ms=syncs, replica_compute_ms=own)
+    return LayeredIteration(iteration_ms=total, collectives_ms=syncs, replica_compute_ms=own, noise_wait_ms=noise)
 
 
 def layered_iteration_of(sync: "SyncTerms", zero_stage: int, num_layers: int, replicas: Sequence[tuple[int, LayeredParts]],
-                         optimizer_ms: float) -> LayeredIteration:
-    """Eq. 17 with the units' reduce-scatters and all-gathers of ``sync`` (``sync_terms`` of the plan): what
-    the evaluator and the planner both call."""
+                         optimizer_ms: float, replica_time_cv: float) -> LayeredIteration:
+    """Eq. 17 with the units' reduce-scatters and all-gathers of ``sync`` (``sync_terms`` of the plan) and the
+    cluster's ``replica_time_cv``: what the evaluator and the planner both call."""
     layers = range(num_layers)
     return layered_iteration_ms(zero_stage, num_layers, replicas, sync.unit_reduce_ms[EDGES],
                                 [sync.unit_reduce_ms[layer] for layer in layers], optimizer_ms,
                                 edge_gather_ms=sync.unit_gather_ms[EDGES],
-                                layer_gather_ms=[sync.unit_gather_ms[layer] for layer in layers])
+                                layer_gather_ms=[sync.unit_gather_ms[layer] for layer in layers],
+                                replica_time_cv=replica_time_cv)
 
 
 def model_flops_per_sample(spec: ModelSpec, seq_len: int | None = None) -> float:

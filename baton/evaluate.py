@@ -14,6 +14,7 @@ from baton.operators import EMBEDDING, HEAD
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
 from baton.plan import Plan, check_against_cluster
 from baton.profile import Profile, ProfileSet
+from baton.waits import last_arrival_ms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,8 +103,9 @@ class PlanReport:
     iteration_time_ms: float
     """Pipeline time + embedding sync + data-parallel sync + optimizer step."""
     pipeline_ms: float
-    """Exact 1F1B time of the slowest replica; at stages 2 and 3 (eq. 17) the compute of the iteration's chain,
-    each segment at its slowest replica, so a replica's waits at the collectives are in it."""
+    """When the last replica reaches the gradient sync (eq. 19 over the replicas' exact 1F1B times: the
+    slowest one's, plus what noise in the others' adds); at stages 2 and 3 (eq. 17) the compute of the
+    iteration's chain, each segment at its last replica, so a replica's waits at the collectives are in it."""
     replica_pipeline_ms: list
     """Exact 1F1B time of every replica, with its own micro-batch size and count (stages 2 and 3: its own
     compute, no waits)."""
@@ -111,6 +113,9 @@ class PlanReport:
     """Samples each replica trains on per iteration (they add up to global_batch)."""
     embedding_sync_ms: float
     """Tied-embedding gradient all-reduce between first and last stage."""
+    arrival_wait_ms: float
+    """The part of ``pipeline_ms`` that noise in the replicas' times adds over their predicted maxima (eq. 19;
+    0 for one replica or a cluster without ``replica_time_cv``)."""
     dp_sync_ms: float
     """Gradient sync across data-parallel replicas: the peer groups' collectives in order (eq. 13, 15); at
     stages 2 and 3 every unit's reduce-scatters and all-gathers (eq. 16, 17)."""
@@ -208,11 +213,12 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     opt = max(r.optimizer_ms for r in device_reports)
     if not layered:
         dp_sync = sync.dp_sync_ms
-        total = max(pipeline_times) + emb_sync + dp_sync + opt
-        pipe_ms = max(pipeline_times)
+        pipe_ms = last_arrival_ms(pipeline_times, cluster.replica_time_cv)
+        total = pipe_ms + emb_sync + dp_sync + opt
+        wait = pipe_ms - max(pipeline_times)
     else:  # eq. 17: replicas wait for each other at every unit's collective
-        it = layered_iteration_of(sync, plan.zero_stage, spec.num_layers, parts, opt)
-        total, dp_sync = it.iteration_ms, it.collectives_ms
+        it = layered_iteration_of(sync, plan.zero_stage, spec.num_layers, parts, opt, cluster.replica_time_cv)
+        total, dp_sync, wait = it.iteration_ms, it.collectives_ms, it.noise_wait_ms
         pipeline_times = list(it.replica_compute_ms)
         pipe_ms = total - dp_sync - opt - emb_sync  # the slowest replica's compute and its waits
 
@@ -228,7 +234,7 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     return PlanReport(
         iteration_time_ms=total, pipeline_ms=pipe_ms, replica_pipeline_ms=pipeline_times,
         replica_samples=[plan.samples(i) for i in range(len(plan.pipelines))],
-        embedding_sync_ms=emb_sync, dp_sync_ms=dp_sync, zero_stage=plan.zero_stage,
+        embedding_sync_ms=emb_sync, arrival_wait_ms=wait, dp_sync_ms=dp_sync, zero_stage=plan.zero_stage,
         optimizer_ms=opt, tokens_per_s=tokens_per_s, mfu=mfu, ideal_tokens_per_s=ideal,
         efficiency_vs_ideal=tokens_per_s / ideal, global_batch=plan.global_batch,
         fits=all(r.fits for r in device_reports), stages=stage_reports, devices=device_reports)

@@ -67,7 +67,6 @@ from baton.profile import OPTIMIZER, table_filename, write_table  # noqa: E402
 from runtime.comm_profiler import measure_links, median_link  # noqa: E402
 from runtime.launch import TrainConfig, train  # noqa: E402
 from runtime.op_profiler import median_of_tables, profile_table  # noqa: E402
-from runtime.precision import compute_dtype  # noqa: E402
 from runtime.report import build_report  # noqa: E402
 from runtime.topology import Topology  # noqa: E402
 from runtime.trace import read_spans  # noqa: E402
@@ -225,10 +224,8 @@ def sync_samples(plan: Plan, spans: dict[int, list[dict]], per_rank: dict) -> li
     return out
 
 
-def wait_analysis(samples: list[dict], num_replicas: int, layer_cv: float | None, passes: list[int]) -> dict | None:
-    """Measured waits at the sync and what the noise model predicts for them (see above). ``layer_cv``: the
-    relative spread of one layer's forward + backward over the profiler-style repetitions; ``passes``: layer
-    passes (forward + backward) per step of each replica's slowest rank, for the profile-based sigma."""
+def wait_analysis(samples: list[dict], num_replicas: int) -> dict | None:
+    """Measured waits at the sync and what the noise model, with the run's own sigmas, gives for them (see above)."""
     if num_replicas < 2 or len(samples) < 3:
         return None
     arr = [[s["arrival_ms"][r] for s in samples] for r in range(num_replicas)]
@@ -262,48 +259,7 @@ def wait_analysis(samples: list[dict], num_replicas: int, layer_cv: float | None
             "excess_ms_robust": expected_max(meds, rsds) - max(meds),
         },
     }
-    if layer_cv is not None:
-        # sigma from the profile's repetitions of one layer pass (forward + backward): the step's noise as
-        # independent per pass (cv * mu / sqrt(passes)) or as one speed factor for the whole step (cv * mu).
-        indep = [layer_cv * m / math.sqrt(max(n, 1)) for m, n in zip(meds, passes)]
-        common = [layer_cv * m for m in meds]
-        out["model"].update({
-            "layer_cv": layer_cv, "passes": passes, "run_cv": [sd / m for sd, m in zip(rsds, meds)],
-            "profile_sigma_independent_ms": indep, "profile_sigma_common_ms": common,
-            "excess_ms_profile_independent": expected_max(meds, indep) - max(meds),
-            "excess_ms_profile_common": expected_max(meds, common) - max(meds),
-        })
     return out
-
-
-def layer_repetition_cv(micro_batch: int, *, warmup: int = 3, reps: int = 30) -> float:
-    """Relative spread (sd / mean, sd from the interquartile range as a normal's) of one layer's forward +
-    backward over ``reps`` back-to-back repetitions of a plain forward and backward, on core 0 of this
-    process (the other cores idle): the kind of spread a profile could record next to its medians."""
-    from runtime.tp_layer import MicroBatch, ParallelBlock
-
-    saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if saved:
-        os.sched_setaffinity(0, {min(saved)})
-    try:
-        torch.manual_seed(0)
-        dtype = compute_dtype(SPEC.dtype)
-        block = ParallelBlock(SPEC, 0, heads=range(SPEC.num_heads), ffn_cols=range(SPEC.ffn_dim)).to(dtype=dtype)
-        mb = MicroBatch(seed=0, step=0, samples=torch.arange(micro_batch))
-        x = torch.randn(micro_batch, SPEC.seq_len, SPEC.hidden_dim).to(dtype)
-        times = []
-        for i in range(warmup + reps):
-            xi = x.detach().requires_grad_()
-            t0 = time.perf_counter()
-            y = block(xi, mb)
-            y.backward(torch.ones_like(y))
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            block.zero_grad(set_to_none=True)
-    finally:
-        if saved:
-            os.sched_setaffinity(0, saved)  # spawned ranks inherit it: gloo's threads must stay free (runtime.affinity)
-    return _robust_sd(times) / statistics.median(times)
 
 
 def _layer_ms(table) -> float:
@@ -314,21 +270,14 @@ def _layer_ms(table) -> float:
     return float(rows["fwd_ms"].sum() + rows["bwd_ms"].sum())
 
 
-def layer_passes(plan: Plan) -> list[int]:
-    """Per replica: layer passes (one forward and one backward of one layer) of its busiest stage per step."""
-    out = []
-    for r, pipe in enumerate(plan.pipelines):
-        m = plan.batch(r)[1]
-        out.append(max(s.num_layers for s in pipe.stages) * m)
-    return out
-
-
 def write_cluster(dst: Path, procs: int, link) -> Path:
     data = yaml.safe_load((ROOT / "clusters" / "cpu2.yaml").read_text())
     data["name"] = f"cpu{procs}"
     data["nodes"][0]["gpus"][0]["count"] = procs
     data["nodes"][0]["gpus"][0]["memory_gib"] = 24 // procs
     data["nodes"][0]["intra_node_link"] = link.link_fields()
+    if link.replica_time_cv is not None:  # eq. 19, measured with the link
+        data["replica_time_cv"] = round(link.replica_time_cv, 4)
     dst.mkdir(parents=True, exist_ok=True)
     path = dst / f"cpu{procs}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -375,8 +324,7 @@ def main() -> None:
                      for d in s.devices}
                     | {0.25, 0.5, 0.75, 1.0})
     table_path = profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len)
-    links, syncs, layer_cv, rounds, drifts = [], {}, {}, {}, {}
-    replica_mbs = sorted({p.batch(i)[0] for p in cases.values() if len(p.pipelines) > 1 for i in range(len(p.pipelines))})
+    links, syncs, rounds, drifts = [], {}, {}, {}
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: measuring the link over gloo ...")
         # In the model's own dtype: gloo reduces bf16 at a fraction of fp32's rate per byte.
@@ -390,8 +338,6 @@ def main() -> None:
             extra = solver_plan(cluster_path, profiles, work / "solved.json")
             if extra is not None and (not args.only or args.only in "baton solve"):
                 cases[f"baton solve (mb {extra.micro_batch_size} x {extra.num_microbatches})"] = extra
-        for b in replica_mbs:  # the spread of a layer's repetitions: the profile-side sigma of the wait model
-            layer_cv.setdefault(b, []).append(layer_repetition_cv(b))
         for index, (name, plan) in enumerate(cases.items()):
             # Paired: the table of exactly what this plan runs, measured right before and right after it runs, so
             # the machine's drift (10-35% over tens of seconds here) hits prediction and measurement alike.
@@ -432,9 +378,10 @@ def main() -> None:
         act_m = sum(d["measured"]["peak_saved_bytes"] for d in rep["devices"])
         act_p = sum(d["predicted"]["activation_bytes"] for d in rep["devices"])
         worst_act = max(abs(d["activation_rel_error"]) for x in reps for d in x["devices"])
-        cvs = [statistics.median(layer_cv[plan.batch(i)[0]]) for i in range(len(plan.pipelines)) if plan.batch(i)[0] in layer_cv]
-        waits = wait_analysis(syncs.get(name, []), len(plan.pipelines), statistics.median(cvs) if cvs else None,
-                              layer_passes(plan))
+        waits = wait_analysis(syncs.get(name, []), len(plan.pipelines))
+        if waits is not None:  # eq. 19 as the cost model prices it, from each round's measured replica_time_cv
+            waits["cost_model_ms"] = statistics.median(x["arrival_wait_ms"]["predicted"] for x in reps)
+            waits["replica_time_cv"] = statistics.median(x["arrival_wait_ms"]["replica_time_cv"] for x in reps)
         rows.append({
             "plan": name, "devices": len(plan.device_ids()), "sync_wait": waits,
             "iteration_ms_measured": statistics.median(measured), "iteration_ms_predicted": statistics.median(predicted),
@@ -506,28 +453,30 @@ def wait_table(rows: list[dict]) -> list[str]:
         return []
     out = ["", "Waits at the gradient sync (plans with replicas; ms per step, mean over kept steps):", "",
            "| plan | replica arrival ms (sd) | rank compute sd | sync per rank: wait + collective | wait per step (sd) | "
-           "model wait (independent / with rho) | excess over slowest | model excess (run sigma) | median excess | model (IQR sigma / profile cv) |",
-           "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "model wait (independent / with rho) | excess over slowest | model excess (run sigma) | median excess | model (IQR sigma) | cost model, eq. 19 (cv) |",
+           "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         w = r["sync_wait"]
         a, mdl = w["replica_arrival_ms"], w["model"]
         arrivals = " / ".join(f"{m:.1f} ({s:.2f})" for m, s in zip(a["mean"], a["sd"]))
         compute = " / ".join("-" if v is None else f"{v:.2f}" for v in w["rank_compute_ms"]["sd"])
         ranks = " / ".join(f"{x:.1f}+{c:.1f}" for x, c in zip(w["rank_sync_ms"]["wait"], w["rank_sync_ms"]["collective"]))
-        prof = f"{mdl['excess_ms_profile_common']:.2f}" if "excess_ms_profile_common" in mdl else "-"
+        eq19 = f"{w['cost_model_ms']:.2f} ({w['replica_time_cv']:.1%})" if "cost_model_ms" in w else "-"
         out.append(f"| {r['plan']} | {arrivals} | {compute} | {ranks} | {w['wait_per_step_ms']['mean']:.2f} "
                    f"({w['wait_per_step_ms']['sd']:.2f}) | {mdl['wait_ms']:.2f} / {mdl['wait_ms_with_correlation']:.2f} "
                    f"(rho {a['correlation_01']:+.2f}) | "
                    f"{w['excess_over_slowest_mean_ms']:.2f} | "
-                   f"{mdl['excess_ms']:.2f} | {w['excess_over_slowest_median_ms']:.2f} | {mdl['excess_ms_robust']:.2f} / {prof} |")
+                   f"{mdl['excess_ms']:.2f} | {w['excess_over_slowest_median_ms']:.2f} | {mdl['excess_ms_robust']:.2f} | {eq19} |")
     out += ["", "Replica arrival: its last rank's entry into the gradient sync, from the step's first span (one wall clock, "
             "`runtime.trace`). Wait per step: last arrival minus the replicas' mean arrival; model: E[max] of independent "
             "normals (Clark) with each replica's measured mean and sd, minus their mean (sigma / sqrt(pi) for two equal "
             "replicas); with rho: the first two replicas' measured correlation (ranks that share a core arrive "
             "together). Excess: mean of the steps' last arrival minus the slowest replica's mean arrival, what the cost model "
             "(max of the replicas' pipelines) leaves out; median excess: the same with medians, against the model with each "
-            "replica's median and interquartile sigma (robust to a loaded machine's stalls) and with sigma = the layer's "
-            "repetition spread (cv, IQR-based) times the replica's median: one speed factor for the whole step."]
+            "replica's median and interquartile sigma (robust to a loaded machine's stalls). Cost model: what eq. 19 adds to the "
+            "slowest replica's predicted pipeline (the planner's and the evaluator's figure), with the cluster's replica_time_cv "
+            "measured before the runs by `measure_links` (rounds of the whole model's forward and backward started together on "
+            "both ranks; median over rounds)."]
     return out
 
 

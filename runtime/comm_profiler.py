@@ -75,6 +75,9 @@ class LinkFit:
     """Per-step bandwidth of the sharded sync's all-gather (None: not measured)."""
     all_gather_latency_us: float | None = None
     """Per-step latency of that all-gather."""
+    replica_time_cv: float | None = None
+    """The relative spread of a rank's time for the same work between two meetings that the other ranks do not
+    share (the cluster's ``replica_time_cv``, eq. 19; None: not measured)."""
     dtype: str = "fp32"
     """Element type the messages were timed in (the model's: gloo reduces bf16 at a fraction of fp32's rate per
     byte, so a bf16 model's syncs are priced from bf16 messages)."""
@@ -100,8 +103,12 @@ class LinkFit:
     def yaml_block(self) -> str:
         import yaml
 
+        # The block goes into a node; the replicas' spread belongs at the top of the cluster file.
+        noise = ("" if self.replica_time_cv is None else
+                 f"# at the cluster file's top level (docs/cost-model.md, eq. 19):\n# replica_time_cv: {self.replica_time_cv:.4f}\n")
         return (f"# measured by 'baton profile --comm' over {self.backend} ({self.world_size} ranks, {self.dtype} messages)\n"
-                + yaml.safe_dump({"intra_node_link": self.link_fields()}, default_flow_style=None, sort_keys=False, width=1000))
+                + noise + yaml.safe_dump({"intra_node_link": self.link_fields()}, default_flow_style=None, sort_keys=False,
+                                         width=1000))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,6 +191,49 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
         dist.all_reduce(added)
         points.append((b * spec.seq_len * spec.hidden_dim * spec.dtype_bytes, float(added) / world))
     return points
+
+
+NOISE_REPS = 40
+"""Repetitions of the whole model's forward and backward the replica-time probe times on every rank."""
+
+
+def _replica_times(spec: ModelSpec, rank: int, world: int, micro_batch: int, reps: int) -> list[list[float]]:
+    """Every rank's time (ms) for the same work, the whole model's layers forward and backward on its own, in
+    ``reps`` rounds that start together (a barrier, as replicas leave a sync): times[r][i] of rank r in round i."""
+    from runtime.op_profiler import _init
+    from runtime.stage import StageModel
+    from runtime.tp_layer import MicroBatch
+
+    dtype = compute_dtype(spec.dtype)
+    model = StageModel(spec, tp_group=None, layers=range(spec.num_layers), heads=range(spec.num_heads),
+                       ffn_cols=range(spec.ffn_dim), first=False, last=False)
+    _init(model, 0)
+    model.to(dtype).train()
+    mb = MicroBatch(seed=0, step=0, samples=torch.arange(micro_batch))
+    x = torch.randn(micro_batch, spec.seq_len, spec.hidden_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    mine = []
+    for i in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = model(x.detach().requires_grad_(), mb)
+        y.backward(torch.ones_like(y))
+        if i >= 2:
+            mine.append((time.perf_counter() - t0) * 1e3)
+    everyone = [torch.zeros(reps, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
+    return [t.tolist() for t in everyone]
+
+
+def replica_time_cv(times: list[list[float]]) -> float:
+    """Eq. 19's cv from rounds of equal work started together: each rank's time relative to its own median, less
+    the round's mean over the ranks (a slowdown every rank shares delays no one's arrival relative to the others);
+    the standard deviation of what is left, with (n - 1) degrees of freedom per round (the round's mean takes one).
+    The plain deviation, stalls included: a step pays for its stalls."""
+    x = np.asarray(times, dtype=float)
+    n = x.shape[0]
+    rel = x / np.median(x, axis=1, keepdims=True) - 1.0
+    own = rel - rel.mean(axis=0, keepdims=True)
+    return float(np.sqrt((own ** 2).sum() / ((n - 1) * x.shape[1]))) if n > 1 else 0.0
 
 
 def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: int, out_dir: str, spec=None,
@@ -283,10 +333,14 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
             rs.append((shard * world * elem_bytes, statistics.median(times_rs)))
             ag.append((shard * world * elem_bytes, statistics.median(times_ag)))
         points = {"p2p": p2p, "allreduce": ar, "reduce_scatter": rs, "all_gather": ag}
+        noise = None
         if spec is not None:
             points["allreduce_in_layer"] = _in_layer_allreduce(spec, rank, world, micro_batches, reps)
+            noise = replica_time_cv(_replica_times(spec, rank, world, max(micro_batches), NOISE_REPS))
         if rank == 0:
             torch.save(points, os.path.join(out_dir, "points.pt"))
+            if noise is not None:
+                torch.save(torch.tensor(noise, dtype=torch.float64), os.path.join(out_dir, "noise.pt"))
         dist.destroy_process_group()
     except Exception:
         with open(os.path.join(out_dir, f"error-{rank}.txt"), "w") as fh:
@@ -328,10 +382,12 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
         finally:
             stop_processes(ctx.processes)
         points = torch.load(os.path.join(tmp, "points.pt"), weights_only=True)
-    return link_fit(backend, world_size, points, dtype)
+        noise_path = os.path.join(tmp, "noise.pt")
+        noise = float(torch.load(noise_path, weights_only=True)) if os.path.exists(noise_path) else None
+    return link_fit(backend, world_size, points, dtype, replica_time_cv=noise)
 
 
-def link_fit(backend: str, world_size: int, points: dict, dtype: str = "fp32") -> LinkFit:
+def link_fit(backend: str, world_size: int, points: dict, dtype: str = "fp32", *, replica_time_cv: float | None = None) -> LinkFit:
     """Fit the link model to measured points: transfers as latency + bytes / bandwidth, all-reduces
     (between idle ranks, and inside the tensor-parallel layer where measured) as eq. 5's ring."""
     n = world_size
@@ -356,7 +412,7 @@ def link_fit(backend: str, world_size: int, points: dict, dtype: str = "fp32") -
         allreduce_bandwidth_gb_per_s=ar_bw, allreduce_latency_us=ar_lat,
         tp_allreduce_bandwidth_gb_per_s=tp_bw, tp_allreduce_latency_us=tp_lat,
         reduce_scatter_bandwidth_gb_per_s=rs_bw, reduce_scatter_latency_us=rs_lat,
-        all_gather_bandwidth_gb_per_s=ag_bw, all_gather_latency_us=ag_lat, dtype=dtype,
+        all_gather_bandwidth_gb_per_s=ag_bw, all_gather_latency_us=ag_lat, dtype=dtype, replica_time_cv=replica_time_cv,
         points={k: [[float(x) for x in p] for p in v] for k, v in points.items()})
 
 
@@ -368,4 +424,6 @@ def median_link(fits: list[LinkFit]) -> LinkFit:
         raise BatonError("link measurements to combine must have the same ranks, message type, kinds and sizes", field="--comm")
     points = {kind: [[size, statistics.median(f.points[kind][i][1] for f in fits)] for i, (size, _) in enumerate(pts)]
               for kind, pts in first.points.items()}
-    return link_fit(first.backend, first.world_size, points, first.dtype)
+    noise = [f.replica_time_cv for f in fits if f.replica_time_cv is not None]
+    return link_fit(first.backend, first.world_size, points, first.dtype,
+                    replica_time_cv=statistics.median(noise) if noise else None)

@@ -84,4 +84,5 @@ def _measure_link(spec, dev: str, mbs: tuple[int, ...], comm_ranks: int, table_p
                   f"(all-reduce implies {fit.allreduce_bandwidth_gb_per_s:.2f} GB/s"
                   + (f", inside the TP layer {fit.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s and "
                      f"{fit.tp_allreduce_latency_us:.0f} us per step" if fit.tp_allreduce_bandwidth_gb_per_s is not None else "")
+                  + (f"; replicas' own spread {fit.replica_time_cv:.1%}" if fit.replica_time_cv is not None else "")
                   + f"); wrote {link_path}")

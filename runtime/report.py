@@ -170,6 +170,7 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
                        "peak_tflops": speed.peak_tflops, "mfu": {"measured": speed.mfu, "predicted": pred.mfu}},
         "precision": {"dtype": plan.model.dtype, "loss_scale": last0.loss_scale, "skipped_steps": speed.skipped_steps},
         "phases": phases,
+        "arrival_wait_ms": {"predicted": pred.arrival_wait_ms, "replica_time_cv": cluster.replica_time_cv},
         **({"units": units} if units is not None else {}),
         "replicas": replicas,
         "stages": stages,
@@ -183,12 +184,14 @@ def _unit_phases(plan: Plan, terms: SyncTerms, steps: dict, sets: list[list[int]
     (``StepStats.unit_reduce_ms`` / ``unit_gather_ms``: median over steps of the slowest set of the time of
     the rank that arrives last) next to eq. 16's ring passes (reduce-scatter: one; all-gathers: stage 2
     one after the update, stage 3 the edges one and a layer two, before its forward and its backward)."""
+    from baton.costmodel import layered_chain
     from baton.peers import EDGES, unit_groups
 
+    chain = layered_chain(plan.zero_stage, plan.model.num_layers)
     out = []
     for k, (unit, _) in enumerate(unit_groups(plan)):
         r_u, g_u = terms.unit_reduce_ms[unit], terms.unit_gather_ms[unit]
-        gathers = 1 if plan.zero_stage == 2 or unit is EDGES else 2
+        gathers = sum(1 for kind, u in chain if kind == "gather" and u == unit)
 
         def measured(field, k=k):
             def one(j):

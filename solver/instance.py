@@ -168,6 +168,8 @@ class Instance:
     embedding_sync_ms: float
     positions: list
     """positions[s][k] -> Position (peer group of TP rank k of stage s)."""
+    replica_time_cv: float = 0.0
+    """The cluster's noise in replica times (eq. 19: the last replica's arrival at the sync)."""
     infeasible_reason: str | None = None
     notes: list = field(default_factory=list)
 
@@ -322,7 +324,7 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
     return Instance(spec=spec, skeleton=skeleton, batches=batches, zero_stage=zero_stage, ratios=ratios, stages=stages,
                     modelled_replicas=modelled, replica_class=replica_class, representatives=representatives, share_options=share_options, unit_counts=unit_counts,
                     min_layers=min_layers, max_layers=max_layers, embedding_sync_ms=embedding_sync_ms(cluster, spec, skeleton.pipelines),
-                    positions=positions)
+                    positions=positions, replica_time_cv=cluster.replica_time_cv)
 
 
 def _infeasible(spec, skeleton, batches, zero_stage, reason) -> Instance:

@@ -87,7 +87,8 @@ class LayeredTables:
 
     def iteration_ms(self, parts, sync, optimizer_ms: float) -> float:
         """Eq. 17 with ``parts`` = (micro-batches, LayeredParts) per replica."""
-        return layered_iteration_of(sync, self.zero_stage, self.spec.num_layers, parts, optimizer_ms).iteration_ms
+        return layered_iteration_of(sync, self.zero_stage, self.spec.num_layers, parts, optimizer_ms,
+                                    self.cluster.replica_time_cv).iteration_ms
 
     def plain_parts(self, units):
         return [(self.batches[rho][1], self.group(rho, opt)[4]) for rho, opt in enumerate(units)]
@@ -99,7 +100,8 @@ class LayeredTables:
     def compute_bound(self, units) -> float:
         """Eq. 17's segments alone (no collective, no optimizer step), nothing recomputed."""
         N = self.spec.num_layers
-        return layered_iteration_ms(self.zero_stage, N, self.plain_parts(units), 0.0, [0.0] * N, 0.0).iteration_ms
+        return layered_iteration_ms(self.zero_stage, N, self.plain_parts(units), 0.0, [0.0] * N, 0.0,
+                                    replica_time_cv=self.cluster.replica_time_cv).iteration_ms
 
 
 def layered_plan(spec, pipes, batches, zero_stage: int, units, ratios=None, recompute=None) -> Plan:
@@ -198,7 +200,7 @@ def collectives_lower_bound(spec, cluster, pipes, zero_stage: int, patterns, eve
     least = math.inf
     for units in choices:
         sync = sync_terms(cluster, layered_plan(spec, pipes, batches, zero_stage, units))
-        least = min(least, layered_iteration_of(sync, zero_stage, N, [(0, _NOTHING)], 0.0).collectives_ms)
+        least = min(least, layered_iteration_of(sync, zero_stage, N, [(0, _NOTHING)], 0.0, 0.0).collectives_ms)
     return least
 
 

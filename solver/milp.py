@@ -24,6 +24,7 @@ from pyomo.contrib.solver.common.results import TerminationCondition
 
 from baton.pipeline import schedule_1f1b
 from baton.plan import DeviceShare, Pipeline, Plan, Stage
+from baton.waits import arrival_planes
 
 from solver.instance import GB, Instance
 
@@ -84,6 +85,7 @@ class InnerModel:
         self.memory_fits_every_device()
         self.sync_buffer_fits_every_device()
         self.pipeline_follows_1f1b()
+        self.last_replica_arrival()
         self.weights_held_per_device()
         self.parameters_held_per_position()
         self.optimizer_step_is_slowest_device()
@@ -329,6 +331,33 @@ class InnerModel:
                     prev = me
             m.flow.add(m.T >= m.fin[rho, "B", 0, mb - 1])
 
+    def last_replica_arrival(self) -> None:
+        """Eq. 19: the sync starts at the last arrival X, at least every plane of ``baton.waits.arrival_planes``.
+        The sum of the k largest finishes is linear in a minimisation (its LP dual): S_k = k lam_k +
+        sum_c n_c nu_kc, nu_kc >= finish_c - lam_k, nu >= 0, with n_c replicas in class c; the largest is T.
+        Every plane has non-negative coefficients, so at the optimum X is the family's maximum exactly."""
+        inst, m = self.inst, self.m
+        planes = arrival_planes(inst.skeleton.num_replicas, inst.replica_time_cv)
+        m.arrival = pyo.ConstraintList()
+        if not planes.top_k:
+            m.X = pyo.Expression(expr=m.T)
+            return
+        counts = [inst.replica_class.count(c) for c in range(self.R)]
+        finish = [m.fin[c, "B", 0, inst.batch(c)[1] - 1] for c in range(self.R)]
+        ks = [k for k, _ in planes.top_k]
+        m.X = pyo.Var(domain=pyo.NonNegativeReals)
+        m.lam = pyo.Var(ks, domain=pyo.Reals)
+        m.nu = pyo.Var([(k, c) for k in ks for c in range(self.R)], domain=pyo.NonNegativeReals)
+        top = {}
+        for k, a in planes.top_k:
+            for c in range(self.R):
+                m.arrival.add(m.nu[k, c] >= finish[c] - m.lam[k])
+            top[k] = k * m.lam[k] + sum(n * m.nu[k, c] for c, n in enumerate(counts))
+            m.arrival.add(m.X >= a * top[k])
+        for b, c in planes.pairs:
+            m.arrival.add(m.X >= b * top[2] + c * m.T)
+        m.arrival.add(m.X >= m.T)
+
     def weights_held_per_device(self) -> None:
         """Weights (GB) = L_s * per-layer parameters of the chosen share + embedding/head parameters."""
         inst, m = self.inst, self.m
@@ -412,9 +441,9 @@ class InnerModel:
             m.dpsync.add(m.DP >= pos.sync_ms_per_gparam * shard + pos.sync_fixed_ms)
 
     def objective_is_iteration_time(self) -> None:
-        """Eq. 11: pipeline + tied-embedding sync + data-parallel sync + optimizer step."""
+        """Eq. 11: the last replica's arrival (eq. 19) + tied-embedding sync + data-parallel sync + optimizer step."""
         m = self.m
-        m.obj = pyo.Objective(expr=m.T + self.inst.embedding_sync_ms + m.DP + m.OPT, sense=pyo.minimize)
+        m.obj = pyo.Objective(expr=m.X + self.inst.embedding_sync_ms + m.DP + m.OPT, sense=pyo.minimize)
 
     # -- solving --------------------------------------------------------------------------------------
     def solve(self, *, time_limit: float, rel_gap: float, threads: int, cutoff: float | None = None) -> MilpResult:

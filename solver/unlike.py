@@ -38,6 +38,7 @@ from baton.costmodel import (BLOCKS, SyncTerms, device_memory, device_optimizer_
 from baton.operators import operator_names
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
 from baton.plan import DeviceShare, Pipeline, Plan, Stage
+from baton.waits import last_arrival_ms
 
 from solver.options import valid_unit_counts
 
@@ -194,7 +195,8 @@ def structure_plan(spec, pipes, batches, zero_stage: int, struct, recompute=None
 def structure_bound(tables: StageTables, struct, sync: SyncTerms, emb_ms: float) -> float:
     """Slowest replica without recomputation + tied-embedding sync + data-parallel sync + optimizer step: the
     structure's exact value but for the recompute time."""
-    return max(x.pipe_ms for x in struct) + emb_ms + sync.dp_sync_ms + _optimizer_ms(tables, struct, sync)
+    return (last_arrival_ms([x.pipe_ms for x in struct], tables.cluster.replica_time_cv) + emb_ms + sync.dp_sync_ms
+            + _optimizer_ms(tables, struct, sync))
 
 
 def _optimizer_ms(tables: StageTables, struct, sync: SyncTerms) -> float:
@@ -269,7 +271,7 @@ def solve_structure(tables: StageTables, struct, sync: SyncTerms, emb_ms: float,
                 rset = space.recompute_set(int(fitting[k][j]))
                 recompute[rho, s, k] = tuple(o for o in names if o in rset)
         pipes_ms.append(tables.pipeline_ms(rho, lay.layers, lay.units, bwd_layer))
-    total = max(pipes_ms) + emb_ms + sync.dp_sync_ms + _optimizer_ms(tables, struct, sync)
+    total = last_arrival_ms(pipes_ms, tables.cluster.replica_time_cv) + emb_ms + sync.dp_sync_ms + _optimizer_ms(tables, struct, sync)
     return total, structure_plan(spec, tables.pipes, tables.batches, zero_stage, struct, recompute)
 
 
@@ -292,7 +294,7 @@ def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patt
              for i in range(len(pipes))]
     entries = []
     for struct in structures(layouts, twins):
-        pipe_lb = max(x.pipe_ms for x in struct) + emb
+        pipe_lb = last_arrival_ms([x.pipe_ms for x in struct], cluster.replica_time_cv) + emb
         if pipe_lb >= limit_ms:
             dropped = min(dropped, pipe_lb)
             continue

@@ -93,6 +93,12 @@ def test_link_measurement_over_gloo_between_two_processes(tmp_path):
     # The block is a link a cluster YAML takes, all-reduce figures included.
     (tmp_path / "c.yaml").write_text("nodes:\n  - name: n\n    gpus: [{type: cpu, count: 2}]\n" +
                                      "\n".join("    " + line for line in fit.yaml_block().splitlines()) + "\n")
+    # The replicas' own spread (eq. 19) was measured too; it goes at the file's top level.
+    assert fit.replica_time_cv is not None and 0.0 <= fit.replica_time_cv < 0.5
+    cv_line = next(line for line in fit.yaml_block().splitlines() if line.startswith("# replica_time_cv: "))
+    text = (tmp_path / "c.yaml").read_text()
+    (tmp_path / "c.yaml").write_text(cv_line.removeprefix("# ") + "\n" + text)
+    assert load_cluster(tmp_path / "c.yaml").replica_time_cv == pytest.approx(fit.replica_time_cv, abs=1e-4)
     link = load_cluster(tmp_path / "c.yaml").link("n:0", "n:1")
     assert link.allreduce_bandwidth_gb_per_s == pytest.approx(fit.allreduce_bandwidth_gb_per_s, rel=1e-2)
     assert link.tp_allreduce_bandwidth_gb_per_s == pytest.approx(fit.tp_allreduce_bandwidth_gb_per_s, rel=1e-2)
