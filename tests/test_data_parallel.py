@@ -347,23 +347,27 @@ def assert_same_checkpoint(want_dir, got_dir) -> None:
 # --- (e) bf16 ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("replicas,ratios,tol", [
-    (TP_MISMATCHED, [0.7, 0.7, 0.3, 0.3], 1e-5),
-    (PP_AND_SINGLE, [0.7, 0.7, 0.3], 4e-2),
+@pytest.mark.parametrize("replicas,ratios", [
+    (TP_MISMATCHED, [0.7, 0.7, 0.3, 0.3]),
+    (PP_AND_SINGLE, [0.7, 0.7, 0.3]),
 ], ids=["tp1:1+tp1:3 0.7/0.3", "pp2+single 0.7/0.3"])
-def test_bf16_zero_stage_1_keeps_fp32_master_shards(replicas, ratios, tol):
+def test_bf16_zero_stage_1_keeps_fp32_master_shards(replicas, ratios):
     """bf16 over replicas of different shapes, shard ratios 0.7/0.3: the module, its gradients and the
     collectives stay bf16, each device keeps fp32 master weights and fp32 moments of its owned shards only
     (4 + 8 bytes per owned parameter: eq. 7 at its share), and the run follows zero_stage 0 of the same plan.
 
-    Tolerances. Where every peer group has two holders (the TP replicas) both stages add the same two bf16
-    gradients, so the gathered masters and moments agree to 1e-5 (measured: identical). Beside a
-    two-stage replica the embedding's group has three holders (the rows on both ends of the pipeline, and
+    Tolerances: one bf16 rounding (2^-8) on some elements, grown through three Adam steps. Two sources: beside
+    a two-stage replica the embedding's group has three holders (the rows on both ends of the pipeline, and
     the single device's), and a reduce-scatter may add its three bf16 gradients in another order than the
-    all-reduce: one bf16 rounding (2^-8) on some elements, which moves the norm at step 0 by 2e-6 and
-    grows through three Adam steps (most where the exact gradient is zero, the key bias: measured 1.9e-2
-    there, 8e-3 elsewhere). There we allow 4e-2, the bound tests/test_mixed_precision.py puts on bf16
-    gradients of a split plan, and the loss within 2e-3 as there (measured 3e-5)."""
+    all-reduce (measured: 8e-3; the key bias, whose exact gradient is zero, is held only to Adam's step size,
+    ``_key_bias_apart``). And in either plan the global norm is summed over other partitions (the owners'
+    shards against each group's first holder), so it differs in its last bits (measured: 6.5e-9 relative at
+    step 0 for the TP replicas); clipping scales every gradient by it, the fp32 masters move by an ulp, and
+    masters near a bf16 rounding boundary round the other way. Whether the two sums happen to agree is the
+    CPU's kernels' business: on one machine the TP replicas came out identical, on another their replicated
+    LayerNorms' moments differed by 1.4e-2 after three steps and the step-1 loss by 7e-5. We allow 4e-2, the
+    bound tests/test_mixed_precision.py puts on bf16 gradients of a split plan, and the loss within 2e-3 as
+    there. A wrong shard, a missed division or a skipped owner moves these by O(1)."""
     from baton.peers import group_shard_sizes, peer_groups
 
     sharded = replicas_plan(tiny(0.1, dtype="bf16"), replicas, zero_stage=1, ratios=ratios)
@@ -381,12 +385,27 @@ def test_bf16_zero_stage_1_keeps_fp32_master_shards(replicas, ratios, tol):
         assert held.weights_bytes == held.grads_bytes == ref["held"].weights_bytes == 2 * ref["owned"]
         assert ref["held"].master_bytes == 4 * ref["owned"] and ref["held"].moments_bytes == 8 * ref["owned"]
         for a, b in zip(res["losses"], ref["losses"]):
-            assert abs(a - b) <= (2e-3 if tol > 1e-5 else 1e-5 * abs(b)), (res["losses"], ref["losses"])
+            assert abs(a - b) <= 2e-3, (res["losses"], ref["losses"])
     assert got[0]["losses"][-1] < got[0]["losses"][0] - 1e-3  # it trains
     for name, want in base[0]["full"].items():
         for k, what in enumerate(("fp32 master", "exp_avg", "exp_avg_sq")):
-            err = rel_err(got[0]["full"][name][k], want[k])
-            assert err <= tol, f"{name}: {what} off by {err:.2e} from zero_stage 0"
+            (mine, key), (theirs, key_ref) = _key_bias_apart(name, got[0]["full"][name][k]), _key_bias_apart(name, want[k])
+            err = rel_err(mine, theirs)
+            assert err <= 4e-2, f"{name}: {what} off by {err:.2e} from zero_stage 0"
+            if key is not None and k == 0:
+                off = float((key - key_ref).abs().max())
+                assert off <= 2 * LR * STEPS, f"{name}: key bias {off:.2e} off, more than a step of each run per step"
+
+
+def _key_bias_apart(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the rest, the key bias) of a full tensor: the key bias's exact gradient is zero (softmax ignores a
+    shift every score of a row shares), so in bf16 its Adam steps follow rounding noise, about lr each
+    whatever their sign (measured: 0.76 relative between the two stages, 1.3e-3 at most against lr = 3e-3
+    over three steps); it can only be held to that, the rest to rounding."""
+    if not name.endswith("attn.c_attn.bias"):
+        return t, None
+    q, k, v = t.chunk(3)
+    return torch.cat([q, v]), k
 
 
 # --- validation and fp16 under replicas of different shapes ----------------------------------------------
