@@ -27,6 +27,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import Callable
 
 import numpy as np
 import torch
@@ -144,7 +145,8 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(intercept, 0.0), slope
 
 
-def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, reps: int) -> list[tuple[int, float]]:
+def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, reps: int,
+                        beat: Callable[[], None] = lambda: None) -> list[tuple[int, float]]:
     """(bytes, ms per all-reduce) at each micro-batch size: what the all-reduces add to the runtime's
     tensor-parallel layer (gloo).
 
@@ -185,6 +187,7 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
                     times[name].append(took)
                 if name == "joined":
                     calls = AllReduceClock.calls
+            beat()
         # Every rank must hold the same figure: the mean of the ranks' differences.
         added = torch.tensor([max(statistics.median(times["joined"]) - statistics.median(times["alone"]), 0.0) / max(calls, 1)],
                              dtype=torch.float64)
@@ -193,11 +196,26 @@ def _in_layer_allreduce(spec: ModelSpec, rank: int, world: int, micro_batches, r
     return points
 
 
+def _heartbeat(out_dir: str, rank: int) -> Callable[[], None]:
+    """A function that marks this rank as still measuring (a file's time stamp the parent watches): the
+    measurement's length grows with the model and the machine (a bf16 layer on a CPU without bf16
+    instructions ran 18x slower than in fp32), so the parent gives up on a rank that stops finishing
+    measurements, not on a run that is merely long."""
+    path = os.path.join(out_dir, f"alive-{rank}")
+
+    def beat() -> None:
+        with open(path, "a"):
+            os.utime(path)
+    beat()
+    return beat
+
+
 NOISE_REPS = 40
 """Repetitions of the whole model's forward and backward the replica-time probe times on every rank."""
 
 
-def _replica_times(spec: ModelSpec, rank: int, world: int, micro_batch: int, reps: int) -> list[list[float]]:
+def _replica_times(spec: ModelSpec, rank: int, world: int, micro_batch: int, reps: int,
+                   beat: Callable[[], None] = lambda: None) -> list[list[float]]:
     """Every rank's time (ms) for the same work, the whole model's layers forward and backward on its own, in
     ``reps`` rounds that start together (a barrier, as replicas leave a sync): times[r][i] of rank r in round i."""
     from runtime.op_profiler import _init
@@ -219,6 +237,7 @@ def _replica_times(spec: ModelSpec, rank: int, world: int, micro_batch: int, rep
         y.backward(torch.ones_like(y))
         if i >= 2:
             mine.append((time.perf_counter() - t0) * 1e3)
+        beat()
     everyone = [torch.zeros(reps, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
     return [t.tolist() for t in everyone]
@@ -245,6 +264,7 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
         pin_rank(rank)
+        beat = _heartbeat(out_dir, rank)
         device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
         if device.type == "cpu":
             keep_freed_memory()  # the in-layer all-reduces are timed in the allocator state training runs in
@@ -323,6 +343,7 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
                                                                         dtype=t.dtype, device=device))
                 gathered = one_at_a_time(lambda: padded_all_gather(offsets, shards, rank, fill, place, group=None,
                                                                     dtype=t.dtype, device=device))
+                beat()
                 if i >= 2:
                     times_p.append(transfers)
                     times_a += took
@@ -335,8 +356,8 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
         points = {"p2p": p2p, "allreduce": ar, "reduce_scatter": rs, "all_gather": ag}
         noise = None
         if spec is not None:
-            points["allreduce_in_layer"] = _in_layer_allreduce(spec, rank, world, micro_batches, reps)
-            noise = replica_time_cv(_replica_times(spec, rank, world, max(micro_batches), NOISE_REPS))
+            points["allreduce_in_layer"] = _in_layer_allreduce(spec, rank, world, micro_batches, reps, beat)
+            noise = replica_time_cv(_replica_times(spec, rank, world, max(micro_batches), NOISE_REPS, beat))
         if rank == 0:
             torch.save(points, os.path.join(out_dir, "points.pt"))
             if noise is not None:
@@ -355,7 +376,8 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
     Messages are of ``dtype`` (default: the model's, else fp32): the syncs move the model's gradients and
     weights, and a library's reductions need not run every type at one rate. With ``spec`` (a model whose
     heads and FFN columns split evenly over the ranks, gloo only, fp32 or bf16), all-reduces at its
-    activation sizes are timed inside its tensor-parallel layer.
+    activation sizes are timed inside its tensor-parallel layer. ``timeout_s``: how long a rank may go without
+    finishing a measurement before the run is given up (the whole run may take longer).
     """
     dtype = dtype or (spec.dtype if spec is not None else "fp32")
     if backend == "gloo" and dtype == "fp16":
@@ -371,11 +393,15 @@ def measure_links(*, backend: str = "gloo", world_size: int = 2, sizes=DEFAULT_S
         ctx = mp.start_processes(_worker, args=(world_size, backend, init_file, tuple(sizes), reps, tmp, spec, tuple(micro_batches),
                                                 os.getpid(), dtype),
                                  nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
+        started = time.time()
         try:
             while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise BatonError(f"communication measurement did not finish in {timeout_s:.0f} s", field="--comm")
+                # Every rank must keep finishing measurements; a stalled one (a lost peer, a hung collective)
+                # stops the run, however long the whole of it takes.
+                beats = [os.path.join(tmp, f"alive-{r}") for r in range(world_size)]
+                last = min((os.path.getmtime(b) if os.path.exists(b) else started) for b in beats)
+                if time.time() - last > timeout_s:
+                    raise BatonError(f"communication measurement made no progress for {timeout_s:.0f} s", field="--comm")
         except mp.ProcessRaisedException:
             errors = [open(os.path.join(tmp, f)).read().strip().splitlines()[-1] for f in sorted(os.listdir(tmp)) if f.startswith("error-")]
             raise BatonError("communication measurement failed: " + (errors[0] if errors else "a rank died"), field="--comm") from None
