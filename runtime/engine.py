@@ -306,10 +306,14 @@ class Engine:
                 p.grad = view
 
     # --- point-to-point ----------------------------------------------------------------------------
-    def _recv(self, src: int, rows: int | None = None, **trace_args) -> torch.Tensor:
+    def _boundary_buffer(self, rows: int | None = None) -> torch.Tensor:
+        """An activation (or its gradient) as it crosses a stage boundary: rows x s x h, compute dtype."""
         spec = self.plan.model
         rows = self.micro_batch_size if rows is None else rows
-        buf = torch.empty(rows, spec.seq_len, spec.hidden_dim, device=self.device, dtype=self.dtype)
+        return torch.empty(rows, spec.seq_len, spec.hidden_dim, device=self.device, dtype=self.dtype)
+
+    def _recv(self, src: int, rows: int | None = None, **trace_args) -> torch.Tensor:
+        buf = self._boundary_buffer(rows)
         t0 = time.perf_counter()
         out = self.topo.recv(buf, src, timeout_s=self.timeout_s)
         if self.tracer is not None:
@@ -408,11 +412,13 @@ class Engine:
         pending, inflight, loss_sum = [], {}, 0.0
         fwd_src, bwd_src = topo.forward_source(pos), topo.backward_source(pos)
         fwd_dst, bwd_dst = topo.forward_targets(pos), topo.backward_targets(pos)
+        inputs = None if self.first else _Inbox(self, fwd_src, m, step)
+        output_grads = None if self.last else _Inbox(self, bwd_src, m, step)
         for kind, i in schedule_1f1b(self.num_stages, m, pos.stage):
             samples = torch.arange(mbs) + self.first_sample + i * mbs
             if kind == "F":
                 tokens, targets = data.batch(step, samples) if (self.first or self.last) else (None, None)
-                x = tokens.to(self.device) if self.first else self._recv(fwd_src, step=step, mb=i).requires_grad_()
+                x = tokens.to(self.device) if self.first else inputs.take(i).requires_grad_()
                 t0 = time.perf_counter()
                 with saved.record(i) if saved is not None else nullcontext():
                     y = self.model(x, MicroBatch(self.seed, step, samples.to(self.device)),
@@ -434,7 +440,7 @@ class Engine:
                 inflight[i] = (x, y)
             else:
                 x, y = inflight.pop(i)
-                grad = None if self.last else self._recv(bwd_src, step=step, mb=i)
+                grad = None if self.last else output_grads.take(i)
                 t0, t1 = _timed_backward(meter, stats, i, y, grad, sync)
                 if tracer is not None:
                     tracer.add(f"B{i}", "backward", t0, t1, step=step, mb=i)
@@ -650,6 +656,48 @@ class Engine:
         held = torch.zeros(dist.get_world_size(), dtype=torch.float64)
         held[dist.get_rank()] = float(mine)
         return [float(v) for v in self._all_reduce_cpu(held)]
+
+
+class _Inbox:
+    """What one peer sends this rank during a 1F1B step (the activations of the stage before, or the gradients
+    of the stage after), one per micro-batch in order, each receive posted before it is needed.
+
+    Over gloo a send whose receive is not posted yet waits for the receiver's request, and then for the
+    sender's I/O thread, which a sender busy with its next pass serves late: between two CPU processes a
+    256 KiB activation reached a receiver that asked for it after the send 4 ms later (median; 1.2 ms from an
+    idle sender), against 0.02 ms when the receive was posted first, so a pipeline paid milliseconds per
+    micro-batch that eq. 6 does not charge. Posting the next receive as soon as the last one has arrived
+    lets every transfer start when its sender finishes, as eq. 1 has it, at the price of one boundary
+    buffer waiting ahead (docs/cost-model.md, section 6). NCCL runs a pair's sends and receives in order on
+    one stream, where a receive posted early would hold up this rank's own sends to that peer, and the GPU
+    moves the data without the sender's CPU: there each receive is posted when it is needed."""
+
+    def __init__(self, engine: "Engine", src: int, count: int, step: int):
+        self.engine, self.src, self.count, self.step = engine, src, count, step
+        self.ahead = engine.device.type == "cpu"
+        self.posted: list = []
+        self.next = 0
+        """The micro-batch the next posted receive is for."""
+        if self.ahead:
+            self._post()
+
+    def _post(self) -> None:
+        if self.next < self.count:
+            self.posted.append(self.engine.topo.post_recv(self.engine._boundary_buffer(), self.src))
+            self.next += 1
+
+    def take(self, i: int) -> torch.Tensor:
+        """Micro-batch ``i``'s tensor (they are taken in order), waiting for it if it has not arrived."""
+        engine, t0 = self.engine, time.perf_counter()
+        if not self.ahead:
+            self._post()
+        assert self.next == i + 1, (self.next, i)
+        out = engine.topo.wait_recv(self.posted.pop(0), timeout_s=engine.timeout_s)
+        if engine.tracer is not None:
+            engine.tracer.add(f"recv from {self.src}", "p2p", t0, time.perf_counter(), step=self.step, mb=i)
+        if self.ahead:
+            self._post()
+        return out
 
 
 def _unit_name(unit) -> str:

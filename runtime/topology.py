@@ -178,19 +178,39 @@ class Topology:
     def recv(self, buf: torch.Tensor, src: int, *, timeout_s: float | None) -> torch.Tensor:
         """Receive ``buf`` from ``src``, waiting at most ``timeout_s`` (None: the default group's
         timeout); a peer that does not send in time is named in the error."""
-        work = dist.irecv(buf, src)
+        return self.wait_recv(self.post_recv(buf, src), timeout_s=timeout_s)
+
+    def post_recv(self, buf: torch.Tensor, src: int) -> "PostedRecv":
+        """Start receiving ``buf`` from ``src`` (``wait_recv`` finishes it)."""
+        return PostedRecv(buf=buf, src=src, work=dist.irecv(buf, src))
+
+    def wait_recv(self, posted: "PostedRecv", *, timeout_s: float | None) -> torch.Tensor:
+        """The buffer of a posted receive once it has arrived, waiting at most ``timeout_s`` (None: the
+        default group's timeout); a peer that does not send in time is named in the error."""
         try:
             if timeout_s is None:
-                work.wait()
+                posted.work.wait()
             else:
-                work.wait(timedelta(seconds=timeout_s))
+                posted.work.wait(timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 limit = f"{timeout_s:g} s" if timeout_s is not None else "the timeout"
-                raise TimeoutError(f"waited more than {limit} for {self.describe(src)} to send "
+                raise TimeoutError(f"waited more than {limit} for {self.describe(posted.src)} to send "
                                    f"(it is stopped, stuck or much slower than this rank)") from None
             raise
-        return buf
+        return posted.buf
+
+
+@dataclass(frozen=True, slots=True)
+class PostedRecv:
+    """A receive in flight."""
+
+    buf: torch.Tensor
+    """Where the data lands."""
+    src: int
+    """The sending rank."""
+    work: object
+    """torch.distributed's handle."""
 
 
 @dataclass(frozen=True, slots=True)
