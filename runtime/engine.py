@@ -475,11 +475,13 @@ class Engine:
             tokens, targets = data.batch(step, samples)
             batches.append((tokens.to(dev), targets.to(dev), MicroBatch(self.seed, step, samples.to(dev))))
 
+        params = list(model.parameters())
+
         def gather(unit):
             t0 = time.perf_counter()
             units.gather(unit)
             if saved is not None:
-                saved.track_params(self.model.parameters())  # gathered storages have new addresses
+                saved.track_params(params)  # gathered storages have new addresses
             if tracer is not None:
                 tracer.add(f"gather {_unit_name(unit)}", "allreduce", t0, time.perf_counter(), step=step)
 
