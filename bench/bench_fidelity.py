@@ -270,6 +270,24 @@ def _layer_ms(table) -> float:
     return float(rows["fwd_ms"].sum() + rows["bwd_ms"].sum())
 
 
+def cpu_description() -> str:
+    """The CPU model and whether it has bf16 instructions: without them PyTorch's bf16 matrix products run
+    an emulation (on an AVX2-only EPYC a bf16 layer of the small preset ran 18x slower than in fp32), which
+    changes a bf16 plan's balance of compute and communication."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    return f"{model}, " + (f"bf16 instructions ({', '.join(bf16)})" if bf16 else "no bf16 instructions")
+
+
 def write_cluster(dst: Path, procs: int, link) -> Path:
     data = yaml.safe_load((ROOT / "clusters" / "cpu2.yaml").read_text())
     data["name"] = f"cpu{procs}"
@@ -415,7 +433,8 @@ def main() -> None:
         "activation_mean_abs_rel_error": statistics.mean(act_err), "activation_worst_abs_rel_error": max(act_err),
         "targets": {"iteration_mean": 0.05, "iteration_worst": 0.10, "activation": 0.02},
     }
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(), "threads_per_process": 1,
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cpu": cpu_description(), "cores": os.cpu_count(),
+           "threads_per_process": 1,
            "pinned": True, "model": SPEC.to_dict(), "steps": args.steps, "rounds": args.rounds, "reps": args.reps, "link": link.to_dict(), "seconds": round(time.time() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps({"summary": summary, "environment": env, "plans": rows}, indent=2) + "\n")
@@ -430,7 +449,7 @@ def main() -> None:
     lines += ["", f"Iteration time: mean absolute error {summary['iteration_time_mean_abs_rel_error']:.1%}, worst "
               f"{summary['iteration_time_worst_abs_rel_error']:.1%} (targets 5% / 10%). Activation memory: mean "
               f"{summary['activation_mean_abs_rel_error']:.2%}, worst {summary['activation_worst_abs_rel_error']:.2%} (target 2%).",
-              "", f"Model `{SPEC.name}` ({SPEC.dtype}, {SPEC.attention} attention), {args.procs} CPU processes, one thread each, pinned; link measured over gloo in {link.dtype} messages: "
+              "", f"Model `{SPEC.name}` ({SPEC.dtype}, {SPEC.attention} attention), {args.procs} CPU processes ({env['cpu']}), one thread each, pinned; link measured over gloo in {link.dtype} messages: "
               f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us per transfer; all-reduce {link.allreduce_bandwidth_gb_per_s:.2f} GB/s, "
               f"{link.allreduce_latency_us:.0f} us per ring step between idle ranks, {link.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s, "
               f"{link.tp_allreduce_latency_us:.0f} us inside the tensor-parallel layer, reduce-scatter "
