@@ -7,9 +7,11 @@ through the measured (bytes, ms) points gives both parameters; the result is wri
 ``allreduce_bandwidth_gb_per_s`` / ``allreduce_latency_us`` (collectives seldom reach the link's
 transfer figures: over gloo on one host a 256 KiB all-reduce costs several transfers).
 
-Transfers and all-reduces are timed several back to back after a barrier (the time of one is the
-batch's time over its count), under the same core pinning as ``baton train`` (``BATON_PIN_CPUS=1``):
-that is gradient synchronisation, which runs between ranks done computing. Given a model, the
+Transfers are timed several back to back after a barrier (the time of one is the batch's time over its
+count), under the same core pinning as ``baton train`` (``BATON_PIN_CPUS=1``). The collectives of a
+gradient sync (all-reduce; the sharded sync's reduce-scatter and all-gather, staging included) are timed
+one call at a time as a step makes them: the measuring rank arrives last, from flushing its caches, while
+the others already wait in the call (``one_at_a_time`` in the worker). Given a model, the
 all-reduces of tensor parallelism are also measured by what they add to the runtime's own layer (four
 layers split evenly over the ranks, run with and without the all-reduces; the difference over their
 count) at each micro-batch size, and fitted on their own as ``tp_allreduce_bandwidth_gb_per_s`` /
@@ -282,15 +284,21 @@ def _worker(rank: int, world: int, backend: str, init_file: str, sizes, reps: in
         evict = cache_evictor(device)
 
         def one_at_a_time(fn) -> list[float]:
-            """``BATCH`` calls, each alone after the ranks meet and with the caches flushed, as training makes
-            them: one collective between computations, whose start-up and wake-up are paid in full and whose
-            staging copies find nothing in cache (back to back and cache-hot, the sharded sync's passes came
-            out up to 2x faster than in a training step)."""
+            """``BATCH`` calls, each alone and as a training step makes it: the ranks reach a sync pass from
+            their own compute at different times, and the pass is charged from the last arrival (eq. 13-17).
+            So rank 0 (whose figures are kept) comes last, from flushing its caches as a pass leaves them,
+            while the others wait inside the call since the barrier: its start-up, the waiting peers' wake-up
+            and its staging copies (finding nothing in cache) are paid in full. Back to back and cache-hot,
+            the sharded passes came out up to 2x faster than in training; arriving together, both ranks
+            stage their chunks at once and a layer's reduce-scatter took 9.4 ms (median) where arriving
+            last from compute, as in training, took 8.3."""
             out = []
             for _ in range(BATCH):
-                evict()
                 dist.barrier()
                 sync()
+                if rank == 0:
+                    evict()
+                    sync()
                 t0 = time.perf_counter()
                 fn()
                 sync()
