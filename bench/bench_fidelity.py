@@ -322,7 +322,8 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2, choices=(2, 4))
     ap.add_argument("--reps", type=int, default=15, help="repetitions per operator measurement")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--only", default=None, help="run only the plans whose name contains this text")
+    ap.add_argument("--only", action="append", default=None,
+                    help="run only the plans whose name contains this text (repeatable: any of them)")
     ap.add_argument("--variant", default="fp32-eager", choices=tuple(VARIANTS),
                     help="the small preset as it is (fp32, eager attention) or in bf16 with fused attention")
     args = ap.parse_args()
@@ -335,7 +336,7 @@ def main() -> None:
     t0 = time.time()
     cases = plans(f"cpu{args.procs}", args.procs)
     if args.only:
-        cases = {k: v for k, v in cases.items() if args.only in k}
+        cases = {k: v for k, v in cases.items() if any(o in k for o in args.only)}
     # Every micro-batch size and share the hand plans use, plus those the solver may pick.
     mbs = sorted({p.batch(i)[0] for p in cases.values() for i in range(len(p.pipelines))} | {1, 2, 4})
     shares = sorted({d.units / s.units_per_layer for p in cases.values() for pipe in p.pipelines for s in pipe.stages
@@ -349,12 +350,12 @@ def main() -> None:
         links.append(measure_links(world_size=2, spec=SPEC, micro_batches=(1, 2, 4)))
         cluster_path = write_cluster(work / f"round-{r}", args.procs, links[-1])
         cluster = load_cluster(cluster_path)
-        if r == 0:
+        if r == 0 and (not args.only or any(o in "baton solve" for o in args.only)):
             print(f"round 1: profiling {SPEC.name} for the solver (micro-batches {mbs}, shares {shares}) ...")
             write_table(profile_table(SPEC, device="cpu", micro_batches=tuple(mbs), shares=tuple(shares), warmup=3,
                                       reps=args.reps, concurrent=args.procs), table_path)
             extra = solver_plan(cluster_path, profiles, work / "solved.json")
-            if extra is not None and (not args.only or args.only in "baton solve"):
+            if extra is not None:
                 cases[f"baton solve (mb {extra.micro_batch_size} x {extra.num_microbatches})"] = extra
         for index, (name, plan) in enumerate(cases.items()):
             # Paired: the table of exactly what this plan runs, measured right before and right after it runs, so

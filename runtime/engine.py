@@ -419,22 +419,21 @@ class Engine:
             if kind == "F":
                 tokens, targets = data.batch(step, samples) if (self.first or self.last) else (None, None)
                 x = tokens.to(self.device) if self.first else inputs.take(i).requires_grad_()
-                t0 = time.perf_counter()
-                with saved.record(i) if saved is not None else nullcontext():
+
+                def stage_forward():
                     y = self.model(x, MicroBatch(self.seed, step, samples.to(self.device)),
                                    targets=targets.to(self.device) if self.last else None)
-                    if self.last:
-                        # The stage returns the summed vocabulary-parallel cross-entropy, computed in fp32
-                        # (the softmax it keeps is fp32 in every dtype).
-                        y = y / denom
-                        loss_sum += y.item()
-                        if scale != 1.0:
-                            y = y * scale
-                if sync:
-                    torch.cuda.synchronize()
-                stats.forward_ms[i] = (time.perf_counter() - t0) * 1e3
+                    if not self.last:
+                        return y, 0.0
+                    # The stage returns the summed vocabulary-parallel cross-entropy, computed in fp32 (the
+                    # softmax it keeps is fp32 in every dtype).
+                    y = y / denom
+                    return (y * scale if scale != 1.0 else y), y.item()
+
+                (y, loss), t0, t1 = _timed_forward(stats, i, saved, i, sync, stage_forward)
+                loss_sum += loss
                 if tracer is not None:
-                    tracer.add(f"F{i}", "forward", t0, t0 + stats.forward_ms[i] / 1e3, step=step, mb=i)
+                    tracer.add(f"F{i}", "forward", t0, t1, step=step, mb=i)
                 if not self.last:
                     self._send(y, fwd_dst, pending, step=step, mb=i)
                 inflight[i] = (x, y)
@@ -492,13 +491,7 @@ class Engine:
                 tracer.add(f"reduce-scatter {_unit_name(unit)}", "allreduce", t0, time.perf_counter(), step=step)
 
         def forward(key, i, fn):
-            t0 = time.perf_counter()
-            with saved.record(key) if saved is not None else nullcontext():
-                out = fn()
-            if cuda:
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            stats.forward_ms[i] += (t1 - t0) * 1e3
+            out, t0, t1 = _timed_forward(stats, i, saved, key, cuda, fn)
             if tracer is not None:
                 tracer.add(f"F{i} {_unit_name(key[0])}", "forward", t0, t1, step=step, mb=i)
             return out
@@ -707,6 +700,20 @@ def _unit_name(unit) -> str:
     if unit is EDGES:
         return "edges"
     return unit if isinstance(unit, str) else f"layer {unit}"
+
+
+def _timed_forward(stats: StepStats, i: int, saved, key, cuda: bool, fn):
+    """A forward of micro-batch ``i`` (``fn()``), the tensors it saves recorded under ``key``; adds its time to
+    ``stats`` (a micro-batch's forward may come in several pieces, one per layer when run layer by layer).
+    Returns (what ``fn`` returned, start, end perf_counter seconds)."""
+    t0 = time.perf_counter()
+    with saved.record(key) if saved is not None else nullcontext():
+        out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    stats.forward_ms[i] += (t1 - t0) * 1e3
+    return out, t0, t1
 
 
 def _timed_backward(meter, stats: StepStats, i: int, y, grad, cuda: bool) -> tuple[float, float]:

@@ -34,7 +34,7 @@ from baton.operators import operator_names
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, validate
 
 from solver.milp import highs_solve
-from solver.options import units_in_proportion, valid_unit_counts
+from solver.options import ratio_vectors, units_in_proportion, valid_unit_counts
 from solver.space import Skeleton, hethub_layout, megatron_layout
 from solver.search import NoPlanFits, SolveResult, micro_batch_candidates, search
 
@@ -534,23 +534,6 @@ def all_splits(sizes, global_batch: int):
                 for tail in rec(i + 1, left - b * m):
                     yield ((b, m),) + tail
     yield from rec(0, global_batch)
-
-
-def ratio_vectors(replicas: int, grid: int):
-    """Every way a position's peers may own its optimizer state at stage 1: None (equal parts, 1/r each), or
-    multiples of 1/grid adding up to 1 (0 allowed), one per replica."""
-    yield None
-    def rec(i, left):
-        if i == replicas - 1:
-            yield (left,)
-            return
-        for k in range(left + 1):
-            for tail in rec(i + 1, left - k):
-                yield (k,) + tail
-    for ks in rec(0, grid):
-        if replicas * ks[0] == grid and len(set(ks)) == 1:
-            continue  # the equal split on the grid: already None
-        yield tuple(k / grid for k in ks)
 
 
 def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None,

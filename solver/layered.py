@@ -43,9 +43,10 @@ import math
 from baton.costmodel import (LayeredParts, device_optimizer_ms, device_slot, edge_cost, held_weights_bytes, layer_cost,
                              layer_prices, layered_iteration_ms, layered_iteration_of, layered_parts, sync_terms)
 from baton.operators import operator_names
-from baton.plan import LAYERED_ZERO_STAGES, DeviceShare, Pipeline, Plan, Stage
+from baton.plan import LAYERED_ZERO_STAGES, DeviceShare, Plan, Stage
 
-from solver.unlike import LAYOUT_LIMIT, _best_backward, fitting_backwards, unit_options
+from solver.options import compositions, ratio_vectors
+from solver.unlike import LAYOUT_LIMIT, _best_backward, fitting_backwards, plan_of_replicas, unit_options
 
 LAYERED_STAGES = LAYERED_ZERO_STAGES
 
@@ -107,26 +108,13 @@ class LayeredTables:
 def layered_plan(spec, pipes, batches, zero_stage: int, units, ratios=None, recompute=None) -> Plan:
     """The plan of a structure: ``units[rho]`` = (U, units per rank), ``ratios[device]`` (default: equal parts),
     ``recompute[device]`` (default none)."""
-    uniform = len(set(batches)) == 1
     N = spec.num_layers
-    pipelines = []
-    for ((ids,), (U, us), (b, m)) in zip(pipes, units, batches):
+    replicas = []
+    for (ids,), (U, us) in zip(pipes, units):
         devs = tuple(DeviceShare(id=i, units=u, recompute=() if recompute is None else recompute[i],
                                  shard_ratio=None if ratios is None else ratios.get(i)) for i, u in zip(ids, us))
-        pipelines.append(Pipeline(stages=(Stage(first_layer=0, num_layers=N, units_per_layer=U, devices=devs),),
-                                  micro_batch_size=None if uniform else b, num_microbatches=None if uniform else m))
-    return Plan(model=spec, cluster="", micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
-                pipelines=tuple(pipelines), zero_stage=zero_stage)
-
-
-def _compositions(total: int, parts: int):
-    """Every vector of ``parts`` non-negative integers adding up to ``total``."""
-    if parts == 1:
-        yield (total,)
-        return
-    for k in range(total + 1):
-        for tail in _compositions(total - k, parts - 1):
-            yield (k,) + tail
+        replicas.append([Stage(first_layer=0, num_layers=N, units_per_layer=U, devices=devs)])
+    return plan_of_replicas(spec, batches, zero_stage, replicas)
 
 
 def ratio_assignments(n: int, classes, grid: int):
@@ -141,7 +129,7 @@ def ratio_assignments(n: int, classes, grid: int):
         if len(members) == 1:
             return
         groups = list(members.values())
-        for totals in _compositions(grid, len(groups)):
+        for totals in compositions(grid, len(groups)):
             vec = [0] * r
             for group, total in zip(groups, totals):
                 base, extra = divmod(total, len(group))
@@ -151,9 +139,10 @@ def ratio_assignments(n: int, classes, grid: int):
                 continue  # the equal split on the grid: already None
             yield (tuple(k / grid for k in vec),)
         return
-    per_position = [None] + [tuple(k / grid for k in ks) for ks in _compositions(grid, r)
-                             if not (r * ks[0] == grid and len(set(ks)) == 1)]
+    per_position = list(ratio_vectors(r, grid))
     for combo in itertools.product(per_position, repeat=n):
+        if all(vec is None for vec in combo):
+            continue  # equal parts everywhere: yielded first
         values = [tuple(1.0 / r if vec is None else vec[rho] for vec in combo) for rho in range(r)]
         if all(values[a] <= values[b] for group in members.values() for a, b in zip(group, group[1:])):
             yield combo

@@ -48,6 +48,26 @@ def units_in_proportion(weights: list[float], U: int) -> list[int]:
     return units
 
 
+def compositions(total: int, parts: int):
+    """Every vector of ``parts`` non-negative integers adding up to ``total``, in lexicographic order."""
+    if parts == 1:
+        yield (total,)
+        return
+    for k in range(total + 1):
+        for tail in compositions(total - k, parts - 1):
+            yield (k,) + tail
+
+
+def ratio_vectors(replicas: int, grid: int):
+    """Every way a position's peers may own its optimizer state at a sharding stage: None (equal parts, 1/r
+    each), or multiples of 1/grid adding up to 1 (0 allowed), one per replica."""
+    yield None
+    for ks in compositions(grid, replicas):
+        if replicas * ks[0] == grid and len(set(ks)) == 1:
+            continue  # the equal split on the grid: already None
+        yield tuple(k / grid for k in ks)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Choice:
     """One device's (share, recompute set) with the per-layer numbers the MILP needs."""

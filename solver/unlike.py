@@ -174,10 +174,19 @@ def structures(layouts: list[list[Layout]], twins: list[int | None]):
     yield from rec(0)
 
 
+def plan_of_replicas(spec, batches, zero_stage: int, stages) -> Plan:
+    """A plan of replicas, ``stages[rho]`` the stages of replica rho and ``batches[rho]`` its (micro-batch size,
+    count); the batch is stated per replica only where the replicas' batches differ."""
+    uniform = len(set(batches)) == 1
+    pipelines = tuple(Pipeline(stages=tuple(st), micro_batch_size=None if uniform else b,
+                               num_microbatches=None if uniform else m) for st, (b, m) in zip(stages, batches))
+    return Plan(model=spec, cluster="", micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
+                pipelines=pipelines, zero_stage=zero_stage)
+
+
 def structure_plan(spec, pipes, batches, zero_stage: int, struct, recompute=None) -> Plan:
     """The plan of a structure (``recompute[(rho, s, k)]`` per device, default none; even shards)."""
-    uniform = len(set(batches)) == 1
-    pipelines = []
+    replicas = []
     for rho, (pipe, lay) in enumerate(zip(pipes, struct)):
         stages, first = [], 0
         for s, (ids, L, (U, us)) in enumerate(zip(pipe, lay.layers, lay.units)):
@@ -185,11 +194,8 @@ def structure_plan(spec, pipes, batches, zero_stage: int, struct, recompute=None
                          for k, (i, u) in enumerate(zip(ids, us)))
             stages.append(Stage(first_layer=first, num_layers=L, units_per_layer=U, devices=devs))
             first += L
-        b, m = batches[rho]
-        pipelines.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
-                                  num_microbatches=None if uniform else m))
-    return Plan(model=spec, cluster="", micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
-                pipelines=tuple(pipelines), zero_stage=zero_stage)
+        replicas.append(stages)
+    return plan_of_replicas(spec, batches, zero_stage, replicas)
 
 
 def structure_bound(tables: StageTables, struct, sync: SyncTerms, emb_ms: float) -> float:

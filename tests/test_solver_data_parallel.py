@@ -17,7 +17,8 @@ from baton.evaluate import evaluate
 from baton.memory import RecomputeSpace
 from baton.peers import peer_groups
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, validate
-from solver.baselines import all_splits, cephalo, poplar, ratio_vectors
+from solver.baselines import all_splits, cephalo, poplar
+from solver.options import ratio_vectors
 from solver.instance import build_instance, ratio_options
 from solver.milp import InnerModel
 from solver.search import NoPlanFits, check_profiles, search

@@ -90,7 +90,7 @@ def test_ratio_assignments_cover_every_vector_modulo_interchangeable_replicas():
     one rank per replica, members of a class within one grid step of each other (one class: the equal part)."""
     import itertools
 
-    from solver.baselines import ratio_vectors
+    from solver.options import ratio_vectors
 
     grid = 4
     for classes in ([0, 0, 1], [0, 1, 2], [0, 0]):
