@@ -314,6 +314,17 @@ def check_against_cluster(plan: Plan, cluster, *, source: str = "<plan>") -> Non
                                      source=source, field=f"pipelines[{pi}].stages[{si}].devices[{di}].id")
 
 
+def plan_of_replicas(spec: ModelSpec, batches, zero_stage: int, stages, *, cluster: str = "") -> Plan:
+    """A plan of replicas, ``stages[rho]`` the stages of replica rho and ``batches[rho]`` its (micro-batch
+    size, count); a batch is stated per replica only where the replicas' batches differ (not validated: the
+    planners check their plans by evaluating them)."""
+    uniform = len(set(batches)) == 1
+    pipelines = tuple(Pipeline(stages=tuple(st), micro_batch_size=None if uniform else b,
+                               num_microbatches=None if uniform else m) for st, (b, m) in zip(stages, batches))
+    return Plan(model=spec, cluster=cluster, micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
+                pipelines=pipelines, zero_stage=zero_stage)
+
+
 def simple_plan(spec: ModelSpec, *, cluster: str, stages: list[list[tuple[str, int]]], layers: list[int],
                 units_per_layer: list[int] | int, micro_batch_size: int = 1, num_microbatches: int = 1,
                 recompute: dict[str, list[str]] | None = None) -> Plan:

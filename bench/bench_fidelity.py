@@ -67,6 +67,7 @@ from baton.profile import OPTIMIZER, table_filename, write_table  # noqa: E402
 from runtime.comm_profiler import measure_links, median_link  # noqa: E402
 from runtime.launch import TrainConfig, train  # noqa: E402
 from runtime.op_profiler import median_of_tables, profile_table  # noqa: E402
+from runtime.precision import cpu_runs_natively  # noqa: E402
 from runtime.report import build_report  # noqa: E402
 from runtime.topology import Topology  # noqa: E402
 from runtime.trace import read_spans  # noqa: E402
@@ -272,20 +273,19 @@ def _layer_ms(table) -> float:
 
 def cpu_description() -> str:
     """The CPU model and whether it has bf16 instructions: without them PyTorch's bf16 matrix products run
-    an emulation (on an AVX2-only EPYC a bf16 layer of the small preset ran 18x slower than in fp32), which
-    changes a bf16 plan's balance of compute and communication."""
-    model, flags = platform.processor() or platform.machine(), set()
+    an emulation (``runtime.precision.emulation_note``; on an AVX2-only EPYC a bf16 layer of the small
+    preset ran 18x slower than in fp32), which changes a bf16 plan's balance of compute and communication."""
+    model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
+                break
     except OSError:
         pass
-    bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    return f"{model}, " + (f"bf16 instructions ({', '.join(bf16)})" if bf16 else "no bf16 instructions")
+    native = cpu_runs_natively("bf16")
+    return f"{model}, " + {True: "bf16 instructions", False: "no bf16 instructions", None: "bf16 support unknown"}[native]
 
 
 def write_cluster(dst: Path, procs: int, link) -> Path:

@@ -229,6 +229,7 @@ def _replica_times(spec: ModelSpec, rank: int, world: int, micro_batch: int, rep
                        ffn_cols=range(spec.ffn_dim), first=False, last=False)
     _init(model, 0)
     model.to(dtype).train()
+    beat()  # building the whole model is this probe's longest gap between measurements
     mb = MicroBatch(seed=0, step=0, samples=torch.arange(micro_batch))
     x = torch.randn(micro_batch, spec.seq_len, spec.hidden_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     mine = []

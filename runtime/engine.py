@@ -686,7 +686,8 @@ class _Inbox:
         engine, t0 = self.engine, time.perf_counter()
         if not self.ahead:
             self._post()
-        assert self.next == i + 1, (self.next, i)
+        if self.next != i + 1:  # the schedule takes each peer's tensors in order, one at a time
+            raise RuntimeError(f"micro-batch {i} taken from rank {self.src} out of order (next posted: {self.next - 1})")
         out = engine.topo.wait_recv(self.posted.pop(0), timeout_s=engine.timeout_s)
         if engine.tracer is not None:
             engine.tracer.add(f"recv from {self.src}", "p2p", t0, time.perf_counter(), step=self.step, mb=i)

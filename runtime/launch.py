@@ -52,6 +52,7 @@ from runtime.data import TokenSource, ValidationSource, check_data_file, data_fi
 from runtime.devices import Preflight, RunDevices, capacities, choose_devices, cpu_capacity, cuda_capacity, preflight
 from runtime.engine import Engine, StepStats
 from runtime.metrics import MetricsLog
+from runtime.precision import cpu_runs_natively, emulation_note
 from runtime.processes import (Terminated, die_with_parent, process_state, run_directory, stop_processes,
                                sweep_stale_run_directories, terminate_as_interrupt)
 from runtime.schedule import DECAYS, LRSchedule
@@ -404,6 +405,10 @@ def train(cfg: TrainConfig, on_step=None, per_rank: dict | None = None, on_notic
             on_notice(f"the plan has {world} devices and this machine {torch.cuda.device_count()} CUDA GPU(s): "
                       "running CPU processes (--device cuda --gpus to choose GPUs)")
         checked["preflight"] = check_before_start(cfg, devices, world)
+        dtype = cfg.plan.model.dtype
+        slow = emulation_note(dtype, devices.kind, cpu_runs_natively(dtype) if devices.kind == "cpu" else None)
+        if slow and on_notice:
+            on_notice(slow)
         return _train_spawned(cfg, world, devices, on_step, per_rank, on_notice or (lambda line: None))
     finally:
         if log is not None:

@@ -33,6 +33,7 @@ def measure(req: MeasureRequest) -> None:
     from rich.progress import Progress
 
     from runtime.op_profiler import profile_table
+    from runtime.precision import cpu_runs_natively, emulation_note
 
     spec = load_model(req.model)
     if req.seq_len:
@@ -51,6 +52,9 @@ def measure(req: MeasureRequest) -> None:
     if req.threads:
         torch.set_num_threads(req.threads)
     name = gpu_type(req.gpu, field="--gpu").name if req.gpu else None
+    slow = emulation_note(spec.dtype, "cpu", cpu_runs_natively(spec.dtype)) if dev == "cpu" else None
+    if slow:
+        say(f"note: {slow}", err=True)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"profiling {spec.name} on {req.device}", total=None)
         df = profile_table(spec, device=dev, micro_batches=req.micro_batches, shares=shares, warmup=req.warmup,

@@ -31,7 +31,7 @@ from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_c
 from baton.evaluate import evaluate
 from baton.memory import recompute_space
 from baton.operators import operator_names
-from baton.plan import DeviceShare, Pipeline, Plan, Stage, validate
+from baton.plan import DeviceShare, Pipeline, Plan, Stage, plan_of_replicas, validate
 
 from solver.milp import highs_solve
 from solver.options import ratio_vectors, units_in_proportion, valid_unit_counts
@@ -210,13 +210,10 @@ def _sizes(cluster, profiles, device_id, global_batch, micro_batch):
 def _dp_plan(spec, cluster, ids, batches, zero_stage, recompute, ratios=None) -> Plan:
     """Every device its own replica holding the whole model, with its own (micro-batch size, count)."""
     N = spec.num_layers
-    uniform = len(set(batches)) == 1
-    pipes = tuple(Pipeline(stages=(Stage(first_layer=0, num_layers=N, units_per_layer=1, devices=(
-        DeviceShare(id=i, units=1, recompute=recompute, shard_ratio=None if ratios is None else ratios[k]),)),),
-        micro_batch_size=None if uniform else b, num_microbatches=None if uniform else m)
-        for k, (i, (b, m)) in enumerate(zip(ids, batches)))
-    return validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
-                         pipelines=pipes, zero_stage=zero_stage if len(ids) > 1 else 0))
+    replicas = [[Stage(first_layer=0, num_layers=N, units_per_layer=1, devices=(
+        DeviceShare(id=i, units=1, recompute=recompute, shard_ratio=None if ratios is None else ratios[k]),))]
+        for k, i in enumerate(ids)]
+    return validate(plan_of_replicas(spec, batches, zero_stage if len(ids) > 1 else 0, replicas, cluster=cluster.name))
 
 
 def poplar_batches(spec, cluster, profiles, ids, *, global_batch: int, zero_stage: int, micro_batch: int | None = None,

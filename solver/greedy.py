@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from baton.evaluate import PlanReport, evaluate
 from baton.operators import operator_names
-from baton.plan import DeviceShare, Pipeline, Plan, Stage
+from baton.plan import DeviceShare, Plan, Stage, plan_of_replicas
 
 from solver.instance import Instance
 from solver.options import units_in_proportion
@@ -99,8 +99,7 @@ def greedy_plan(inst: Instance) -> Plan | None:
         s = max((s for s in range(p) if layers[s] > inst.min_layers[s]), key=lambda s: cost[s][layers[s]])
         layers[s] -= 1
     names = operator_names(inst.spec)
-    uniform = len(set(inst.batches)) == 1
-    pipelines = []
+    replicas = []
     for rho, pipe in enumerate(inst.skeleton.pipelines):
         src = inst.replica_class[rho]
         stages, first = [], 0
@@ -113,11 +112,8 @@ def greedy_plan(inst: Instance) -> Plan | None:
                 devs.append(DeviceShare(id=dev_id, units=u, recompute=tuple(o for o in names if o in c.recompute)))
             stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=shares[s][0][0], devices=tuple(devs)))
             first += layers[s]
-        b, m = inst.batches[rho]
-        pipelines.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
-                                  num_microbatches=None if uniform else m))
-    return Plan(model=inst.spec, cluster="", micro_batch_size=inst.micro_batch, num_microbatches=inst.num_microbatches,
-                pipelines=tuple(pipelines), zero_stage=inst.zero_stage)
+        replicas.append(stages)
+    return plan_of_replicas(inst.spec, inst.batches, inst.zero_stage, replicas)
 
 
 def greedy_incumbent(inst: Instance, cluster, profiles) -> tuple[float, Plan, PlanReport] | None:

@@ -43,10 +43,10 @@ import math
 from baton.costmodel import (LayeredParts, device_optimizer_ms, device_slot, edge_cost, held_weights_bytes, layer_cost,
                              layer_prices, layered_iteration_ms, layered_iteration_of, layered_parts, sync_terms)
 from baton.operators import operator_names
-from baton.plan import LAYERED_ZERO_STAGES, DeviceShare, Plan, Stage
+from baton.plan import LAYERED_ZERO_STAGES, DeviceShare, Plan, Stage, plan_of_replicas
 
 from solver.options import compositions, ratio_vectors
-from solver.unlike import LAYOUT_LIMIT, _best_backward, fitting_backwards, plan_of_replicas, unit_options
+from solver.unlike import LAYOUT_LIMIT, _best_backward, fitting_backwards, unit_options
 
 LAYERED_STAGES = LAYERED_ZERO_STAGES
 

@@ -23,7 +23,7 @@ from pyomo.contrib.solver.common.factory import SolverFactory
 from pyomo.contrib.solver.common.results import TerminationCondition
 
 from baton.pipeline import schedule_1f1b
-from baton.plan import DeviceShare, Pipeline, Plan, Stage
+from baton.plan import DeviceShare, Plan, Stage, plan_of_replicas
 from baton.waits import arrival_planes
 
 from solver.instance import GB, Instance
@@ -519,8 +519,7 @@ class InnerModel:
             if pyo.value(m.y[rho, s, k, j]) > 0.5:
                 units = inst.ratios.units[j]
                 ratio[rho, s, k] = None if units is None else units / inst.ratios.grid
-        uniform = len(set(inst.batches)) == 1
-        pipelines = []
+        replicas = []
         for rho, pipe in enumerate(sk.pipelines):
             src = inst.replica_class[rho]
             stages, first = [], 0
@@ -536,11 +535,8 @@ class InnerModel:
                 U = chosen[(src, s, 0)].units_per_layer
                 stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=int(U), devices=tuple(devs)))
                 first += layers[s]
-            b, mb = inst.batches[rho]
-            pipelines.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
-                                      num_microbatches=None if uniform else mb))
-        return Plan(model=inst.spec, cluster="", micro_batch_size=inst.micro_batch, num_microbatches=inst.num_microbatches,
-                    pipelines=tuple(pipelines), zero_stage=inst.zero_stage)
+            replicas.append(stages)
+        return plan_of_replicas(inst.spec, inst.batches, inst.zero_stage, replicas)
 
 
 def _op_order(inst: Instance) -> list[str]:

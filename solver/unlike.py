@@ -37,7 +37,7 @@ from baton.costmodel import (BLOCKS, SyncTerms, device_memory, device_optimizer_
                              stage_constants, stage_time_ms, sync_terms)
 from baton.operators import operator_names
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
-from baton.plan import DeviceShare, Pipeline, Plan, Stage
+from baton.plan import DeviceShare, Plan, Stage, plan_of_replicas
 from baton.waits import last_arrival_ms
 
 from solver.options import valid_unit_counts
@@ -172,16 +172,6 @@ def structures(layouts: list[list[Layout]], twins: list[int | None]):
             yield from rec(i + 1)
 
     yield from rec(0)
-
-
-def plan_of_replicas(spec, batches, zero_stage: int, stages) -> Plan:
-    """A plan of replicas, ``stages[rho]`` the stages of replica rho and ``batches[rho]`` its (micro-batch size,
-    count); the batch is stated per replica only where the replicas' batches differ."""
-    uniform = len(set(batches)) == 1
-    pipelines = tuple(Pipeline(stages=tuple(st), micro_batch_size=None if uniform else b,
-                               num_microbatches=None if uniform else m) for st, (b, m) in zip(stages, batches))
-    return Plan(model=spec, cluster="", micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
-                pipelines=pipelines, zero_stage=zero_stage)
 
 
 def structure_plan(spec, pipes, batches, zero_stage: int, struct, recompute=None) -> Plan:

@@ -263,6 +263,11 @@ def test_bf16_report_measures_what_the_bf16_table_predicts(tmp_path):
     res = baton("profile", "--device", "cpu", "--model", model, "--micro-batch", "2", "--tp-shares", "0.25,0.75,1",
                 "--reps", "1", "--warmup", "0", "--threads", "1", "--out", table)
     assert res.returncode == 0, res.stderr
+    from runtime.precision import cpu_runs_natively
+
+    # A CPU without bf16 instructions runs the model in an emulation: both commands say so, once.
+    emulated = cpu_runs_natively("bf16") is False
+    assert res.stderr.count("no bf16 instructions") == int(emulated), res.stderr
     from baton.model_spec import load_model
     from baton.profile import read_table
 
@@ -281,6 +286,7 @@ def test_bf16_report_measures_what_the_bf16_table_predicts(tmp_path):
     res = baton("train", "--plan", tmp_path / "plan.json", "--steps", "2", "--report", out, "--cluster",
                 ROOT / "clusters" / "cpu4.yaml", "--profiles", tmp_path / "profiles", "--timeout", "120")
     assert res.returncode == 0, res.stderr
+    assert res.stderr.count("no bf16 instructions") == int(emulated), res.stderr
     rep = json.loads(out.read_text())
     assert rep["precision"] == {"dtype": "bf16", "loss_scale": 1.0, "skipped_steps": 0}
     for d in rep["devices"]:
@@ -295,3 +301,17 @@ def test_bf16_report_measures_what_the_bf16_table_predicts(tmp_path):
     assert tp["tokens_per_s"] > 0 and tp["peak_tflops"] == pytest.approx(4 * 0.2)
     assert tp["mfu"]["measured"] == pytest.approx(tp["model_tflops_per_s"] / tp["peak_tflops"])
     assert "tokens/s" in res.stdout and "MFU" in res.stdout
+
+
+def test_emulation_note_only_for_low_precision_on_a_cpu_without_its_instructions():
+    """The note names the dtype on a CPU that lacks it; fp32, a GPU, a CPU that has the instructions and a
+    torch that cannot tell stay silent."""
+    from runtime.precision import emulation_note
+
+    for dtype in ("bf16", "fp16"):
+        note = emulation_note(dtype, "cpu", native=False)
+        assert note is not None and f"no {dtype} instructions" in note and "emulates" in note
+        assert emulation_note(dtype, "cpu", native=True) is None
+        assert emulation_note(dtype, "cpu", native=None) is None
+        assert emulation_note(dtype, "cuda", native=False) is None
+    assert emulation_note("fp32", "cpu", native=False) is None
