@@ -406,7 +406,7 @@ def train(cfg: TrainConfig, on_step=None, per_rank: dict | None = None, on_notic
                       "running CPU processes (--device cuda --gpus to choose GPUs)")
         checked["preflight"] = check_before_start(cfg, devices, world)
         dtype = cfg.plan.model.dtype
-        slow = emulation_note(dtype, devices.kind, cpu_runs_natively(dtype) if devices.kind == "cpu" else None)
+        slow = emulation_note(dtype, devices.kind, cpu_runs_natively(dtype))
         if slow and on_notice:
             on_notice(slow)
         return _train_spawned(cfg, world, devices, on_step, per_rank, on_notice or (lambda line: None))

@@ -52,7 +52,7 @@ def measure(req: MeasureRequest) -> None:
     if req.threads:
         torch.set_num_threads(req.threads)
     name = gpu_type(req.gpu, field="--gpu").name if req.gpu else None
-    slow = emulation_note(spec.dtype, "cpu", cpu_runs_natively(spec.dtype)) if dev == "cpu" else None
+    slow = emulation_note(spec.dtype, dev.partition(":")[0], cpu_runs_natively(spec.dtype))
     if slow:
         say(f"note: {slow}", err=True)
     with Progress(console=console, transient=True) as bar:
