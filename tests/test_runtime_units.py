@@ -140,3 +140,49 @@ def test_checkpoint_directory_appears_whole_or_not_at_all(tmp_path):
     assert list(tmp_path.iterdir()) == []
     write_dir_atomically(tmp_path / "step-000002", lambda tmp: (tmp / "meta.json").write_text("{}"))
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000002"
+
+
+def _inbox(device_type: str, count: int):
+    """An ``_Inbox`` over a topology that logs what it is asked to do (no process group)."""
+    from types import SimpleNamespace
+
+    from runtime.engine import _Inbox
+
+    log = []
+
+    def post_recv(buf, src):
+        log.append(("post", src))
+        return len(log)
+
+    def wait_recv(posted, *, timeout_s):
+        log.append(("wait", posted))
+        return torch.tensor(float(posted))
+
+    engine = SimpleNamespace(device=torch.device(device_type), timeout_s=7.0, tracer=None,
+                             topo=SimpleNamespace(post_recv=post_recv, wait_recv=wait_recv),
+                             _boundary_buffer=lambda: torch.empty(1))
+    return _Inbox(engine, 3, count, step=0), log
+
+
+def test_inbox_posts_each_receive_one_micro_batch_ahead_on_cpu():
+    """Over gloo the receive for micro-batch i+1 is posted when i's arrives, and the first at once (the
+    sender's transfer starts when it sends, eq. 1); none beyond the step's count. Catches a receive
+    posted only when needed (milliseconds per micro-batch between CPU processes) or one too many (it
+    would take the next step's first tensor)."""
+    inbox, log = _inbox("cpu", 3)
+    assert log == [("post", 3)]
+    got = [inbox.take(i).item() for i in range(3)]
+    assert log == [("post", 3), ("wait", 1), ("post", 3), ("wait", 3), ("post", 3), ("wait", 5)]
+    assert got == [1.0, 3.0, 5.0]
+    with pytest.raises(RuntimeError, match="out of order"):
+        inbox.take(0)
+
+
+def test_inbox_posts_each_receive_when_needed_on_cuda():
+    """Under NCCL a receive posted early would hold up this rank's own sends to that peer: post at take."""
+    inbox, log = _inbox("cuda", 2)
+    assert log == []
+    inbox.take(0)
+    assert log == [("post", 3), ("wait", 1)]
+    inbox.take(1)
+    assert log[2:] == [("post", 3), ("wait", 3)]
