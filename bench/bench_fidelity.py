@@ -323,7 +323,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="repetitions per operator measurement")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--only", action="append", default=None,
-                    help="run only the plans whose name contains this text (repeatable: any of them)")
+                    help="run only the plans whose name contains this text (repeatable: any of them); the solver's "
+                         "plan, named once solved, runs when the text is part of 'baton solve'")
     ap.add_argument("--variant", default="fp32-eager", choices=tuple(VARIANTS),
                     help="the small preset as it is (fp32, eager attention) or in bf16 with fused attention")
     args = ap.parse_args()
