@@ -144,6 +144,16 @@ class ClusterSpec:
 
     def slowest_link(self, ids: list[str]) -> Link | None:
         """The lowest-bandwidth link among all pairs of ``ids`` (None for fewer than two devices)."""
+        # Planners ask for the same peer sets on every plan they price: each set's answer is kept.
+        cache = _cluster_cache(self)[2]
+        key = tuple(ids)
+        if key not in cache:
+            if len(cache) >= 1 << 16:
+                cache.clear()
+            cache[key] = self._slowest_link(ids)
+        return cache[key]
+
+    def _slowest_link(self, ids: list[str]) -> Link | None:
         # Every pair's link is its node's intra link or the slower end of two nodes' NICs, and the slower
         # end is taken figure by figure, so the slowest over all pairs needs each node only once: the
         # intra links of nodes holding two or more of ``ids``, and the NICs of all nodes once two differ.
@@ -335,18 +345,23 @@ def homogeneous_cpu_cluster(num_devices: int, *, name: str = "cpu") -> ClusterSp
     return from_mapping(data, source=f"<{name}>")
 
 
-_DEVICE_INDEX: dict[int, tuple[ClusterSpec, dict[str, Device]]] = {}
+_CLUSTER_CACHE: dict[int, tuple[ClusterSpec, dict[str, Device], dict]] = {}
+
+
+def _cluster_cache(cluster: ClusterSpec) -> tuple[ClusterSpec, dict[str, Device], dict]:
+    """(the spec, device id -> Device, peer-id tuple -> slowest link): planners look devices and peer
+    sets' links up millions of times on clusters of 1,000 GPUs.
+
+    Keyed by identity (the spec holds dicts, so it has no hash); the entry keeps the spec alive, so
+    the id cannot be reused while it is cached. A spec is frozen, so what is derived from it stays true.
+    """
+    hit = _CLUSTER_CACHE.get(id(cluster))
+    if hit is None or hit[0] is not cluster:
+        if len(_CLUSTER_CACHE) >= 32:
+            _CLUSTER_CACHE.clear()
+        hit = _CLUSTER_CACHE[id(cluster)] = (cluster, {d.id: d for d in cluster.devices}, {})
+    return hit
 
 
 def _device_index(cluster: ClusterSpec) -> dict[str, Device]:
-    """Device id -> Device; planners look devices up millions of times on clusters of 1,000 GPUs.
-
-    Keyed by identity (the spec holds dicts, so it has no hash); the entry keeps the spec alive, so
-    the id cannot be reused while it is cached.
-    """
-    hit = _DEVICE_INDEX.get(id(cluster))
-    if hit is None or hit[0] is not cluster:
-        if len(_DEVICE_INDEX) >= 32:
-            _DEVICE_INDEX.clear()
-        hit = _DEVICE_INDEX[id(cluster)] = (cluster, {d.id: d for d in cluster.devices})
-    return hit[1]
+    return _cluster_cache(cluster)[1]

@@ -782,6 +782,7 @@ def layered_iteration_of(sync: "SyncTerms", zero_stage: int, num_layers: int, re
                                 replica_time_cv=replica_time_cv)
 
 
+@functools.lru_cache(maxsize=64)
 def model_flops_per_sample(spec: ModelSpec, seq_len: int | None = None) -> float:
     """Training FLOPs of one sample: 3x the forward of every layer plus the LM head (no recompute)."""
     s = seq_len or spec.seq_len

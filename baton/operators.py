@@ -118,8 +118,10 @@ def _attention_ops(spec: ModelSpec, op=Operator) -> list[Operator]:
     return ops
 
 
+@functools.lru_cache(maxsize=64)
 def layer_operators(spec: ModelSpec) -> tuple[Operator, ...]:
-    """The forward pass of one layer, in execution order."""
+    """The forward pass of one layer, in execution order (cached: the evaluator asks for it on every plan,
+    and an exhaustive search prices hundreds of thousands)."""
     drop = spec.dropout > 0.0
     op = Operator
     ops = [
@@ -178,7 +180,12 @@ ALLREDUCE_OUTPUTS = {"attn_partial": "attn_out", "mlp_partial": "mlp_out"}
 
 
 def operator_names(spec: ModelSpec) -> list[str]:
-    return [o.name for o in layer_operators(spec)]
+    return list(_operator_names(spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _operator_names(spec: ModelSpec) -> tuple[str, ...]:
+    return tuple(o.name for o in layer_operators(spec))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -112,31 +112,25 @@ def build_report(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, per_ran
         gather_m = statistics.median(max((min(per_step(k, "gather_ms", g) or [0.0]) for g in sets), default=0.0)
                                      for k in range(len(rank0)))
     # At zero_stage 1 the data-parallel sync is two passes (eq. 15): the reduce-scatters before the step's
-    # norm, the all-gathers after the owners' update (measured inside the optimizer step).
+    # norm, the all-gathers after the owners' update (measured inside the optimizer step). Eq. 17 (stages 2
+    # and 3): the passes (compute, and the waits for slower replicas at every collective), the units'
+    # reduce-scatters during the backward pass, their all-gathers (stage 2: after the update, inside the
+    # measured optimizer step; stage 3: before each unit's forward and backward, inside the passes).
     terms = sync_terms(cluster, plan)
-    reduce_pred = terms.dp_reduce_ms
-    phases = {
-        "pipeline_ms": {"measured": measured_iter - sync_m - opt_m, "predicted": pred.pipeline_ms},
-        "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + reduce_pred},
-        "optimizer_ms": {"measured": opt_m - gather_m, "predicted": pred.optimizer_ms},
-    }
-    if plan.zero_stage:
-        phases["gather_ms"] = {"measured": gather_m, "predicted": pred.dp_sync_ms - reduce_pred}
-    units = None
-    if plan.zero_stage >= 2:
-        units = _unit_phases(plan, terms, steps, sets, len(rank0))
+    units = _unit_phases(plan, terms, steps, sets, len(rank0)) if plan.zero_stage >= 2 else None
+    if units is None:
+        reduce_pred, gather_pred = terms.dp_reduce_ms, pred.dp_sync_ms - terms.dp_reduce_ms
+    else:
         reduce_pred = sum(u["reduce_scatter_ms"]["predicted"] for u in units)
         gather_pred = sum(u["gather_ms"]["predicted"] for u in units)
-        # Eq. 17: the passes (compute, and the waits for slower replicas at every collective), the units'
-        # reduce-scatters during the backward pass, their all-gathers (stage 2: after the update, inside the
-        # measured optimizer step; stage 3: before each unit's forward and backward, inside the passes).
-        opt_own = opt_m - gather_m if plan.zero_stage == 2 else opt_m
-        phases = {
-            "pipeline_ms": {"measured": measured_iter - sync_m - gather_m - opt_own, "predicted": pred.pipeline_ms},
-            "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + reduce_pred},
-            "gather_ms": {"measured": gather_m, "predicted": gather_pred},
-            "optimizer_ms": {"measured": opt_own, "predicted": pred.optimizer_ms},
-        }
+    in_passes = plan.zero_stage == 3
+    phases = {
+        "pipeline_ms": {"measured": measured_iter - sync_m - opt_m - (gather_m if in_passes else 0.0),
+                        "predicted": pred.pipeline_ms},
+        "grad_sync_ms": {"measured": sync_m, "predicted": pred.embedding_sync_ms + reduce_pred},
+        **({"gather_ms": {"measured": gather_m, "predicted": gather_pred}} if plan.zero_stage else {}),
+        "optimizer_ms": {"measured": opt_m if in_passes else opt_m - gather_m, "predicted": pred.optimizer_ms},
+    }
     replicas = []
     for r in range(len(plan.pipelines)):
         ranks = [k for k, i in enumerate(ids) if next(d for d in pred.devices if d.id == i).pipeline == r]

@@ -19,19 +19,26 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 import pyomo.environ as pyo
 
 import numpy as np
 
+from baton.cluster import ClusterSpec
 from baton.errors import BatonError
 from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, layer_cost, layer_param_count,
                              layer_train_ms, sync_buffer_bytes)
 from baton.evaluate import evaluate
 from baton.memory import recompute_space
+from baton.model_spec import ModelSpec
 from baton.operators import operator_names
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, plan_of_replicas, validate
+from baton.profile import ProfileSet
 
 from solver.milp import highs_solve
 from solver.options import ratio_vectors, units_in_proportion, valid_unit_counts
@@ -535,13 +542,14 @@ def all_splits(sizes, global_batch: int):
 
 def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None,
                universe: list[frozenset] | None = None, max_plans: int = 3_000_000, shard_grid: int = 8,
-               zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> SolveResult:
+               zero_stages: tuple[int, ...] = (0, 1, 2, 3), workers: int | None = None) -> SolveResult:
     """Evaluate every plan: every layout (replicas of any shapes), batch split over its replicas (each replica its
     own profiled micro-batch size and count), sharding stage (2 and 3 for replicas of one stage each) and, at
     stages 1-3, every grid of shard ratios per position; layers, units and recompute sets from ``universe``
     (default: all). Replicas of different shapes each take their own layer split and units, with equal shards at
     stages 1-3; replicas of one shape share one split and units (the planner's space, solver/README.md). Small
-    instances only: the test oracle."""
+    instances only: the test oracle. ``workers``: at most this many processes evaluate at once (None: one per
+    usable core); an instance of fewer than ``PARALLEL_FROM_PLANS`` plans is evaluated in this process."""
     t0 = time.perf_counter()
     N = spec.num_layers
     names = operator_names(spec)
@@ -580,10 +588,9 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
     if estimate > max_plans:
         raise BatonError(f"exhaustive search would evaluate about {estimate:.2g} plans (limit {max_plans:.2g}); "
                          "use it on small instances only", field="--strategy")
-    best, n_eval = None, 0
+    tasks = []
     for reps in layouts:
         r = len(reps)
-        flat = [d for pp in reps for g in pp for d in g]
         positions = [(s, k) for s, g in enumerate(reps[0]) for k in range(len(g))]
         shardings = [(0, None)]
         for z in [z for z in zero_stages if z == 1 or (z > 1 and _layered(reps))] if r > 1 else []:
@@ -593,31 +600,110 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
                 shardings.append((z, None))
         shardings = [x for x in shardings if x[0] in zero_stages]
         for split in all_splits([sizes_of(pp) for pp in reps], global_batch):
-            uniform = len(set(split)) == 1
-            for z, combo in shardings:
-                ratio = {}
-                if combo is not None:
-                    for (s, k), vec in zip(positions, combo):
-                        for rho, pp in enumerate(reps):
-                            ratio[pp[s][k]] = None if vec is None else vec[rho]
-                for cut in _cuts(reps, N, Us):
-                    for recs in itertools.product(universe, repeat=len(flat)):
-                        rec_of = dict(zip(flat, recs))
-                        pipes = []
-                        for rho, pp in enumerate(reps):
-                            layers, units = cut[rho]
-                            stages, first = [], 0
-                            for s, g in enumerate(pp):
-                                U, us = units[s]
-                                stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
-                                    DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d))
-                                    for d, u in zip(g, us))))
-                                first += layers[s]
-                            b, m = split[rho]
-                            pipes.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
-                                                  num_microbatches=None if uniform else m))
-                        plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=split[0][0],
-                                             num_microbatches=split[0][1], pipelines=tuple(pipes), zero_stage=z))
-                        best = _consider(best, plan, cluster, profiles)
-                        n_eval += 1
+            tasks += [(reps, split, z, combo) for z, combo in shardings]
+    space = _Enumeration(spec=spec, cluster=cluster, profiles=profiles, universe=tuple(universe), unit_counts=tuple(Us))
+    best, n_eval = None, 0
+    # In enumeration order, the earlier of two equal plans kept (as one process would): the same oracle
+    # whatever the number of workers.
+    for found, n in _map_tasks(space, tasks, estimate, workers):
+        n_eval += n
+        if found is not None and (best is None or found[0].iteration_time_ms < best[0].iteration_time_ms):
+            best = found
     return _result(best, "exhaustive", t0, n_eval)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Enumeration:
+    """What every task of the exhaustive search reads."""
+
+    spec: ModelSpec
+    """The model."""
+    cluster: ClusterSpec
+    """The cluster."""
+    profiles: ProfileSet
+    """Its tables."""
+    universe: tuple
+    """Recompute sets a device may take (operator names in layer order)."""
+    unit_counts: tuple
+    """Valid units per layer."""
+
+
+def _best_of_task(space: _Enumeration, reps, split, z, combo) -> tuple[tuple | None, int]:
+    """The best fitting (report, plan) of one layout, batch split and sharding (every layer split, unit split and
+    recompute choice of it; the first of equals), and how many plans it evaluated."""
+    spec, cluster = space.spec, space.cluster
+    flat = [d for pp in reps for g in pp for d in g]
+    positions = [(s, k) for s, g in enumerate(reps[0]) for k in range(len(g))]
+    uniform = len(set(split)) == 1
+    ratio = {}
+    if combo is not None:
+        for (s, k), vec in zip(positions, combo):
+            for rho, pp in enumerate(reps):
+                ratio[pp[s][k]] = None if vec is None else vec[rho]
+    best, n_eval = None, 0
+    for cut in _cuts(reps, spec.num_layers, space.unit_counts):
+        for recs in itertools.product(space.universe, repeat=len(flat)):
+            rec_of = dict(zip(flat, recs))
+            pipes = []
+            for rho, pp in enumerate(reps):
+                layers, units = cut[rho]
+                stages, first = [], 0
+                for s, g in enumerate(pp):
+                    U, us = units[s]
+                    stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
+                        DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d))
+                        for d, u in zip(g, us))))
+                    first += layers[s]
+                b, m = split[rho]
+                pipes.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
+                                      num_microbatches=None if uniform else m))
+            plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=split[0][0],
+                                 num_microbatches=split[0][1], pipelines=tuple(pipes), zero_stage=z))
+            best = _consider(best, plan, cluster, space.profiles)
+            n_eval += 1
+    return best, n_eval
+
+
+PARALLEL_FROM_PLANS = 20_000
+"""Below this many plans (about 20 s in one process) the exhaustive search does not start workers: each
+spends a second or two importing the solver."""
+
+_SPACE: _Enumeration | None = None
+
+
+def _start_worker(space: _Enumeration) -> None:
+    global _SPACE
+    _SPACE = space
+    _end_with(os.getppid())
+
+
+def _worker_task(task) -> tuple[tuple | None, int]:
+    return _best_of_task(_SPACE, *task)
+
+
+def _end_with(parent_pid: int) -> None:
+    """End this worker when the search that started it ends (a killed ``baton solve`` must not leave
+    processes evaluating plans for minutes): a thread that polls the parent."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _map_tasks(space: _Enumeration, tasks: list, estimate: int, workers: int | None):
+    """(best, evaluated) of each task, in the tasks' order."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = max(1, min(cores if workers is None else workers, cores, len(tasks)))
+    if estimate < PARALLEL_FROM_PLANS:
+        workers = 1
+    if workers == 1:
+        for task in tasks:
+            yield _best_of_task(space, *task)
+        return
+    ctx = multiprocessing.get_context("spawn")  # no copy of a parent's threads (HiGHS, torch) in the workers
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_start_worker, initargs=(space,)) as pool:
+        yield from pool.map(_worker_task, tasks, chunksize=max(1, len(tasks) // (workers * 16)))

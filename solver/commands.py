@@ -65,7 +65,7 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
         return baselines.cephalo(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
     if strategy == "exhaustive":
         return baselines.exhaustive(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch,
-                                    shard_grid=shard_grid, zero_stages=stages)
+                                    shard_grid=shard_grid, zero_stages=stages, workers=threads)
     raise BatonError(f"unknown strategy '{strategy}' (choose one of {', '.join(STRATEGIES)})", field="--strategy")
 
 
@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
         seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (needs profiles for it; default: the model's).")] = None,
         time_limit: Annotated[float, typer.Option(help="Seconds for the whole search.")] = 60.0,
         gap: Annotated[float, typer.Option(help="Relative optimality gap at which to stop (0 = prove optimal).")] = 1e-4,
-        threads: Annotated[int, typer.Option(help="Solver threads.")] = 2,
+        threads: Annotated[int, typer.Option(help="Solver threads (processes for --strategy exhaustive).")] = 2,
         strategy: Annotated[str, typer.Option(help="baton | megatron | hethub | hap | poplar | cephalo | exhaustive.")] = "baton",
         shard_grid: Annotated[int, typer.Option(help="K: at sharding stage 1 a device owns a multiple of 1/K of its peer "
                                                      "group's training state (stages 1-3), or the equal part.")] = DEFAULT_SHARD_GRID,

@@ -246,11 +246,19 @@ _CONCURRENT_PROFILE = ("from baton.model_spec import PRESETS; from runtime.op_pr
 _COMM_PROFILE = ("from runtime.comm_profiler import measure_links; "
                  "measure_links(world_size=2, sizes=(4096, 65536), reps=10**7, timeout_s=600)")
 
+_EXHAUSTIVE = ("from tests.test_solver_exact import CASES, _instance; from solver.baselines import exhaustive; "
+               "i = _instance(CASES[7]); exhaustive(i.spec, i.cluster, i.profiles, global_batch=i.global_batch, "
+               "universe=i.universe, shard_grid=2, workers=2)")
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-@pytest.mark.parametrize("script", [_CONCURRENT_PROFILE, _COMM_PROFILE], ids=["concurrent op profiler", "comm profiler"])
+
+@pytest.mark.parametrize("script", [
+    _CONCURRENT_PROFILE, _COMM_PROFILE,
+    pytest.param(_EXHAUSTIVE, marks=pytest.mark.skipif(_CORES < 2, reason="one core: the search starts no workers")),
+], ids=["concurrent op profiler", "comm profiler", "exhaustive search"])
 def test_profiler_workers_die_with_their_parent(script):
-    """SIGKILL to a process measuring with worker processes: the workers end too, instead of measuring on
-    for hours and holding the cores."""
+    """SIGKILL to a process measuring (or searching) with worker processes: the workers end too, instead of
+    running on for hours and holding the cores."""
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers = []
     try:

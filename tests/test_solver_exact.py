@@ -74,6 +74,22 @@ def test_milp_equals_exhaustive_optimum(case):
     assert got.status == "optimal" and got.gap <= 1e-9
 
 
+def test_exhaustive_search_keeps_the_same_plan_in_several_processes(monkeypatch):
+    """Two identical GPUs: many plans tie (any device swap), and the oracle keeps the first in enumeration
+    order. Catches workers' results merged out of order (another of the equal plans kept), or tasks lost
+    (fewer plans evaluated)."""
+    from solver import baselines
+
+    inst = two_gpu_instance(types=("a100-40gb", "a100-40gb"), slowdown=1.0, memory_gib=(40.0, 40.0))
+    monkeypatch.setattr(baselines, "PARALLEL_FROM_PLANS", 0)  # workers even for this small instance
+    runs = [exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, universe=inst.universe,
+                       shard_grid=GRID, workers=w) for w in (1, 2)]
+    one, two = runs
+    assert two.candidates == one.candidates > 100
+    assert two.objective_ms == one.objective_ms
+    assert (two.plan.pipelines, two.plan.zero_stage) == (one.plan.pipelines, one.plan.zero_stage)
+
+
 def test_infeasible_instance_names_the_device():
     inst = random_instance(2, num_devices=2, num_layers=4, heads=2, universe_size=2, memory_scale=(0.01, 0.02))
     with pytest.raises(NoPlanFits, match=r"needs .* of .*over by"):
