@@ -392,16 +392,21 @@ def test_bf16_zero_stage_1_keeps_fp32_master_shards(replicas, ratios):
             (mine, key), (theirs, key_ref) = _key_bias_apart(name, got[0]["full"][name][k]), _key_bias_apart(name, want[k])
             err = rel_err(mine, theirs)
             assert err <= 4e-2, f"{name}: {what} off by {err:.2e} from zero_stage 0"
-            if key is not None and k == 0:
+            if key is not None:
                 off = float((key - key_ref).abs().max())
-                assert off <= 2 * LR * STEPS, f"{name}: key bias {off:.2e} off, more than a step of each run per step"
+                if k == 0:
+                    assert off <= 2 * LR * STEPS, f"{name}: key bias {off:.2e} off, more than a step of each run per step"
+                else:  # moments of rounding noise: measured 4e-5 (exp_avg) and 1e-9 (exp_avg_sq) of the rest's largest
+                    scale = float(theirs.abs().max())
+                    assert off <= 1e-3 * scale, f"{name}: key bias {what} {off:.2e} off (the rest's largest: {scale:.2e})"
 
 
 def _key_bias_apart(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the rest, the key bias) of a full tensor: the key bias's exact gradient is zero (softmax ignores a
     shift every score of a row shares), so in bf16 its Adam steps follow rounding noise, about lr each
     whatever their sign (measured: 0.76 relative between the two stages, 1.3e-3 at most against lr = 3e-3
-    over three steps); it can only be held to that, the rest to rounding."""
+    over three steps); it can only be held to that, the rest to rounding. Its moments, of noise about 2^-8 of
+    the other gradients, stay orders of magnitude below the rest's: a shard placed wrong brings the rest's in."""
     if not name.endswith("attn.c_attn.bias"):
         return t, None
     q, k, v = t.chunk(3)
