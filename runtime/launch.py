@@ -53,7 +53,7 @@ from runtime.devices import Preflight, RunDevices, capacities, choose_devices, c
 from runtime.engine import Engine, StepStats
 from runtime.metrics import MetricsLog
 from runtime.precision import cpu_runs_natively, emulation_note
-from runtime.processes import (Terminated, die_with_parent, process_state, run_directory, stop_processes,
+from runtime.processes import (Terminated, die_with_parent, interrupts_held, process_state, run_directory, stop_processes,
                                sweep_stale_run_directories, terminate_as_interrupt)
 from runtime.schedule import DECAYS, LRSchedule
 
@@ -516,7 +516,8 @@ def _supervise(cfg: TrainConfig, world: int, procs, q, stop, on_step, per_rank, 
     while len(done) < world:
         try:
             try:
-                msg = q.get(timeout=0.2)
+                with interrupts_held():
+                    msg = q.get(timeout=0.2)
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in done]
                 if dead:
@@ -586,7 +587,8 @@ def _collect_errors(first, q, window_s: float = 1.0) -> list:
     deadline = time.monotonic() + window_s
     while time.monotonic() < deadline:
         try:
-            m = q.get(timeout=0.1)
+            with interrupts_held():
+                m = q.get(timeout=0.1)
         except queue_mod.Empty:
             continue
         if m[0] == "error":

@@ -131,6 +131,28 @@ def _raise_terminated(signum, frame):
 
 
 @contextlib.contextmanager
+def interrupts_held():
+    """Within the block, Ctrl-C and SIGTERM wait; one that came is raised as the block ends (KeyboardInterrupt,
+    ``Terminated``), whatever else ends it. For reads from a pipe: an exception that cuts a message in half
+    leaves the rest of it in the pipe, and the next read takes those bytes for a length and waits forever."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+
+    def hold(signum, frame):
+        came.append(signum)
+    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if came:
+            raise Terminated() if came[0] == signal.SIGTERM else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
 def terminate_as_interrupt():
     """Within the block, SIGTERM raises ``Terminated`` (a KeyboardInterrupt) in the main thread."""
     if threading.current_thread() is not threading.main_thread():

@@ -305,19 +305,21 @@ def test_a_link_fit_without_a_bandwidth_term_writes_the_fastest_measured_rate():
     assert latency == pytest.approx(0.05) and 1 / (slope * 1e6) == pytest.approx(2.0)
 
 
-def test_a_link_measurement_that_stops_progressing_is_given_up_in_one_line():
-    """A measurement that no longer finishes (here: ten million repetitions of the first size, as a lost
-    peer or a hung collective would look) ends with the heartbeat's error after ``timeout_s`` without a
-    finished measurement, its ranks gone, instead of running for hours."""
+def test_a_link_measurement_with_a_stopped_rank_is_given_up_in_one_line():
+    """SIGSTOP on a measuring rank: its heartbeat stops (and its peer's, waiting on it in a transfer), and the
+    run ends with the no-progress error after ``timeout_s``, its ranks gone. Ten million repetitions per
+    size: without the heartbeat's watch the measurement would run for hours, so it cannot end otherwise."""
     script = ("from baton.errors import BatonError; from runtime.comm_profiler import measure_links\n"
-              "try:\n    measure_links(world_size=2, sizes=(4096,), reps=10**7, timeout_s=3)\n"
+              "try:\n    measure_links(world_size=2, sizes=(4096,), reps=10**7, timeout_s=10)\n"
               "except BatonError as e:\n    print(e); raise SystemExit(2)")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers = []
     try:
         workers = _ranks(parent, 2)
+        time.sleep(6)  # measuring by now (or still starting: then it is the start that stalls)
+        os.kill(workers[1], signal.SIGSTOP)
         code, out, err = _finish(parent, 120)
-        assert code == 2 and "made no progress for 3 s" in out, (code, out, err)
+        assert code == 2 and "made no progress for 10 s" in out, (code, out, err)
         assert _gone(workers, 10), "measuring ranks outlived the run"
     finally:
         _kill_all(workers)

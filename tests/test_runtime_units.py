@@ -186,3 +186,30 @@ def test_inbox_posts_each_receive_when_needed_on_cuda():
     assert log == [("post", 3), ("wait", 1)]
     inbox.take(1)
     assert log[2:] == [("post", 3), ("wait", 3)]
+
+
+def test_interrupts_wait_for_the_end_of_a_held_block():
+    """The launcher reads its ranks' messages inside ``interrupts_held``: a Ctrl-C or SIGTERM that cut a read in
+    half would leave the pipe misaligned (the next read waits forever). The block runs to its end, then the
+    signal is raised as the right exception, even over the block's own (a queue's Empty)."""
+    import os
+    import queue
+    import signal
+
+    from runtime.processes import Terminated, interrupts_held
+
+    done = []
+    with pytest.raises(Terminated):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("after SIGTERM")
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after SIGINT")
+            raise queue.Empty
+    assert not isinstance(caught.value, Terminated)
+    assert done == ["after SIGTERM", "after SIGINT"]
+    with interrupts_held():
+        done.append("quiet")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
