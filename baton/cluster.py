@@ -148,7 +148,7 @@ class ClusterSpec:
         cache = _cluster_cache(self)[2]
         key = tuple(ids)
         if key not in cache:
-            if len(cache) >= 1 << 16:
+            if len(cache) >= 1 << 12:  # a key may hold hundreds of ids on a large cluster
                 cache.clear()
             cache[key] = self._slowest_link(ids)
         return cache[key]

@@ -53,7 +53,7 @@ from runtime.devices import Preflight, RunDevices, capacities, choose_devices, c
 from runtime.engine import Engine, StepStats
 from runtime.metrics import MetricsLog
 from runtime.precision import cpu_runs_natively, emulation_note
-from runtime.processes import (Terminated, die_with_parent, interrupts_held, process_state, run_directory, stop_processes,
+from runtime.processes import (Terminated, die_with_parent, interrupts_as_flags, process_state, run_directory, stop_processes,
                                sweep_stale_run_directories, terminate_as_interrupt)
 from runtime.schedule import DECAYS, LRSchedule
 
@@ -513,50 +513,51 @@ def _supervise(cfg: TrainConfig, world: int, procs, q, stop, on_step, per_rank, 
     interrupt: KeyboardInterrupt | None = None
     last_news = time.monotonic()
     deadline = None  # once interrupted: how long the ranks get to finish the step and save
-    while len(done) < world:
-        try:
+    with interrupts_as_flags() as interrupted:
+        while len(done) < world:
             try:
-                with interrupts_held():
+                try:
+                    interrupted()  # a Ctrl-C or SIGTERM is taken here, between two messages
                     msg = q.get(timeout=0.2)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in done]
-                if dead:
-                    time.sleep(0.5)  # its error message may still be in flight
-                    if q.empty():
-                        raise BatonError(_root_cause([], procs, cfg, done))
+                except queue_mod.Empty:
+                    dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in done]
+                    if dead:
+                        time.sleep(0.5)  # its error message may still be in flight
+                        if q.empty():
+                            raise BatonError(_root_cause([], procs, cfg, done))
+                        continue
+                    now = time.monotonic()
+                    if deadline is not None and now > deadline:
+                        raise type(interrupt)(f"the ranks did not finish the step and save within "
+                                              f"--timeout {cfg.timeout_s:g} s, so nothing was saved")
+                    if now - last_news > cfg.timeout_s + 60:
+                        raise BatonError(f"no progress for {cfg.timeout_s + 60:.0f} s; stopped all ranks "
+                                         f"({_stuck_ranks(procs, cfg) or 'no rank is stopped'})", field="--timeout")
                     continue
-                now = time.monotonic()
-                if deadline is not None and now > deadline:
-                    raise type(interrupt)(f"the ranks did not finish the step and save within "
-                                          f"--timeout {cfg.timeout_s:g} s, so nothing was saved")
-                if now - last_news > cfg.timeout_s + 60:
-                    raise BatonError(f"no progress for {cfg.timeout_s + 60:.0f} s; stopped all ranks "
-                                     f"({_stuck_ranks(procs, cfg) or 'no rank is stopped'})", field="--timeout")
-                continue
-            last_news = time.monotonic()
-            if msg[0] == "step":
-                stats = StepStats(**msg[1])
-                history.append(stats)
-                if on_step is not None:
-                    on_step(stats)
-            elif msg[0] == "rank_stats":
-                if per_rank is not None:
-                    per_rank[msg[1]] = [StepStats(**s) for s in msg[2]]
-            elif msg[0] == "trace":
-                traces[msg[1]] = msg[2]
-            elif msg[0] == "done":
-                done.add(msg[1])
-                outcomes[msg[1]] = msg[2]
-            elif msg[0] == "error":
-                raise BatonError(_root_cause(_collect_errors(msg, q), procs, cfg, done))
-        except KeyboardInterrupt as exc:
-            if interrupt is not None or not cfg.save_dir:
-                raise
-            interrupt = exc
-            stop.set()
-            deadline = time.monotonic() + cfg.timeout_s
-            notice(f"{'terminated' if isinstance(exc, Terminated) else 'interrupted'}: the ranks finish this step and "
-                   f"save a checkpoint (at most {cfg.timeout_s:g} s); interrupt again to stop at once without saving")
+                last_news = time.monotonic()
+                if msg[0] == "step":
+                    stats = StepStats(**msg[1])
+                    history.append(stats)
+                    if on_step is not None:
+                        on_step(stats)
+                elif msg[0] == "rank_stats":
+                    if per_rank is not None:
+                        per_rank[msg[1]] = [StepStats(**s) for s in msg[2]]
+                elif msg[0] == "trace":
+                    traces[msg[1]] = msg[2]
+                elif msg[0] == "done":
+                    done.add(msg[1])
+                    outcomes[msg[1]] = msg[2]
+                elif msg[0] == "error":
+                    raise BatonError(_root_cause(_collect_errors(msg, q), procs, cfg, done))
+            except KeyboardInterrupt as exc:
+                if interrupt is not None or not cfg.save_dir:
+                    raise
+                interrupt = exc
+                stop.set()
+                deadline = time.monotonic() + cfg.timeout_s
+                notice(f"{'terminated' if isinstance(exc, Terminated) else 'interrupted'}: the ranks finish this step and "
+                       f"save a checkpoint (at most {cfg.timeout_s:g} s); interrupt again to stop at once without saving")
     if cfg.trace and traces:
         _write_trace(cfg, traces)  # before an interrupt's exception: the steps run so far are worth seeing
     if interrupt is not None:
@@ -587,8 +588,7 @@ def _collect_errors(first, q, window_s: float = 1.0) -> list:
     deadline = time.monotonic() + window_s
     while time.monotonic() < deadline:
         try:
-            with interrupts_held():
-                m = q.get(timeout=0.1)
+            m = q.get(timeout=0.1)
         except queue_mod.Empty:
             continue
         if m[0] == "error":

@@ -1,7 +1,7 @@
 """Worker processes that end with the run that started them, and leave nothing behind.
 
 * ``stop_processes`` kills and reaps what a run (or a measurement) spawned, whatever state it is in.
-* ``die_with_parent`` makes a spawned worker end when its launcher ends, however the launcher ends:
+* ``die_with_parent`` (``baton.lifetime``) makes a spawned worker end when its launcher ends, however the launcher ends:
   a SIGTERM or SIGKILL to the launcher does not reach its children, which would otherwise train to the
   end with nobody watching (and keep writing checkpoints).
 * ``run_directory`` / ``sweep_stale_run_directories``: every run keeps its temporary files (the
@@ -12,18 +12,16 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+from baton.lifetime import die_with_parent  # noqa: F401  (the runtime's workers use it from here)
+
 RUN_DIR_PREFIX = "baton-run-"
 
 
@@ -57,33 +55,6 @@ def process_state(pid: int) -> str | None:
         return None
     # The command name (field 2) may hold spaces and parentheses: the state follows the last ')'.
     return stat[stat.rfind(")") + 2:][:1] or None
-
-
-def die_with_parent(parent_pid: int, *, poll_s: float = 0.5) -> None:
-    """End this process when ``parent_pid`` ends.
-
-    Linux delivers SIGKILL the moment the parent dies (prctl PR_SET_PDEATHSIG), even while this
-    process is blocked inside a collective. SIGKILL rather than SIGTERM: a rank blocked in C++ would
-    run a Python handler only when the call returns, which may be a whole --timeout later. A thread
-    that polls the parent pid backs it up where prctl is missing (macOS) and closes the window in
-    which the parent died before prctl was called.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:
-        os._exit(1)  # the parent is already gone (we were re-parented before prctl took effect)
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="baton-parent-watchdog", daemon=True).start()
 
 
 def run_directory() -> Path:
@@ -131,25 +102,38 @@ def _raise_terminated(signum, frame):
 
 
 @contextlib.contextmanager
-def interrupts_held():
-    """Within the block, Ctrl-C and SIGTERM wait; one that came is raised as the block ends (KeyboardInterrupt,
-    ``Terminated``), whatever else ends it. For reads from a pipe: an exception that cuts a message in half
-    leaves the rest of it in the pipe, and the next read takes those bytes for a length and waits forever."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def interrupts_as_flags():
+    """Within the block, Ctrl-C and SIGTERM only note themselves; the function it yields raises the first one
+    waiting (KeyboardInterrupt, ``Terminated``) where the caller calls it. For a loop that reads a pipe: an
+    exception that cuts a message in half leaves the rest of it in the pipe, and the next read takes those
+    bytes for a length and waits forever; one raised right after a read loses the message."""
     came: list[int] = []
+
+    def check() -> None:
+        if came:
+            raise Terminated() if came.pop(0) == signal.SIGTERM else KeyboardInterrupt()
+    if threading.current_thread() is not threading.main_thread():
+        yield check
+        return
 
     def hold(signum, frame):
         came.append(signum)
-    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = _swap_handlers({signal.SIGINT: hold, signal.SIGTERM: hold})
     try:
-        yield
+        yield check
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if came:
-            raise Terminated() if came[0] == signal.SIGTERM else KeyboardInterrupt()
+        _swap_handlers(previous)
+
+
+def _swap_handlers(handlers: dict) -> dict:
+    """Install ``handlers`` with both signals blocked meanwhile (one landing between the two would run under
+    a half-swapped pair); returns the previous ones."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(handlers)) if hasattr(signal, "pthread_sigmask") else None
+    try:
+        return {s: signal.signal(s, h) for s, h in handlers.items()}
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from baton.errors import BatonError
 from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, layer_cost, layer_param_count,
                              layer_train_ms, sync_buffer_bytes)
 from baton.evaluate import evaluate
+from baton.lifetime import die_with_parent
 from baton.memory import recompute_space
 from baton.model_spec import ModelSpec
 from baton.operators import operator_names
@@ -671,27 +672,16 @@ spends a second or two importing the solver."""
 _SPACE: _Enumeration | None = None
 
 
-def _start_worker(space: _Enumeration) -> None:
+def _start_worker(space: _Enumeration, parent_pid: int) -> None:
     global _SPACE
+    # A killed `baton solve` must not leave workers evaluating plans for minutes; the parent's pid comes
+    # from the parent, so a parent that died while this worker started is noticed too.
+    die_with_parent(parent_pid)
     _SPACE = space
-    _end_with(os.getppid())
 
 
 def _worker_task(task) -> tuple[tuple | None, int]:
     return _best_of_task(_SPACE, *task)
-
-
-def _end_with(parent_pid: int) -> None:
-    """End this worker when the search that started it ends (a killed ``baton solve`` must not leave
-    processes evaluating plans for minutes): a thread that polls the parent."""
-    import threading
-
-    def watch():
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def _map_tasks(space: _Enumeration, tasks: list, estimate: int, workers: int | None):
@@ -705,5 +695,5 @@ def _map_tasks(space: _Enumeration, tasks: list, estimate: int, workers: int | N
             yield _best_of_task(space, *task)
         return
     ctx = multiprocessing.get_context("spawn")  # no copy of a parent's threads (HiGHS, torch) in the workers
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_start_worker, initargs=(space,)) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_start_worker, initargs=(space, os.getpid())) as pool:
         yield from pool.map(_worker_task, tasks, chunksize=max(1, len(tasks) // (workers * 16)))

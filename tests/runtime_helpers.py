@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from baton.model_spec import PRESETS
 from baton.plan import Plan, simple_plan, validate
-from runtime.processes import die_with_parent, stop_processes
+from runtime.processes import die_with_parent, pid_alive, stop_processes
 
 RANK_TIMEOUT_S = 60
 
@@ -42,10 +42,12 @@ def plan_of(spec, stages, layers, units, *, m=2, mbs=2, recompute=None, replicas
 # --- spawning ranks --------------------------------------------------------------------------------
 
 
-def _entry(fn, rank, world, tmp, args, environ, cwd):
+def _entry(fn, rank, world, tmp, args, test_pid, environ, cwd):
     # A test run that is killed (or times out) leaves no ranks behind: a spawned rank's parent is the test
     # process; a fork server's children end with the server, which ends with the test process.
     die_with_parent(os.getppid())
+    if not pid_alive(test_pid) or os.getppid() == 1:
+        os._exit(1)  # the test (or the server) ended while this rank started
     # A fork server hands its children the environment and directory it started with: the test's own now.
     os.environ.clear()
     os.environ.update(environ)
@@ -84,7 +86,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 150.0) -> list:
     """
     tmp = tempfile.mkdtemp(prefix="baton-ranks-")
     ctx = _rank_context()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, tmp, args, dict(os.environ), os.getcwd()), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, tmp, args, os.getpid(), dict(os.environ), os.getcwd()), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -188,28 +188,26 @@ def test_inbox_posts_each_receive_when_needed_on_cuda():
     assert log[2:] == [("post", 3), ("wait", 3)]
 
 
-def test_interrupts_wait_for_the_end_of_a_held_block():
-    """The launcher reads its ranks' messages inside ``interrupts_held``: a Ctrl-C or SIGTERM that cut a read in
-    half would leave the pipe misaligned (the next read waits forever). The block runs to its end, then the
-    signal is raised as the right exception, even over the block's own (a queue's Empty)."""
+def test_interrupts_wait_until_the_loop_takes_them():
+    """The launcher reads its ranks' messages inside ``interrupts_as_flags``: a Ctrl-C or SIGTERM raised in the
+    middle of a read would leave the pipe misaligned (the next read waits forever), and one raised right after
+    it would lose the message. A signal only notes itself until the loop asks; then it is raised as the right
+    exception, one per signal, in order; the handlers are put back after the block."""
     import os
-    import queue
     import signal
 
-    from runtime.processes import Terminated, interrupts_held
+    from runtime.processes import Terminated, interrupts_as_flags
 
-    done = []
-    with pytest.raises(Terminated):
-        with interrupts_held():
-            os.kill(os.getpid(), signal.SIGTERM)
-            done.append("after SIGTERM")
-    with pytest.raises(KeyboardInterrupt) as caught:
-        with interrupts_held():
-            os.kill(os.getpid(), signal.SIGINT)
-            done.append("after SIGINT")
-            raise queue.Empty
-    assert not isinstance(caught.value, Terminated)
-    assert done == ["after SIGTERM", "after SIGINT"]
-    with interrupts_held():
-        done.append("quiet")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with interrupts_as_flags() as interrupted:
+        interrupted()  # nothing waiting: returns
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        read = "a message read after the signals"  # not cut off
+        with pytest.raises(Terminated):
+            interrupted()
+        with pytest.raises(KeyboardInterrupt) as caught:
+            interrupted()
+        assert not isinstance(caught.value, Terminated)
+        interrupted()
+    assert read and (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

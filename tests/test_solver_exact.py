@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 
 import pytest
@@ -74,6 +75,8 @@ def test_milp_equals_exhaustive_optimum(case):
     assert got.status == "optimal" and got.gap <= 1e-9
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) < 2,
+                    reason="one core: the search starts no workers")
 def test_exhaustive_search_keeps_the_same_plan_in_several_processes(monkeypatch):
     """Two identical GPUs: many plans tie (any device swap), and the oracle keeps the first in enumeration
     order. Catches workers' results merged out of order (another of the equal plans kept), or tasks lost
