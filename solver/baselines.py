@@ -600,8 +600,12 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
             else:  # unlike replicas: equal parts (the planner's restriction, solver/unlike.py and solver/layered.py)
                 shardings.append((z, None))
         shardings = [x for x in shardings if x[0] in zero_stages]
+        # Each sharding's shard ratio per device: replica rho's device at position (s, k) takes vec[rho].
+        ratios = [(z, {} if combo is None else {pp[s][k]: None if vec is None else vec[rho]
+                                                for (s, k), vec in zip(positions, combo) for rho, pp in enumerate(reps)})
+                  for z, combo in shardings]
         for split in all_splits([sizes_of(pp) for pp in reps], global_batch):
-            tasks += [(reps, split, z, combo) for z, combo in shardings]
+            tasks += [(reps, split, z, ratio) for z, ratio in ratios]
     space = _Enumeration(spec=spec, cluster=cluster, profiles=profiles, universe=tuple(universe), unit_counts=tuple(Us))
     best, n_eval = None, 0
     # In enumeration order, the earlier of two equal plans kept (as one process would): the same oracle
@@ -629,23 +633,16 @@ class _Enumeration:
     """Valid units per layer."""
 
 
-def _best_of_task(space: _Enumeration, reps, split, z, combo) -> tuple[tuple | None, int]:
-    """The best fitting (report, plan) of one layout, batch split and sharding (every layer split, unit split and
-    recompute choice of it; the first of equals), and how many plans it evaluated."""
-    spec, cluster = space.spec, space.cluster
+def _best_of_task(space: _Enumeration, reps, split, z, ratio) -> tuple[tuple | None, int]:
+    """The best fitting (report, plan) of one layout, batch split and sharding (``ratio``: device -> shard ratio)
+    over every layer split, unit split and recompute choice of it (the first of equals), and how many plans it
+    evaluated."""
     flat = [d for pp in reps for g in pp for d in g]
-    positions = [(s, k) for s, g in enumerate(reps[0]) for k in range(len(g))]
-    uniform = len(set(split)) == 1
-    ratio = {}
-    if combo is not None:
-        for (s, k), vec in zip(positions, combo):
-            for rho, pp in enumerate(reps):
-                ratio[pp[s][k]] = None if vec is None else vec[rho]
     best, n_eval = None, 0
-    for cut in _cuts(reps, spec.num_layers, space.unit_counts):
+    for cut in _cuts(reps, space.spec.num_layers, space.unit_counts):
         for recs in itertools.product(space.universe, repeat=len(flat)):
             rec_of = dict(zip(flat, recs))
-            pipes = []
+            replicas = []
             for rho, pp in enumerate(reps):
                 layers, units = cut[rho]
                 stages, first = [], 0
@@ -655,12 +652,9 @@ def _best_of_task(space: _Enumeration, reps, split, z, combo) -> tuple[tuple | N
                         DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d))
                         for d, u in zip(g, us))))
                     first += layers[s]
-                b, m = split[rho]
-                pipes.append(Pipeline(stages=tuple(stages), micro_batch_size=None if uniform else b,
-                                      num_microbatches=None if uniform else m))
-            plan = validate(Plan(model=spec, cluster=cluster.name, micro_batch_size=split[0][0],
-                                 num_microbatches=split[0][1], pipelines=tuple(pipes), zero_stage=z))
-            best = _consider(best, plan, cluster, space.profiles)
+                replicas.append(stages)
+            plan = validate(plan_of_replicas(space.spec, split, z, replicas, cluster=space.cluster.name))
+            best = _consider(best, plan, space.cluster, space.profiles)
             n_eval += 1
     return best, n_eval
 
@@ -687,7 +681,7 @@ def _worker_task(task) -> tuple[tuple | None, int]:
 def _map_tasks(space: _Enumeration, tasks: list, estimate: int, workers: int | None):
     """(best, evaluated) of each task, in the tasks' order."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = max(1, min(cores if workers is None else workers, cores, len(tasks)))
+    workers = max(1, min(workers or cores, cores, len(tasks)))
     if estimate < PARALLEL_FROM_PLANS:
         workers = 1
     if workers == 1:
