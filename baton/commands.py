@@ -139,6 +139,8 @@ class MeasureRequest:
     """Profilers running at once, as training loads the machine."""
     out: Path | None
     """Output CSV, or None for the default path under profiles/measured/."""
+    back_to_back: bool = False
+    """Time each layer, embedding and head in pieces of repetitions run one after another (``runtime.op_profiler.measure``)."""
 
 
 _measure_profile: Callable[[MeasureRequest], None] | None = None
@@ -196,6 +198,9 @@ def register(app: typer.Typer) -> None:
         comm_ranks: Annotated[int, typer.Option(help="Processes for --comm.")] = 2,
         concurrent: Annotated[int, typer.Option(help="Profile on this many cores (CPU, with BATON_PIN_CPUS=1) or GPUs at once, "
                                                      "as training loads them; times are the median over them.")] = 1,
+        back_to_back: Annotated[bool, typer.Option("--back-to-back", help="Time each layer, embedding and head in pieces of "
+                                                   "repetitions run one after another, not one from an idle device: on a GPU "
+                                                   "the launches then overlap the kernels, as in a training step.")] = False,
         calibrate_from: Annotated[Optional[Path], typer.Option(help="With --analytic: scale by a measured table of a similar device.")] = None,
         out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: <derived|measured>/<gpu>__<model>__s<seq>.csv in your "
                                                          "profile directory: $BATON_PROFILES, else e.g. ~/.local/share/baton/profiles).")] = None,
@@ -220,7 +225,7 @@ def register(app: typer.Typer) -> None:
                                  "with tf32: false, or derive its tables with --analytic", field="--model")
             _measure_profile(MeasureRequest(model=model, device=device, gpu=gpu, seq_len=seq_len, micro_batches=mbs,
                                             tp_shares=tp_shares, warmup=warmup, reps=reps, threads=threads, comm=comm,
-                                            comm_ranks=comm_ranks, concurrent=concurrent, out=out))
+                                            comm_ranks=comm_ranks, concurrent=concurrent, out=out, back_to_back=back_to_back))
 
     @app.command("show")
     @guarded

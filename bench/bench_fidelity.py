@@ -35,7 +35,8 @@ the step's excess over the slowest replica against a model of noisy replicas (ex
 normals), its sigma taken from the run or from the spread of a layer's profiled repetitions.
 
 Run: ``python bench/bench_fidelity.py [--rounds 4] [--steps 8] [--procs 2] [--variant fp32-eager|bf16-fused]``;
-writes bench/results/fidelity.json and .md (``fidelity_bf16_fused.*`` for the bf16, fused-attention variant).
+writes bench/results/fidelity.json and .md (``fidelity_bf16_fused.*`` for the bf16, fused-attention variant)
+after every round, so a run cut short keeps the rounds it finished (the table then says so).
 """
 from __future__ import annotations
 
@@ -329,7 +330,7 @@ def main() -> None:
                     help="the small preset as it is (fp32, eager attention) or in bf16 with fused attention")
     args = ap.parse_args()
     global SPEC, ATTN
-    SPEC, ATTN, stem = VARIANTS[args.variant]
+    SPEC, ATTN, _ = VARIANTS[args.variant]
     torch.set_num_threads(1)
     os.environ["BATON_PIN_CPUS"] = "1"
     work = Path(tempfile.mkdtemp(prefix="baton-fidelity-"))
@@ -385,10 +386,18 @@ def main() -> None:
             rounds.setdefault(name, []).append(rep)
             print(f"    round {r + 1}: {rep['iteration_time_ms']['measured']:.1f} ms measured, "
                   f"{rep['iteration_time_ms']['predicted']:.1f} predicted ({rep['iteration_time_ms']['rel_error']:+.1%})")
+        # Written after every round, so a run cut short (a lent machine's time running out) still leaves its figures.
+        write_results(args, cases, rounds, syncs, drifts, links, t0, rounds_done=r + 1, final=r + 1 == args.rounds)
+
+
+def write_results(args, cases: dict, rounds: dict, syncs: dict, drifts: dict, links: list, t0: float, *, rounds_done: int,
+                  final: bool) -> None:
+    """Summarise the rounds done so far into ``<stem>.json`` and ``.md`` (printing the per-plan detail when ``final``)."""
+    stem = VARIANTS[args.variant][2]
     link = median_link(links)
 
     rows = []
-    for name, plan in cases.items():
+    for name, plan in ((n, p) for n, p in cases.items() if n in rounds):
         reps = rounds[name]
         measured = [x["iteration_time_ms"]["measured"] for x in reps]
         predicted = [x["iteration_time_ms"]["predicted"] for x in reps]
@@ -413,6 +422,8 @@ def main() -> None:
             "table_drift_per_round": drifts[name],
             "stages": rep["stages"], "report": rep,
         })
+        if not final:
+            continue
         print(f"  {name}: iteration {statistics.median(measured):.1f} ms measured, {statistics.median(predicted):.1f} ms predicted "
               f"(paired error, median over rounds: {statistics.median(paired):+.1%}; rounds "
               + ", ".join(f"{e:+.1%}" for e in paired) + f"); activations worst device {worst_act:.2%}")
@@ -437,7 +448,7 @@ def main() -> None:
     }
     env = {"python": platform.python_version(), "torch": torch.__version__, "cpu": cpu_description(), "cores": os.cpu_count(),
            "threads_per_process": 1,
-           "pinned": True, "model": SPEC.to_dict(), "steps": args.steps, "rounds": args.rounds, "reps": args.reps, "link": link.to_dict(), "seconds": round(time.time() - t0, 1)}
+           "pinned": True, "model": SPEC.to_dict(), "steps": args.steps, "rounds": rounds_done, "rounds_asked": args.rounds, "reps": args.reps, "link": link.to_dict(), "seconds": round(time.time() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps({"summary": summary, "environment": env, "plans": rows}, indent=2) + "\n")
     lines = ["| plan | devices | iteration ms measured | spread over rounds | table drift | predicted | error | activations MiB measured | predicted | worst device error |",
@@ -448,6 +459,7 @@ def main() -> None:
                      f"{r['iteration_ms_predicted']:.1f} | "
                      f"{r['iteration_rel_error']:+.1%} | {r['activation_bytes_measured'] / 2**20:.2f} | "
                      f"{r['activation_bytes_predicted'] / 2**20:.2f} | {r['activation_worst_device_rel_error']:.2%} |")
+    cut = "" if final else f" (of {args.rounds} asked: cut short)"
     lines += ["", f"Iteration time: mean absolute error {summary['iteration_time_mean_abs_rel_error']:.1%}, worst "
               f"{summary['iteration_time_worst_abs_rel_error']:.1%} (targets 5% / 10%). Activation memory: mean "
               f"{summary['activation_mean_abs_rel_error']:.2%}, worst {summary['activation_worst_abs_rel_error']:.2%} (target 2%).",
@@ -456,7 +468,7 @@ def main() -> None:
               f"{link.allreduce_latency_us:.0f} us per ring step between idle ranks, {link.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s, "
               f"{link.tp_allreduce_latency_us:.0f} us inside the tensor-parallel layer, reduce-scatter "
               f"{link.reduce_scatter_bandwidth_gb_per_s:.2f} GB/s and all-gather {link.all_gather_bandwidth_gb_per_s:.2f} GB/s "
-              f"per ring step (medians over rounds); {args.rounds} rounds of "
+              f"per ring step (medians over rounds); {rounds_done} rounds{cut} of "
               f"(link; then per plan: profile its sizes and shares on {args.procs} cores at once, median of {args.reps}, run it "
               f"{args.steps} steps, first dropped, and profile it again). Measured and predicted: medians over rounds; error: median "
               "over rounds of the round's (predicted - measured) / measured, each round's prediction from that round's link and the "
@@ -464,7 +476,8 @@ def main() -> None:
               "of a layer's profiled time from the table before the run to the one after it, over the rounds."]
     lines += wait_table(rows)
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if final:
+        print("\n".join(lines))
 
 
 def wait_table(rows: list[dict]) -> list[str]:

@@ -4,12 +4,15 @@ On a CUDA machine it
 1. profiles GPU 0 with the runtime's own layer (``runtime.op_profiler.profile_table``): the model in bf16
    with fused attention, at several micro-batch sizes and tensor-parallel shares, and writes the table to
    ``profiles/measured/<gpu>__<model>__s<seq>.csv`` with ``<same>.command.json`` beside it (the command,
-   torch and CUDA versions, the device);
+   torch and CUDA versions, the device); then profiles it again with each layer, embedding and head timed
+   back to back (``back_to_back=True``: the host's launches overlap the kernels, as in a step) into
+   ``bench/results/gpu_table_back_to_back.csv``;
 2. describes the GPU as a one-device cluster (its catalog type, its total memory as capacity);
 3. builds one-GPU plans (micro-batch sizes x recomputation none / attention / everything), keeps those the
    evaluator says fit, trains each for ``--steps`` steps (``baton train``'s code path: pre-flight check,
    NCCL, one rank) and compares with the evaluator: iteration time, peak allocated memory against the
-   predicted peak, tokens/s and MFU (catalog bf16 peak);
+   predicted peak, tokens/s and MFU (catalog bf16 peak), the step's passes and phases measured against
+   predicted, and the time predicted from the back-to-back table beside the default one;
 4. writes ``bench/results/gpu.json`` and ``gpu.md``.
 
 Several ranks on one GPU would need a backend that allows it; NCCL refuses two ranks on one device, so
@@ -87,8 +90,9 @@ def fitting(plans: list[tuple[str, Plan]], cluster, profiles) -> list[tuple[str,
     return [(name, plan) for name, plan in plans if evaluate(plan, cluster, profiles).fits]
 
 
-def row_of(name: str, report: dict) -> dict:
-    """One result line from a ``runtime.report.build_report`` dict of a one-device run."""
+def row_of(name: str, report: dict, back_to_back: dict | None = None) -> dict:
+    """One result line from a ``runtime.report.build_report`` dict of a one-device run (and, when given, the
+    report of the same run priced from the table timed back to back)."""
     dev = report["devices"][0]
     it = report["iteration_time_ms"]
     peak_measured = dev["measured"]["peak_allocated_bytes"]
@@ -100,26 +104,51 @@ def row_of(name: str, report: dict) -> dict:
             "peak_rel_error": (peak_predicted - peak_measured) / peak_measured if peak_measured else None,
             "activation_rel_error": dev["activation_rel_error"],
             "tokens_per_s": tp["tokens_per_s"], "tokens_per_s_predicted": report["tokens_per_s"]["predicted"],
-            "mfu": tp["mfu"]["measured"], "mfu_predicted": tp["mfu"]["predicted"]}
+            "mfu": tp["mfu"]["measured"], "mfu_predicted": tp["mfu"]["predicted"],
+            # Where the time goes, per micro-batch (backward includes its recomputation) and per step.
+            "passes_ms": {k: {"measured": dev["measured"][k], "predicted": dev["predicted"][k]}
+                          for k in ("fwd_ms", "bwd_ms", "recompute_ms")},
+            "phases_ms": report["phases"],
+            "back_to_back": None if back_to_back is None else {
+                "iteration_ms_predicted": back_to_back["iteration_time_ms"]["predicted"],
+                "iteration_rel_error": back_to_back["iteration_time_ms"]["rel_error"],
+                "passes_ms": {k: back_to_back["devices"][0]["predicted"][k] for k in ("fwd_ms", "bwd_ms", "recompute_ms")},
+                "phases_ms": {k: v["predicted"] for k, v in back_to_back["phases"].items()}}}
 
 
 def markdown(rows: list[dict], env: dict) -> str:
     def pct(x):
         return "-" if x is None else f"{x:+.1%}"
 
-    lines = ["| plan | iteration ms | predicted | error | peak allocated GiB | predicted peak | error | tokens/s | MFU | predicted MFU |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    def passes(r):
+        p = r.get("passes_ms")
+        if not p or p["fwd_ms"]["measured"] is None:
+            return "-"
+        return " / ".join(f"{p[k]['measured']:.1f} ({p[k]['predicted']:.1f})" for k in ("fwd_ms", "bwd_ms", "recompute_ms"))
+
+    def b2b(r, key, fmt):
+        x = (r.get("back_to_back") or {}).get(key)
+        return "-" if x is None else fmt(x)
+
+    lines = ["| plan | iteration ms | predicted | error | predicted, table back to back | error | "
+             "per micro-batch: fwd / bwd / recompute ms (predicted) | peak allocated GiB | "
+             "predicted peak | error | tokens/s | MFU | predicted MFU |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         lines.append(f"| {r['plan']} | {r['iteration_ms']:.1f} | {r['iteration_ms_predicted']:.1f} | {pct(r['iteration_rel_error'])} | "
-                     f"{r['peak_allocated_gib']:.2f} | {r['peak_predicted_gib']:.2f} | {pct(r['peak_rel_error'])} | "
+                     f"{b2b(r, 'iteration_ms_predicted', lambda x: f'{x:.1f}')} | {b2b(r, 'iteration_rel_error', pct)} | "
+                     f"{passes(r)} | {r['peak_allocated_gib']:.2f} | {r['peak_predicted_gib']:.2f} | {pct(r['peak_rel_error'])} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {r['mfu_predicted']:.1%} |")
-    errs = [abs(r["iteration_rel_error"]) for r in rows if r["iteration_rel_error"] is not None]
-    if errs:
-        lines += ["", f"Iteration time: mean absolute error {statistics.mean(errs):.1%}, worst {max(errs):.1%}."]
+    for label, errs in (("", [r["iteration_rel_error"] for r in rows]),
+                        (" with the table timed back to back", [(r.get("back_to_back") or {}).get("iteration_rel_error") for r in rows])):
+        errs = [abs(e) for e in errs if e is not None]
+        if errs:
+            lines += ["", f"Iteration time{label}: mean absolute error {statistics.mean(errs):.1%}, worst {max(errs):.1%}."]
     lines += ["", f"Model `{env['model']}` (bf16, {env['attention']} attention) on {env['device']} "
                   f"(catalog `{env['gpu_type']}`), torch {env['torch']}, CUDA {env['cuda']}; table: `{env['table']}`; "
                   f"{env['steps']} steps per plan, the first dropped."]
+    lines += [f"Failed: {name}: {why}" for name, why in env.get("failed", {}).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -131,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--profiles", type=Path, default=ROOT / "profiles",
+                        help="tables folder: the measured table is written to its measured/ and the plans priced from it")
     args = parser.parse_args(argv)
 
     import torch
@@ -143,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from baton.atomic import write_atomically
     from baton.cluster import load_cluster
-    from baton.profile import ProfileSet, profiles_dir, table_filename, write_table
+    from baton.errors import BatonError
+    from baton.profile import ProfileSet, table_filename, write_table
     from runtime.devices import catalog_gpu
     from runtime.launch import TrainConfig, train
     from runtime.op_profiler import profile_table
@@ -156,36 +188,56 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     spec = bench_model(args.model, args.seq_len)
 
-    table = profiles_dir() / "measured" / table_filename(gpu_type, spec.profile_name, spec.seq_len)
+    # Into the checkout's shipped tables (profiles/measured/), which the plans below are priced with.
+    table = args.profiles / "measured" / table_filename(gpu_type, spec.profile_name, spec.seq_len)
     df = profile_table(spec, device="cuda", micro_batches=MICRO_BATCHES, shares=SHARES, warmup=3, reps=args.reps, gpu_name=gpu_type)
     write_table(df, table)
     command = {"command": shlex.join([sys.executable, *sys.argv]), "function": "runtime.op_profiler.profile_table",
                "micro_batches": list(MICRO_BATCHES), "shares": list(SHARES), "reps": args.reps, "warmup": 3,
                "device": props.name, "torch": torch.__version__, "cuda": torch.version.cuda, "model": spec.to_dict()}
     write_atomically(table.with_suffix(".command.json"), json.dumps(command, indent=2) + "\n")
-
+    # The same table with each layer, embedding and head timed back to back (launches overlapping kernels, as
+    # in a step): every plan below is priced from both, to see which one the runs follow.
     work = Path(tempfile.mkdtemp(prefix="baton-bench-gpu-"))
+    b2b_dir = work / "back-to-back"
+    b2b_table = profile_table(spec, device="cuda", micro_batches=MICRO_BATCHES, shares=SHARES, warmup=3, reps=args.reps,
+                              gpu_name=gpu_type, back_to_back=True)
+    write_table(b2b_table, b2b_dir / "measured" / table.name)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_table(b2b_table, args.out / "gpu_table_back_to_back.csv")
     cluster_path = work / "cluster.yaml"
     cluster_path.write_text(yaml.safe_dump(cluster_mapping(gpu_type, props.total_memory), sort_keys=False))
     cluster = load_cluster(cluster_path)
-    profiles = ProfileSet(spec)
+    profiles = ProfileSet(spec, directory=args.profiles)
+    profiles_b2b = ProfileSet(spec, directory=b2b_dir)
+    env = {"device": props.name, "gpu_type": gpu_type, "memory_gib": props.total_memory / GIB, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "model": spec.name, "attention": spec.attention, "steps": args.steps,
+           "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table), "python": platform.python_version()}
     rows = []
     for name, plan in fitting(candidate_plans(spec, args.global_batch), cluster, profiles):
         per_rank: dict = {}
         cfg = TrainConfig(plan=plan, steps=args.steps, device="cuda", gpus=(0,), cluster_path=str(cluster_path),
                           collect_all_ranks=True, timeout_s=600)
-        train(cfg, per_rank=per_rank)
-        rows.append(row_of(name, build_report(plan, cluster, profiles, per_rank)))
+        try:
+            train(cfg, per_rank=per_rank)
+        except BatonError as err:  # one plan's failure (out of memory, say) is a finding, not the end of the table
+            print(f"{name}: failed: {err}", flush=True)
+            env.setdefault("failed", {})[name] = str(err)
+            write_results(args.out, rows, env)
+            continue
+        rows.append(row_of(name, build_report(plan, cluster, profiles, per_rank), build_report(plan, cluster, profiles_b2b, per_rank)))
         print(f"{name}: {rows[-1]['iteration_ms']:.1f} ms (predicted {rows[-1]['iteration_ms_predicted']:.1f}), "
               f"{rows[-1]['tokens_per_s']:,.0f} tokens/s, MFU {rows[-1]['mfu']:.1%}", flush=True)
-    env = {"device": props.name, "gpu_type": gpu_type, "memory_gib": props.total_memory / GIB, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "model": spec.name, "attention": spec.attention, "steps": args.steps,
-           "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table), "python": platform.python_version()}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu.json").write_text(json.dumps({"environment": env, "plans": rows}, indent=2) + "\n")
-    (args.out / "gpu.md").write_text(markdown(rows, env))
+        # After every plan, so a run cut short (a lent machine's time running out) still leaves its rows.
+        write_results(args.out, rows, env)
     print(markdown(rows, env))
     return 0
+
+
+def write_results(out: Path, rows: list[dict], env: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps({"environment": env, "plans": rows}, indent=2) + "\n")
+    (out / "gpu.md").write_text(markdown(rows, env))
 
 
 if __name__ == "__main__":

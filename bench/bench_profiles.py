@@ -7,7 +7,8 @@ bench/results/profiles.{json,md}.
 
 Sources of measurements:
 - profiles/reference/layers.csv: published or quoted per-GPU figures, with source and settings;
-- profiles/measured/*.csv: tables measured with `baton profile --device` (a lent GPU's table goes here);
+- profiles/measured/*.csv (shipped) and the user's measured/ tables: tables measured with `baton profile --device`
+  or bench/bench_gpu.py (a lent GPU's table goes here; the model is read from the `.command.json` beside it);
 - this CPU: the runtime's layer timed here (absolute ratio only: the `cpu` catalog entry is a stand-in).
 
 Relative-speed error of a GPU = (derived time / derived time of the group's reference GPU) /
@@ -30,16 +31,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from baton.catalog import gpu_type  # noqa: E402
-from baton.model_spec import PRESETS  # noqa: E402
+from baton.model_spec import PRESETS, from_mapping  # noqa: E402
 from baton.operators import layer_operators  # noqa: E402
 from baton.profile import derive_table, profiles_dir, read_table  # noqa: E402
 
 TARGET_GEOMEAN, TARGET_WORST = 1.15, 1.4
 
 
-def derived_layer_ms(base: str, gpu: str, *, seq_len: int, micro_batch: int, dtype: str, tf32: bool) -> float:
-    """Forward + backward of one layer (every operator, share 1) from the derivation."""
-    spec = PRESETS[base].with_overrides(seq_len=seq_len, dtype=dtype)
+def derived_layer_ms(base: str, gpu: str, *, seq_len: int, micro_batch: int, dtype: str, tf32: bool,
+                     attention: str = "eager") -> float:
+    """Forward + backward of one layer (every operator, share 1) from the derivation, with the attention
+    implementation the measurement ran."""
+    spec = PRESETS[base].with_overrides(seq_len=seq_len, dtype=dtype, attention=attention)
     try:
         df = derive_table(spec, gpu, micro_batches=(micro_batch,), shares=(1.0,), tf32=tf32)
     except TypeError:  # a derivation without the TF32 setting (used to report the 'before' figures)
@@ -62,8 +65,9 @@ def reference_rows(path: Path) -> list[dict]:
     out = []
     for r in ref.itertuples(index=False):
         tf32 = str(r.tf32).strip().lower() == "true"
+        # The published figures predate fused attention (PyTorch 1.13 for Lambda's): each row says what it ran.
         derived = derived_layer_ms(r.base_model, gpu_type(r.gpu).name, seq_len=int(r.seq_len), micro_batch=int(r.micro_batch),
-                                   dtype=r.dtype, tf32=tf32)
+                                   dtype=r.dtype, tf32=tf32, attention=r.attention)
         if r.metric == "layer_ms":
             measured_per_sample, derived_per_sample = float(r.value) / r.micro_batch, derived / r.micro_batch
         elif r.metric == "samples_per_s":
@@ -85,17 +89,21 @@ def measured_table_rows(directory: Path) -> list[dict]:
     for path in sorted(directory.glob("*.csv")):
         df = read_table(path)
         gpu, model, seq = str(df.gpu.iloc[0]), str(df.model.iloc[0]), int(df.seq_len.iloc[0])
-        if model not in PRESETS:
+        command = path.with_suffix(".command.json")  # bench/bench_gpu.py records the whole model beside its table
+        if command.is_file():
+            spec = from_mapping(json.loads(command.read_text())["model"], source=str(command)).with_overrides(seq_len=seq)
+        elif model in PRESETS:
+            spec = PRESETS[model].with_overrides(seq_len=seq)
+        else:
             continue
-        spec = PRESETS[model].with_overrides(seq_len=seq)
         ops = [o.name for o in layer_operators(spec)]
         mb = int(df[df.op.isin(ops)].micro_batch.min())
         measured = layer_ms_of(df, ops, mb)
         derived = layer_ms_of(derive_table(spec, gpu, micro_batches=(mb,), shares=(1.0,)), ops, mb)
         out.append({"group": f"measured/{model}-s{seq}", "gpu": gpu, "device_as_named": path.name, "dtype": spec.dtype,
-                    "tf32": False, "micro_batch": mb, "seq_len": seq, "metric": "layer_ms", "reference_gpu": None,
+                    "tf32": spec.tf32, "micro_batch": mb, "seq_len": seq, "metric": "layer_ms", "reference_gpu": None,
                     "derived_ms": derived, "measured_value": measured, "derived_per_sample": derived / mb,
-                    "measured_per_sample": measured / mb, "absolute": True, "source": str(path.relative_to(ROOT))})
+                    "measured_per_sample": measured / mb, "absolute": True, "source": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)})
     # a group's reference is its first GPU that is not the CPU stand-in
     for g in {r["group"] for r in out}:
         rows = [r for r in out if r["group"] == g]
@@ -187,9 +195,9 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     rows = reference_rows(Path(args.reference))
-    measured_dir = profiles_dir() / "measured"
-    if measured_dir.is_dir():
-        rows += measured_table_rows(measured_dir)
+    for measured_dir in (ROOT / "profiles" / "measured", profiles_dir() / "measured"):  # shipped, then the user's
+        if measured_dir.is_dir():
+            rows += measured_table_rows(measured_dir)
     if not args.no_cpu:
         rows.append(local_cpu_row())
     summary = score(rows)

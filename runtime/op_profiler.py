@@ -90,11 +90,12 @@ def _as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def backward_call_overhead_ms(device: torch.device, *, warmup: int = 3, reps: int = 25) -> float:
+def backward_call_overhead_ms(device: torch.device, *, warmup: int = 3, reps: int = 25, back_to_back: bool = False) -> float:
     """Time of ``autograd.backward`` on a one-element graph: the fixed cost of starting a backward pass.
 
     Timing one operator's backward alone pays it once per operator; inside a layer the whole stage's
-    backward is one call, so the profiler subtracts it from every operator's backward time.
+    backward is one call, so the profiler subtracts it from every operator's backward time. With
+    ``back_to_back`` it is timed as ``measure`` then times backwards: ``reps`` calls in one timed piece.
     """
     timer = _Timer(device)
     x = torch.ones(1, device=device, requires_grad=True)
@@ -104,18 +105,39 @@ def backward_call_overhead_ms(device: torch.device, *, warmup: int = 3, reps: in
         t = timer(lambda: y.backward())
         if i >= warmup:
             times.append(t)
-    return statistics.median(times)
+    if not back_to_back:
+        return statistics.median(times)
+    graphs = [x * 2.0 for _ in range(reps)]
+    return timer(lambda: [y.backward() for y in graphs]) / reps
+
+
+BACK_TO_BACK_CPU_BYTES = 1 << 30
+"""Most bytes of graphs (saved activations, outputs, their gradients) a back-to-back CPU measurement keeps at once."""
+
+
+def reps_at_once(device: torch.device, per_rep_bytes: int, reps: int) -> int:
+    """Repetitions a back-to-back measurement runs in one timed piece: all ``reps``, unless their graphs
+    would take more than a quarter of the GPU's free memory (``BACK_TO_BACK_CPU_BYTES`` on a CPU)."""
+    budget = torch.cuda.mem_get_info(device)[0] // 4 if device.type == "cuda" else BACK_TO_BACK_CPU_BYTES
+    return max(1, min(reps, budget // max(per_rep_bytes, 1)))
 
 
 def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[], list[torch.Tensor]], params: list[torch.Tensor],
             device: torch.device, *, warmup: int, reps: int, backward_overhead_ms: float = 0.0,
-            as_trained: bool = False) -> Measurement:
+            as_trained: bool = False, back_to_back: bool = False) -> Measurement:
     """Time forward and backward of ``fn(inputs)``; inputs are rebuilt for every repetition.
 
     With ``as_trained`` the passes run as a training step runs them (``runtime.engine``): the forward
     under the saved-activation meter (``runtime.meters.SavedBytes``, a Python hook per kept tensor) and
     the backward adding into gradients that already exist (the engine's gradient buffer), where
     otherwise every backward writes fresh gradients and no hook runs.
+
+    Each repetition is timed alone by default: the device is idle when it starts and synchronised when
+    it ends. With ``back_to_back`` the repetitions after warm-up run in timed pieces of several
+    (``reps_at_once``): forwards one after another, then the backwards of as many graphs, with no
+    synchronisation between them. On a GPU the host then launches one repetition's kernels while the
+    previous one's run, as a training step launches its next layer; a repetition's time is its piece's
+    over its count, the median over pieces.
     """
     timer = _Timer(device)
     saved, outs = _saved_bytes(lambda: _as_tuple(fn(make_inputs())), params)
@@ -123,29 +145,58 @@ def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[],
     output_bytes = sum(storages.values())
     meter = SavedBytes(params) if as_trained else None
 
-    def forward(inputs):
+    def forward(inputs, key=0):
         if meter is None:
             return fn(inputs)
-        with meter.record(0):
+        with meter.record(key):
             return fn(inputs)
+
+    def graph(inputs, key=0):
+        outs = [o for o in _as_tuple(forward(inputs, key)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        return outs, [torch.ones_like(o) for o in outs]
+
+    def fresh_gradients():
+        if not as_trained:
+            for p in params:
+                p.grad = None
 
     for p in params:
         p.grad = torch.zeros_like(p) if as_trained else None
     fwd, bwd = [], []
-    for i in range(warmup + reps):
+    for i in range(warmup + (0 if back_to_back else reps)):
         inputs = make_inputs()
         t_f = timer(lambda: forward(inputs))
-        outs = [o for o in _as_tuple(forward(inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
-        grads = [torch.ones_like(o) for o in outs]
-        if not as_trained:
-            for p in params:
-                p.grad = None
+        outs, grads = graph(inputs)
+        fresh_gradients()
         t_b = timer(lambda: torch.autograd.backward(outs, grads)) if outs else 0.0
         if meter is not None:
             meter.release(0)
         if i >= warmup:
             fwd.append(t_f)
             bwd.append(t_b)
+    if back_to_back:
+        at_once = reps_at_once(device, saved + 2 * output_bytes, reps)
+        for start in range(0, reps, at_once):
+            keys = range(min(at_once, reps - start))
+            batch = [make_inputs() for _ in keys]
+
+            def forwards():  # each output dropped at once, as a layer's is once the next layer has read it
+                for k, x in zip(keys, batch):
+                    forward(x, k)
+
+            fwd.append(timer(forwards) / len(keys))
+            graphs = [graph(x, k) for k, x in zip(keys, batch)]
+
+            def backwards():
+                for outs, grads in graphs:
+                    fresh_gradients()
+                    torch.autograd.backward(outs, grads)
+
+            bwd.append(timer(backwards) / len(keys) if graphs[0][0] else 0.0)
+            del graphs
+            if meter is not None:
+                for k in keys:
+                    meter.release(k)
     for p in params:
         p.grad = None
     bwd_ms = max(statistics.median(bwd) - backward_overhead_ms, 0.0) if any(bwd) else 0.0
@@ -177,8 +228,11 @@ def _init(module: torch.nn.Module, seed: int) -> None:
 
 
 def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share: float, *, warmup: int, reps: int,
-                  seed: int = 0, backward_overhead_ms: float = 0.0) -> dict[str, Measurement]:
-    """Measure every operator of one layer at one (micro-batch, share)."""
+                  seed: int = 0, backward_overhead_ms: float = 0.0, back_to_back: bool = False,
+                  back_to_back_overhead_ms: float = 0.0) -> dict[str, Measurement]:
+    """Measure every operator of one layer at one (micro-batch, share). With ``back_to_back`` the whole layer,
+    which the operators' times are scaled to, is timed back to back (``measure``; each operator alone still
+    gives its share), its backward less ``back_to_back_overhead_ms``."""
     dtype = compute_dtype(spec.dtype)
     nh, nf = local_sizes(spec, share)
     block = ParallelBlock(spec, 0, heads=range(nh), ffn_cols=range(nf))
@@ -206,11 +260,12 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
             if partial_name in env:
                 env[full_name] = env[partial_name]  # one device: the all-reduce is the identity
     return _in_context(results, block, mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps,
-                       backward_overhead_ms=backward_overhead_ms)
+                       backward_overhead_ms=back_to_back_overhead_ms if back_to_back else backward_overhead_ms,
+                       back_to_back=back_to_back)
 
 
 def _in_context(results: dict[str, Measurement], block: ParallelBlock, mb: MicroBatch, x: torch.Tensor, device, *,
-                warmup: int, reps: int, backward_overhead_ms: float) -> dict[str, Measurement]:
+                warmup: int, reps: int, backward_overhead_ms: float, back_to_back: bool = False) -> dict[str, Measurement]:
     """Rescale isolated operator times so they add up to the whole layer timed as the runtime runs it.
 
     Timed alone, an operator finds its weights and inputs hot in cache and pays for its own call into
@@ -220,7 +275,7 @@ def _in_context(results: dict[str, Measurement], block: ParallelBlock, mb: Micro
     costs that recomputation choices depend on are the isolated ones and the totals are the real ones.
     """
     whole = measure(lambda xs: block(xs[0], mb), lambda: [x.detach().requires_grad_()], list(block.parameters()), device,
-                    warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms, as_trained=True)
+                    warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms, as_trained=True, back_to_back=back_to_back)
     fwd_sum = sum(m.fwd_ms for m in results.values())
     bwd_sum = sum(m.bwd_ms for m in results.values())
     kf = whole.fwd_ms / fwd_sum if fwd_sum > 0 else 1.0
@@ -230,10 +285,10 @@ def _in_context(results: dict[str, Measurement], block: ParallelBlock, mb: Micro
 
 
 def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, share: float = 1.0, *, warmup: int, reps: int,
-                  seed: int = 0, backward_overhead_ms: float = 0.0) -> dict[str, tuple[Measurement, int]]:
+                  seed: int = 0, backward_overhead_ms: float = 0.0, back_to_back: bool = False) -> dict[str, tuple[Measurement, int]]:
     """The embedding of the first stage and the head (final LayerNorm, tied LM head, loss) of the last, at a
     rank's ``share`` of the (vocabulary-parallel) rows, each with the parameter bytes it holds (the head's
-    without the tied embedding, which the cost model charges apart)."""
+    without the tied embedding, which the cost model charges apart); timed back to back with ``back_to_back``."""
     dtype = compute_dtype(spec.dtype)
     g = _seeded(seed + 2)
     tokens = torch.randint(spec.vocab_size, (micro_batch, spec.seq_len), generator=g).to(device)
@@ -249,10 +304,11 @@ def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, share
     head_params = sum(p.numel() for n, p in last.named_parameters() if not n.startswith("wte.")) * e
     return {
         EMBEDDING: (measure(lambda xs: first(tokens, mb), lambda: [], list(first.parameters()), device, warmup=warmup, reps=reps,
-                            backward_overhead_ms=backward_overhead_ms, as_trained=True),
+                            backward_overhead_ms=backward_overhead_ms, as_trained=True, back_to_back=back_to_back),
                     sum(p.numel() for p in first.parameters()) * e),
         HEAD: (measure(lambda xs: last(xs[0], mb, targets=tokens), lambda: [x.detach().requires_grad_()], list(last.parameters()),
-                       device, warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms, as_trained=True), head_params),
+                       device, warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms, as_trained=True,
+                       back_to_back=back_to_back), head_params),
     }
 
 
@@ -316,8 +372,13 @@ def profile_optimizer(spec: ModelSpec, device: torch.device, *, warmup: int, rep
 
 
 def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2), shares=(1.0,), warmup: int = 2, reps: int = 5,
-                  gpu_name: str | None = None, progress=None, concurrent: int = 1, timeout_s: float | None = None) -> pd.DataFrame:
+                  gpu_name: str | None = None, progress=None, concurrent: int = 1, timeout_s: float | None = None,
+                  back_to_back: bool = False) -> pd.DataFrame:
     """The measured table (schema of ``baton.profile``) for the local device.
+
+    With ``back_to_back`` each layer, embedding and head is timed in pieces of several repetitions run one
+    after another (``measure``), not one repetition from an idle device: on a GPU whose kernels are short,
+    the host's launches then overlap the kernels as they do in a training step.
 
     With ``concurrent`` > 1, that many profilers run at once, one per core (``BATON_PIN_CPUS=1``) or one
     per GPU (``cuda``: devices 0..n-1), in step with each other, and each time in the table is the
@@ -328,6 +389,8 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BatonError("CUDA is not available on this machine", field="--device")
+    if dev.type == "cuda" and dev.index is None:  # plain "cuda" is the current device; set_device needs its number
+        dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type == "cpu" and spec.dtype == "fp16":
         raise BatonError(f"model '{spec.name}' is fp16, which CPUs do not train in; give a model with dtype fp32 or bf16", field="--model")
     for s in shares:
@@ -345,11 +408,11 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
             raise BatonError(f"GPUs 0..{concurrent - 1} are of different types ({', '.join(sorted(kinds))}): one table is one "
                              "type; profile each type on its own", field="--concurrent")
     if concurrent == 1:
-        return _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, lambda: None)
-    return _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, concurrent, timeout_s)
+        return _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, lambda: None, back_to_back)
+    return _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, concurrent, timeout_s, back_to_back)
 
 
-def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync) -> pd.DataFrame:
+def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync, back_to_back=False) -> pd.DataFrame:
     if dev.type == "cpu":
         keep_freed_memory()  # host memory in the state training runs in (runtime.engine, runtime.host_memory)
     ops = {o.name: o for o in layer_operators(spec)}
@@ -359,6 +422,8 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync)
     other_ops = {o.name: o for o in layer_operators(other) if o.name not in ops}
     sync()
     overhead = backward_call_overhead_ms(dev)
+    timing = {"back_to_back": back_to_back,
+              "back_to_back_overhead_ms": backward_call_overhead_ms(dev, back_to_back=True) if back_to_back else 0.0}
     opt_bytes, opt_ms = profile_optimizer(spec, dev, warmup=warmup, reps=reps)
     rows = []
     total = len(micro_batches) * (len(shares) + 1)
@@ -366,9 +431,9 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync)
     for b in sorted(micro_batches):
         for share in sorted(shares):
             sync()
-            measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead)
+            measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead, **timing)
             if other_ops:
-                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead)
+                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead, **timing)
                 measured.update({n: layer[n] for n in other_ops})
             for op_name, m in measured.items():
                 op = ops.get(op_name) or other_ops[op_name]
@@ -382,8 +447,9 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync)
                 progress(done, total)
         sync()
         for share in sorted(shares):  # the vocabulary is split like the units
-            for op_name, (m, params) in profile_edges(spec, dev, b, share, warmup=warmup, reps=reps,
-                                                      backward_overhead_ms=overhead).items():
+            for op_name, (m, params) in profile_edges(spec, dev, b, share, warmup=warmup, reps=reps, back_to_back=back_to_back,
+                                                      backward_overhead_ms=timing["back_to_back_overhead_ms"] if back_to_back
+                                                      else overhead).items():
                 rows.append((name, spec.name, op_name, b, spec.seq_len, share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes,
                              params, "measured"))
         rows.append((name, spec.name, OPTIMIZER, b, spec.seq_len, 1.0, opt_ms, 0.0, 0, 0, opt_bytes, "measured"))
@@ -394,7 +460,7 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync)
 
 
 def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, warmup, reps, barrier, results, progress_q,
-                       parent_pid) -> None:
+                       parent_pid, back_to_back=False) -> None:
     die_with_parent(parent_pid)  # a killed `baton profile` must not leave profilers holding the cores
     try:
         torch.set_num_threads(1)
@@ -403,7 +469,7 @@ def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, war
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         report = (lambda done, total: progress_q.put((done, total))) if rank == 0 else None
-        df = _table(spec, dev, name, micro_batches, shares, warmup, reps, report, lambda: barrier.wait(timeout=600))
+        df = _table(spec, dev, name, micro_batches, shares, warmup, reps, report, lambda: barrier.wait(timeout=600), back_to_back)
         results.put((rank, df.to_dict("list")))
     except threading.BrokenBarrierError:
         results.put((rank, None))  # a peer failed and says why
@@ -412,7 +478,7 @@ def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, war
         barrier.abort()
 
 
-def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, n, timeout_s) -> pd.DataFrame:
+def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, n, timeout_s, back_to_back=False) -> pd.DataFrame:
     import queue
 
     import torch.multiprocessing as mp
@@ -420,7 +486,8 @@ def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, prog
     ctx = mp.get_context("spawn")
     barrier, results, progress_q = ctx.Barrier(n), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_concurrent_worker, args=(r, spec, dev.type, name, tuple(micro_batches), tuple(shares), warmup, reps,
-                                                          barrier, results, progress_q, os.getpid()), daemon=True) for r in range(n)]
+                                                          barrier, results, progress_q, os.getpid(), back_to_back), daemon=True)
+             for r in range(n)]
     for p in procs:
         p.start()
     tables: dict[int, pd.DataFrame] = {}

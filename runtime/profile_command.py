@@ -58,7 +58,7 @@ def measure(req: MeasureRequest) -> None:
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"profiling {spec.name} on {req.device}", total=None)
         df = profile_table(spec, device=dev, micro_batches=req.micro_batches, shares=shares, warmup=req.warmup,
-                           reps=req.reps, gpu_name=name, concurrent=req.concurrent,
+                           reps=req.reps, gpu_name=name, concurrent=req.concurrent, back_to_back=req.back_to_back,
                            progress=lambda done, total: bar.update(task, completed=done, total=total))
     gpu_name = str(df["gpu"].iloc[0])
     path = req.out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)

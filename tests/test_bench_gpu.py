@@ -64,10 +64,24 @@ def test_result_rows_and_table_from_a_report():
                        recompute_ms=[0.0] * m, stage_ms=[3.0 * m], tp_allreduce_ms=None, peak_saved_bytes=10**6,
                        peak_allocated_bytes=int(pred.devices[0].peak_memory_bytes / 2), tokens=plan.global_batch * spec.seq_len,
                        weights_bytes=1, grads_bytes=1, master_bytes=2, moments_bytes=4) for i in range(3)]
-    row = bench_gpu.row_of(name, build_report(plan, cluster, profiles, {0: steps}))
+    report = build_report(plan, cluster, profiles, {0: steps})
+    row = bench_gpu.row_of(name, report)
+    assert row["back_to_back"] is None
     assert row["iteration_rel_error"] == pytest.approx(-0.5) and row["peak_rel_error"] == pytest.approx(1.0)
     assert row["mfu"] == pytest.approx(pred.mfu / 2) and row["tokens_per_s"] == pytest.approx(pred.tokens_per_s / 2)
+    dev = pred.devices[0]
+    assert row["passes_ms"]["fwd_ms"] == {"measured": 1.0, "predicted": pytest.approx(dev.fwd_ms)}
+    assert row["passes_ms"]["bwd_ms"] == {"measured": 2.0, "predicted": pytest.approx(dev.bwd_ms + dev.recompute_ms)}
+    assert set(row["phases_ms"]) >= {"pipeline_ms", "optimizer_ms"}
     env = {"device": "NVIDIA H100 80GB HBM3", "gpu_type": "h100", "torch": "x", "cuda": "y", "model": spec.name,
            "attention": "fused", "steps": 3, "table": "profiles/measured/t.csv"}
     md = bench_gpu.markdown([row], env)
     assert name in md and "-50.0%" in md and "mean absolute error 50.0%" in md
+    assert f"1.0 ({dev.fwd_ms:.1f}) / 2.0 ({dev.bwd_ms + dev.recompute_ms:.1f})" in md
+    assert "back to back: mean" not in md
+    # Priced from a second table (here the same one): its prediction and error sit beside the first's.
+    both = bench_gpu.row_of(name, report, report)
+    assert both["back_to_back"]["iteration_ms_predicted"] == pytest.approx(pred.iteration_time_ms)
+    assert both["back_to_back"]["iteration_rel_error"] == pytest.approx(-0.5)
+    md = bench_gpu.markdown([both], env)
+    assert md.count("-50.0%") == 2 and "timed back to back: mean absolute error 50.0%" in md

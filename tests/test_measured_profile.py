@@ -153,12 +153,17 @@ def test_median_of_tables_takes_each_time_from_the_middle_measurement(measured):
     assert (med["saved_bytes"] == ref["saved_bytes"]).all()
 
 
-def test_profile_command_measures_on_cpu(tmp_path):
+@pytest.mark.parametrize("timing", [[], ["--back-to-back"]])
+def test_profile_command_measures_on_cpu(tmp_path, timing, monkeypatch):
+    asked = []
+    real = op_profiler.measure
+    monkeypatch.setattr(op_profiler, "measure", lambda *a, **k: asked.append(k.get("back_to_back", False)) or real(*a, **k))
     out = tmp_path / "cpu.csv"
     code, stdout, err = run_cli("profile", "--device", "cpu", "--model", "tiny", "--micro-batch", "1", "--reps", "1",
-                                "--warmup", "0", "--threads", "1", "--out", out)
+                                "--warmup", "0", "--threads", "1", "--out", out, *timing)
     assert code == 0, err
     assert set(validate_table(pd.read_csv(out), source="x")["source"]) == {"measured"}
+    assert any(asked) == bool(timing)
 
 
 @pytest.mark.parametrize("args,words", [
@@ -172,6 +177,20 @@ def test_profile_command_bad_input(args, words):
         pytest.skip("this machine has CUDA")
     code, _, err = run_cli("profile", "--model", "tiny", *args)
     assert code == 2 and words in err and "Traceback" not in err
+
+
+def test_plain_cuda_profiles_the_current_gpu(monkeypatch):
+    """``--device cuda`` (no number) profiles the current GPU. ``torch.cuda.set_device`` refuses a device
+    without an index, which stopped the first run of bench/bench_gpu.py on a lent H200; CUDA's calls are
+    stood in for here, so no GPU is needed."""
+    told = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: told.append(("set_device", d)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some GPU")
+    monkeypatch.setattr(op_profiler, "_table", lambda spec, dev, name, *rest: told.append(("table", dev, name)) or "table")
+    assert profile_table(PRESETS["tiny"], device="cuda") == "table"
+    assert told == [("set_device", torch.device("cuda", 3)), ("table", torch.device("cuda", 3), "some-gpu")]
 
 
 def test_freed_host_memory_is_reused_without_page_faults():
@@ -242,3 +261,78 @@ def test_layer_in_context_is_timed_as_a_training_step_runs_it(monkeypatch):
         else:
             assert not records
             assert any(g is not timed[1] for g in timed[2:])  # a fresh gradient after every backward
+
+
+def test_back_to_back_times_pieces_of_repetitions_without_a_sync_between(monkeypatch):
+    """With ``back_to_back`` the repetitions after warm-up run in timed pieces of ``reps_at_once`` (forwards
+    one after another, then as many backwards), and a repetition's time is its piece's over its count; the
+    meter keeps each repetition apart and ends empty, the gradients behave as in single repetitions. A
+    stand-in clock that charges 1 ms per forward and 2 per backward makes the arithmetic exact."""
+    clock = {"ms": 0.0, "timed": []}
+
+    class Clock:
+        def __init__(self, device):
+            pass
+
+        def __call__(self, fn):
+            start = clock["ms"]
+            fn()
+            clock["timed"].append(clock["ms"] - start)
+            return clock["ms"] - start
+
+    meters = []
+
+    class KeptMeter(op_profiler.SavedBytes):
+        def __init__(self, params):
+            super().__init__(params)
+            meters.append(self)
+
+    monkeypatch.setattr(op_profiler, "_Timer", Clock)
+    monkeypatch.setattr(op_profiler, "SavedBytes", KeptMeter)
+    monkeypatch.setattr(op_profiler, "reps_at_once", lambda device, per_rep_bytes, reps: 4)
+    w = torch.nn.Parameter(torch.randn(4, 4))
+
+    class Charged(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            clock["ms"] += 1.0
+            ctx.save_for_backward(x)
+            return x * 2.0
+
+        @staticmethod
+        def backward(ctx, g):
+            clock["ms"] += 2.0
+            return g * 2.0
+
+    fn = lambda xs: Charged.apply(xs[0] @ w)  # noqa: E731
+    inputs = lambda: [torch.randn(3, 4, requires_grad=True)]  # noqa: E731
+    for as_trained in (False, True):
+        clock["timed"].clear()
+        m = measure(fn, inputs, [w], torch.device("cpu"), warmup=1, reps=6, as_trained=as_trained, back_to_back=True)
+        # warm-up: one forward and one backward timed alone; then pieces of 4 and 2 repetitions
+        assert clock["timed"] == [1.0, 2.0, 4.0, 8.0, 2.0, 4.0]
+        assert (m.fwd_ms, m.bwd_ms) == (1.0, 2.0) and w.grad is None
+        single = measure(fn, inputs, [w], torch.device("cpu"), warmup=1, reps=6, as_trained=as_trained)
+        assert (m.saved_bytes, m.output_bytes) == (single.saved_bytes, single.output_bytes)
+    assert meters and not meters[0].live  # every repetition's saved tensors released
+
+
+def test_back_to_back_keeps_a_bounded_number_of_graphs():
+    """A piece holds its graphs until its backwards run: at most a quarter of a GPU's free memory (a fixed
+    budget on a CPU), never fewer than one repetition, never more than asked."""
+    cpu = torch.device("cpu")
+    assert op_profiler.reps_at_once(cpu, 1 << 20, 10) == 10
+    assert op_profiler.reps_at_once(cpu, op_profiler.BACK_TO_BACK_CPU_BYTES // 3, 10) == 3
+    assert op_profiler.reps_at_once(cpu, 4 * op_profiler.BACK_TO_BACK_CPU_BYTES, 10) == 1
+
+
+def test_back_to_back_table_has_the_same_structure_and_bytes(measured):
+    """A table timed back to back differs from the default in times only."""
+    torch.set_num_threads(1)
+    b2b = profile_table(TINY, micro_batches=(1, 2), shares=(0.5, 1.0), warmup=1, reps=2, back_to_back=True)
+    key = ["op", "micro_batch", "tp_share"]
+    a, b = measured.set_index(key).sort_index(), b2b.set_index(key).sort_index()
+    assert a.index.equals(b.index)
+    for col in ("saved_bytes", "output_bytes", "param_bytes"):
+        assert (a[col] == b[col]).all(), col
+    assert (b["fwd_ms"] > 0).all() and (b["bwd_ms"] >= 0).all()

@@ -14,7 +14,7 @@ from baton.operators import layer_operators
 from baton.profile import calibrate, calibration_summary, derive_table, same_architecture
 
 REFERENCE = Path(__file__).resolve().parent.parent / "profiles" / "reference" / "layers.csv"
-GPT13_FP32 = PRESETS["gpt3-1.3b"].with_overrides(seq_len=512, dtype="fp32")
+GPT13_FP32 = PRESETS["gpt3-1.3b"].with_overrides(seq_len=512, dtype="fp32", attention="eager")  # as the issue-14 figures ran
 
 
 def layer_ms(spec, gpu, *, mb=1, tf32=False) -> float:
@@ -28,6 +28,7 @@ def test_derivation_ranks_gpus_in_the_measured_order_of_the_reference_layer():
     V100 (dual-issue fp32 peak, no power-limited clock) fails here."""
     ref = pd.read_csv(REFERENCE)
     ref = ref[ref.group == "issue14-gpt3-1.3b-fp32"]
+    assert set(ref.attention) == {GPT13_FP32.attention}  # derived as the figures were measured
     measured = dict(zip(ref.gpu, ref.value))
     derived = {g: layer_ms(GPT13_FP32, g) for g in measured}
     assert sorted(measured, key=measured.get) == sorted(derived, key=derived.get)
@@ -39,7 +40,8 @@ def test_derivation_ranks_gpus_in_the_measured_order_of_the_reference_layer():
 def test_every_reference_group_is_ranked_in_the_measured_order():
     ref = pd.read_csv(REFERENCE)
     for group, rows in ref.groupby("group"):
-        spec = PRESETS[rows.base_model.iloc[0]].with_overrides(seq_len=int(rows.seq_len.iloc[0]), dtype=rows.dtype.iloc[0])
+        spec = PRESETS[rows.base_model.iloc[0]].with_overrides(seq_len=int(rows.seq_len.iloc[0]), dtype=rows.dtype.iloc[0],
+                                                               attention=rows.attention.iloc[0])
         per_sample_measured, per_sample_derived = {}, {}
         for r in rows.itertuples():
             tf32 = str(r.tf32).lower() == "true"
