@@ -21,8 +21,11 @@ import itertools
 import math
 import multiprocessing
 import os
+import pickle
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import pyomo.environ as pyo
@@ -666,12 +669,13 @@ spends a second or two importing the solver."""
 _SPACE: _Enumeration | None = None
 
 
-def _start_worker(space: _Enumeration, parent_pid: int) -> None:
+def _start_worker(space_file: str, parent_pid: int) -> None:
     global _SPACE
     # A killed `baton solve` must not leave workers evaluating plans for minutes; the parent's pid comes
     # from the parent, so a parent that died while this worker started is noticed too.
     die_with_parent(parent_pid)
-    _SPACE = space
+    with open(space_file, "rb") as f:
+        _SPACE = pickle.load(f)
 
 
 def _worker_task(task) -> tuple[tuple | None, int]:
@@ -689,5 +693,18 @@ def _map_tasks(space: _Enumeration, tasks: list, estimate: int, workers: int | N
             yield _best_of_task(space, *task)
         return
     ctx = multiprocessing.get_context("spawn")  # no copy of a parent's threads (HiGHS, torch) in the workers
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_start_worker, initargs=(space, os.getpid())) as pool:
-        yield from pool.map(_worker_task, tasks, chunksize=max(1, len(tasks) // (workers * 16)))
+    with tempfile.TemporaryDirectory(prefix="baton-exhaustive-") as tmp:
+        # The workers read the instance from a file: handed to them at their start instead, it filled the pipe
+        # to a worker that died before reading it (a script without an `if __name__ == "__main__":` guard,
+        # which each spawned worker runs again), and the search waited on that pipe forever.
+        space_file = os.path.join(tmp, "space.pickle")
+        with open(space_file, "wb") as f:
+            pickle.dump(space, f)
+        try:
+            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_start_worker,
+                                     initargs=(space_file, os.getpid())) as pool:
+                yield from pool.map(_worker_task, tasks, chunksize=max(1, len(tasks) // (workers * 16)))
+        except BrokenProcessPool:
+            raise BatonError("a worker process of the exhaustive search died; a script that calls the search must do so under "
+                             "`if __name__ == \"__main__\":` (each worker runs the script's top level again), or pass workers=1",
+                             field="workers") from None

@@ -13,6 +13,9 @@ import dataclasses
 import math
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +31,8 @@ from solver.search import NoPlanFits, check_profiles, search, skeleton_family
 from solver.space import replica_pattern
 from solver.unlike import expand, solve_structure
 from tests.test_solver_helpers import random_instance, two_gpu_instance
+
+ROOT = Path(__file__).resolve().parent.parent
 
 GRID = 2
 """Shard ratios in halves: the oracle enumerates every grid vector per position, so a fine grid explodes it."""
@@ -91,6 +96,25 @@ def test_exhaustive_search_keeps_the_same_plan_in_several_processes(monkeypatch)
     assert two.candidates == one.candidates > 100
     assert two.objective_ms == one.objective_ms
     assert (two.plan.pipelines, two.plan.zero_stage) == (one.plan.pipelines, one.plan.zero_stage)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) < 2,
+                    reason="one core: the search starts no workers")
+def test_exhaustive_search_from_a_script_without_a_main_guard_fails_in_one_line(tmp_path):
+    """Each spawned worker runs the calling script's top level again; without an `if __name__ == "__main__":`
+    guard it dies there. The search used to wait forever on the pipe to that worker (the instance it was
+    handed at start filled the pipe); now it stops with a line that says what to do."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("import sys\n"
+                      f"sys.path.insert(0, {str(ROOT)!r})\n"
+                      "from solver import baselines\n"
+                      "from tests.test_solver_exact import CASES, _instance\n"
+                      "inst = _instance(CASES[7])  # an instance too big for the pipe's buffer\n"
+                      "baselines.exhaustive(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch,\n"
+                      "                     universe=inst.universe, shard_grid=2, workers=2)\n")
+    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert res.returncode != 0
+    assert "a worker process of the exhaustive search died" in res.stderr and "__main__" in res.stderr, res.stderr[-2000:]
 
 
 def test_infeasible_instance_names_the_device():
