@@ -65,6 +65,42 @@ def test_master_weights_take_the_bytes_of_eq7(dtype):
     assert moved > LR / 2  # Adam's first step moves every weight with a gradient by about lr
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_chunked_master_step_equals_one_adamw_step_over_all_masters(dtype):
+    """The mixed-precision step unscales and updates a chunk of parameters at a time (the fp32 gradients
+    never exist whole), each chunk's AdamW step seeing only that chunk's masters. It must equal, bit for
+    bit, one AdamW step over every master with every gradient unscaled: weight-decay groups split across
+    chunks, a parameter without a gradient, gradient clipping's factor and fp16's loss scale included; and
+    the optimizer's groups are whole again afterwards (checkpoints and the learning rate read them)."""
+    from runtime.precision import MasterWeights, compute_dtype
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(48,), (96, 48), (96,), (48, 48), (48,), (192, 48), (48, 192), (300, 48)] * 3
+    full = [torch.randn(s, generator=g) for s in shapes]
+    decays = [len(s) > 1 for s in shapes]
+    grads = [[(torch.randn(s, generator=g) * 1e-2) for s in shapes] for _ in range(3)]
+    mw = MasterWeights(torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in full]), dtype, lr=LR,
+                       betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decays=decays)
+    assert len(mw._chunks) > 2
+    ref = [torch.nn.Parameter(t.clone()) for t in full]
+    opt = torch.optim.AdamW([{"params": [r for r, d in zip(ref, decays) if d]},
+                             {"params": [r for r, d in zip(ref, decays) if not d], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    want, clip = compute_dtype(dtype), 0.5
+    sizes = [len(group["params"]) for group in mw.optimizer.param_groups]
+    for step, gs in enumerate(grads):
+        for i, (p, r, gr) in enumerate(zip(mw.params, ref, gs)):
+            skip = step == 1 and i == 4
+            p.grad = None if skip else (gr * mw.loss_scale).to(want)
+            r.grad = None if skip else p.grad.float() * (clip / mw.loss_scale)
+        assert mw.step(grad_factor=clip) is True
+        opt.step()
+        assert [len(group["params"]) for group in mw.optimizer.param_groups] == sizes
+    for p, m, r in zip(mw.params, mw.masters, ref):
+        assert torch.equal(m.detach(), r.detach()) and torch.equal(p.detach(), r.detach().to(want))
+        assert all(torch.equal(mw.optimizer.state[m][k], opt.state[r][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
 def test_loss_scaler_backs_off_grows_and_round_trips():
     """Catches a scale that does not halve on overflow, grows too early (or never), forgets its clean
     steps across a restore, or accepts a non-finite scale from a checkpoint."""
