@@ -149,6 +149,9 @@ def markdown(rows: list[dict], env: dict) -> str:
                   f"(catalog `{env['gpu_type']}`), torch {env['torch']}, CUDA {env['cuda']}; table: `{env['table']}`; "
                   f"{env['steps']} steps per plan, the first dropped."]
     lines += [f"Failed: {name}: {why}" for name, why in env.get("failed", {}).items()]
+    done = len(rows) + len(env.get("failed", {}))
+    if env.get("plans_asked", done) > done:  # written after every plan: a run cut short says so
+        lines += [f"Cut short: {done} of {env['plans_asked']} plans ran."]
     return "\n".join(lines) + "\n"
 
 
@@ -200,21 +203,28 @@ def main(argv: list[str] | None = None) -> int:
     # in a step): every plan below is priced from both, to see which one the runs follow.
     work = Path(tempfile.mkdtemp(prefix="baton-bench-gpu-"))
     b2b_dir = work / "back-to-back"
-    b2b_table = profile_table(spec, device="cuda", micro_batches=MICRO_BATCHES, shares=SHARES, warmup=3, reps=args.reps,
-                              gpu_name=gpu_type, back_to_back=True)
-    write_table(b2b_table, b2b_dir / "measured" / table.name)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_table(b2b_table, args.out / "gpu_table_back_to_back.csv")
+    try:
+        b2b_table = profile_table(spec, device="cuda", micro_batches=MICRO_BATCHES, shares=SHARES, warmup=3, reps=args.reps,
+                                  gpu_name=gpu_type, back_to_back=True)
+    except (BatonError, RuntimeError) as err:  # out of memory, say: the runs and the default table still count
+        print(f"back-to-back table failed, plans priced from the default table only: {err}", flush=True)
+        b2b_table = None
+    else:
+        write_table(b2b_table, b2b_dir / "measured" / table.name)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_table(b2b_table, args.out / "gpu_table_back_to_back.csv")
     cluster_path = work / "cluster.yaml"
     cluster_path.write_text(yaml.safe_dump(cluster_mapping(gpu_type, props.total_memory), sort_keys=False))
     cluster = load_cluster(cluster_path)
     profiles = ProfileSet(spec, directory=args.profiles)
-    profiles_b2b = ProfileSet(spec, directory=b2b_dir)
+    profiles_b2b = ProfileSet(spec, directory=b2b_dir) if b2b_table is not None else None
     env = {"device": props.name, "gpu_type": gpu_type, "memory_gib": props.total_memory / GIB, "torch": torch.__version__,
            "cuda": torch.version.cuda, "model": spec.name, "attention": spec.attention, "steps": args.steps,
            "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table), "python": platform.python_version()}
     rows = []
-    for name, plan in fitting(candidate_plans(spec, args.global_batch), cluster, profiles):
+    plans = fitting(candidate_plans(spec, args.global_batch), cluster, profiles)
+    env["plans_asked"] = len(plans)
+    for name, plan in plans:
         per_rank: dict = {}
         cfg = TrainConfig(plan=plan, steps=args.steps, device="cuda", gpus=(0,), cluster_path=str(cluster_path),
                           collect_all_ranks=True, timeout_s=600)
@@ -225,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             env.setdefault("failed", {})[name] = str(err)
             write_results(args.out, rows, env)
             continue
-        rows.append(row_of(name, build_report(plan, cluster, profiles, per_rank), build_report(plan, cluster, profiles_b2b, per_rank)))
+        rows.append(row_of(name, build_report(plan, cluster, profiles, per_rank),
+                           build_report(plan, cluster, profiles_b2b, per_rank) if profiles_b2b is not None else None))
         print(f"{name}: {rows[-1]['iteration_ms']:.1f} ms (predicted {rows[-1]['iteration_ms_predicted']:.1f}), "
               f"{rows[-1]['tokens_per_s']:,.0f} tokens/s, MFU {rows[-1]['mfu']:.1%}", flush=True)
         # After every plan, so a run cut short (a lent machine's time running out) still leaves its rows.

@@ -83,10 +83,16 @@ def reference_rows(path: Path) -> list[dict]:
     return out
 
 
-def measured_table_rows(directory: Path) -> list[dict]:
-    """Every measured table against the derivation of the same GPU, model and sequence length."""
+def measured_table_rows(*directories: Path) -> list[dict]:
+    """Every measured table against the derivation of the same GPU, model and sequence length. A table name
+    found in several directories counts once, from the first directory given."""
     out = []
-    for path in sorted(directory.glob("*.csv")):
+    seen: set[str] = set()
+    paths = [p for d in directories if d.is_dir() for p in sorted(d.glob("*.csv"))]
+    for path in paths:
+        if path.name in seen:
+            continue
+        seen.add(path.name)
         df = read_table(path)
         gpu, model, seq = str(df.gpu.iloc[0]), str(df.model.iloc[0]), int(df.seq_len.iloc[0])
         command = path.with_suffix(".command.json")  # bench/bench_gpu.py records the whole model beside its table
@@ -195,9 +201,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     rows = reference_rows(Path(args.reference))
-    for measured_dir in (ROOT / "profiles" / "measured", profiles_dir() / "measured"):  # shipped, then the user's
-        if measured_dir.is_dir():
-            rows += measured_table_rows(measured_dir)
+    rows += measured_table_rows(ROOT / "profiles" / "measured", profiles_dir() / "measured")  # shipped, then the user's
     if not args.no_cpu:
         rows.append(local_cpu_row())
     summary = score(rows)

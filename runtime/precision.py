@@ -249,7 +249,10 @@ class MasterWeights:
             for chunk, cut in zip(self._chunks, self._chunk_groups):
                 held = [i for i in chunk if self.params[i].grad is not None]
                 unscaled = [self.params[i].grad.float() for i in held]
-                torch._foreach_mul_(unscaled, inv_scale)  # one launch for the chunk, not one per parameter
+                if unscaled:  # the foreach kernels refuse an empty list (a chunk may be one parameter without a gradient)
+                    torch._foreach_mul_(unscaled, inv_scale)  # one launch for the chunk, not one per parameter
+                for i in chunk:
+                    self.masters[i].grad = None
                 for i, g in zip(held, unscaled):
                     self.masters[i].grad = g
                 for g, params in zip(groups, cut):

@@ -67,7 +67,8 @@ def measure(req: MeasureRequest) -> None:
                   f"({spec.dtype} as the model trains, torch {torch.__version__}, "
                   + (f"{req.concurrent} profilers at once, one thread each" if req.concurrent > 1
                      else f"{torch.get_num_threads()} threads")
-                  + f", median of {req.reps} after {req.warmup} warm-up)")
+                  + f", median of {req.reps} after {req.warmup} warm-up"
+                  + (", layers, embedding and head back to back in pieces)" if req.back_to_back else ")"))
     if req.comm:
         _measure_link(spec, dev, req.micro_batches, req.comm_ranks, path)
 

@@ -705,6 +705,6 @@ def _map_tasks(space: _Enumeration, tasks: list, estimate: int, workers: int | N
                                      initargs=(space_file, os.getpid())) as pool:
                 yield from pool.map(_worker_task, tasks, chunksize=max(1, len(tasks) // (workers * 16)))
         except BrokenProcessPool:
-            raise BatonError("a worker process of the exhaustive search died; a script that calls the search must do so under "
-                             "`if __name__ == \"__main__\":` (each worker runs the script's top level again), or pass workers=1",
-                             field="workers") from None
+            raise BatonError("a worker process of the exhaustive search died (killed, out of memory, or started from a script "
+                             "that calls the search outside `if __name__ == \"__main__\":`, whose top level each worker runs "
+                             "again); workers=1 searches in this process", field="workers") from None

@@ -85,3 +85,4 @@ def test_result_rows_and_table_from_a_report():
     assert both["back_to_back"]["iteration_rel_error"] == pytest.approx(-0.5)
     md = bench_gpu.markdown([both], env)
     assert md.count("-50.0%") == 2 and "timed back to back: mean absolute error 50.0%" in md
+    assert "Cut short" not in md and "Cut short: 1 of 3 plans ran." in bench_gpu.markdown([both], {**env, "plans_asked": 3})

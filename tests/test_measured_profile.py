@@ -264,10 +264,11 @@ def test_layer_in_context_is_timed_as_a_training_step_runs_it(monkeypatch):
 
 
 def test_back_to_back_times_pieces_of_repetitions_without_a_sync_between(monkeypatch):
-    """With ``back_to_back`` the repetitions after warm-up run in timed pieces of ``reps_at_once`` (forwards
-    one after another, then as many backwards), and a repetition's time is its piece's over its count; the
-    meter keeps each repetition apart and ends empty, the gradients behave as in single repetitions. A
-    stand-in clock that charges 1 ms per forward and 2 per backward makes the arithmetic exact."""
+    """With ``back_to_back`` the repetitions after warm-up run in timed pieces (forwards one after another,
+    then as many backwards): at most ``reps_at_once``, and at least three pieces; a repetition's time is its
+    piece's over its count. Within a piece each repetition keeps its own meter key (as micro-batches in
+    flight do) and the meter ends empty; the gradients are fresh or accumulated as in single repetitions.
+    A stand-in clock that charges 1 ms per forward and 2 per backward makes the arithmetic exact."""
     clock = {"ms": 0.0, "timed": []}
 
     class Clock:
@@ -280,17 +281,21 @@ def test_back_to_back_times_pieces_of_repetitions_without_a_sync_between(monkeyp
             clock["timed"].append(clock["ms"] - start)
             return clock["ms"] - start
 
-    meters = []
+    meters, keys = [], []
 
     class KeptMeter(op_profiler.SavedBytes):
         def __init__(self, params):
             super().__init__(params)
             meters.append(self)
 
+        def record(self, mb):
+            keys.append(mb)
+            return super().record(mb)
+
     monkeypatch.setattr(op_profiler, "_Timer", Clock)
     monkeypatch.setattr(op_profiler, "SavedBytes", KeptMeter)
-    monkeypatch.setattr(op_profiler, "reps_at_once", lambda device, per_rep_bytes, reps: 4)
     w = torch.nn.Parameter(torch.randn(4, 4))
+    grads_seen = []
 
     class Charged(torch.autograd.Function):
         @staticmethod
@@ -302,19 +307,29 @@ def test_back_to_back_times_pieces_of_repetitions_without_a_sync_between(monkeyp
         @staticmethod
         def backward(ctx, g):
             clock["ms"] += 2.0
+            grads_seen.append(w.grad)
             return g * 2.0
 
     fn = lambda xs: Charged.apply(xs[0] @ w)  # noqa: E731
     inputs = lambda: [torch.randn(3, 4, requires_grad=True)]  # noqa: E731
-    for as_trained in (False, True):
-        clock["timed"].clear()
-        m = measure(fn, inputs, [w], torch.device("cpu"), warmup=1, reps=6, as_trained=as_trained, back_to_back=True)
-        # warm-up: one forward and one backward timed alone; then pieces of 4 and 2 repetitions
-        assert clock["timed"] == [1.0, 2.0, 4.0, 8.0, 2.0, 4.0]
-        assert (m.fwd_ms, m.bwd_ms) == (1.0, 2.0) and w.grad is None
-        single = measure(fn, inputs, [w], torch.device("cpu"), warmup=1, reps=6, as_trained=as_trained)
-        assert (m.saved_bytes, m.output_bytes) == (single.saved_bytes, single.output_bytes)
-    assert meters and not meters[0].live  # every repetition's saved tensors released
+    for at_once, pieces in ((4, [2, 2, 2]), (1, [1] * 6)):
+        monkeypatch.setattr(op_profiler, "reps_at_once", lambda device, per_rep_bytes, reps, n=at_once: n)
+        for as_trained in (False, True):
+            clock["timed"].clear()
+            keys.clear()
+            grads_seen.clear()
+            m = measure(fn, inputs, [w], torch.device("cpu"), warmup=1, reps=6, as_trained=as_trained, back_to_back=True)
+            # warm-up: one forward and one backward timed alone; then the pieces, forwards then backwards
+            assert clock["timed"] == [1.0, 2.0] + [t * n for n in pieces for t in (1.0, 2.0)]
+            assert (m.fwd_ms, m.bwd_ms) == (1.0, 2.0) and w.grad is None
+            if as_trained:  # untimed graph forward and warm-up first, then per piece: timed forwards, graph forwards
+                assert keys[2:] == [k for n in pieces for k in list(range(n)) * 2]
+                assert all(g is grads_seen[0] for g in grads_seen)  # one gradient tensor, accumulated into
+            else:
+                assert not keys and all(g is None for g in grads_seen)  # each backward writes a fresh gradient
+            single = measure(fn, inputs, [w], torch.device("cpu"), warmup=1, reps=6, as_trained=as_trained)
+            assert (m.saved_bytes, m.output_bytes) == (single.saved_bytes, single.output_bytes)
+    assert meters and all(not meter.live for meter in meters)  # every repetition's saved tensors released
 
 
 def test_back_to_back_keeps_a_bounded_number_of_graphs():

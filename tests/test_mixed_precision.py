@@ -81,7 +81,7 @@ def test_chunked_master_step_equals_one_adamw_step_over_all_masters(dtype):
     grads = [[(torch.randn(s, generator=g) * 1e-2) for s in shapes] for _ in range(3)]
     mw = MasterWeights(torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in full]), dtype, lr=LR,
                        betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decays=decays)
-    assert len(mw._chunks) > 2
+    assert len(mw._chunks) > 2 and [len(c) for c in mw._chunks].count(1) >= 3  # the (300, 48) weights stand alone
     ref = [torch.nn.Parameter(t.clone()) for t in full]
     opt = torch.optim.AdamW([{"params": [r for r, d in zip(ref, decays) if d]},
                              {"params": [r for r, d in zip(ref, decays) if not d], "weight_decay": 0.0}],
@@ -90,7 +90,7 @@ def test_chunked_master_step_equals_one_adamw_step_over_all_masters(dtype):
     sizes = [len(group["params"]) for group in mw.optimizer.param_groups]
     for step, gs in enumerate(grads):
         for i, (p, r, gr) in enumerate(zip(mw.params, ref, gs)):
-            skip = step == 1 and i == 4
+            skip = (step == 1 and i == 4) or (step == 2 and shapes[i] == (300, 48))  # the last: a chunk of its own
             p.grad = None if skip else (gr * mw.loss_scale).to(want)
             r.grad = None if skip else p.grad.float() * (clip / mw.loss_scale)
         assert mw.step(grad_factor=clip) is True
