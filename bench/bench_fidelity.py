@@ -387,13 +387,13 @@ def main() -> None:
             print(f"    round {r + 1}: {rep['iteration_time_ms']['measured']:.1f} ms measured, "
                   f"{rep['iteration_time_ms']['predicted']:.1f} predicted ({rep['iteration_time_ms']['rel_error']:+.1%})")
         # Written after every round, so a run cut short (a lent machine's time running out) still leaves its figures.
-        write_results(args, cases, rounds, syncs, drifts, links, t0, rounds_done=r + 1, final=r + 1 == args.rounds)
+        write_results(args, cases, rounds, syncs, drifts, links, t0, rounds_done=r + 1)
 
 
-def write_results(args, cases: dict, rounds: dict, syncs: dict, drifts: dict, links: list, t0: float, *, rounds_done: int,
-                  final: bool) -> None:
-    """Summarise the rounds done so far into ``<stem>.json`` and ``.md`` (printing the per-plan detail when ``final``)."""
+def write_results(args, cases: dict, rounds: dict, syncs: dict, drifts: dict, links: list, t0: float, *, rounds_done: int) -> None:
+    """Summarise the rounds done so far into ``<stem>.json`` and ``.md`` (printing the per-plan detail after the last)."""
     stem = VARIANTS[args.variant][2]
+    final = rounds_done == args.rounds
     link = median_link(links)
 
     rows = []

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from baton.atomic import write_atomically
     from baton.cluster import load_cluster
     from baton.errors import BatonError
-    from baton.profile import ProfileSet, table_filename, write_table
+    from baton.profile import Profile, ProfileSet, table_filename, write_table
     from runtime.devices import catalog_gpu
     from runtime.launch import TrainConfig, train
     from runtime.op_profiler import profile_table
@@ -201,23 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     write_atomically(table.with_suffix(".command.json"), json.dumps(command, indent=2) + "\n")
     # The same table with each layer, embedding and head timed back to back (launches overlapping kernels, as
     # in a step): every plan below is priced from both, to see which one the runs follow.
-    work = Path(tempfile.mkdtemp(prefix="baton-bench-gpu-"))
-    b2b_dir = work / "back-to-back"
+    profiles_b2b = None
     try:
         b2b_table = profile_table(spec, device="cuda", micro_batches=MICRO_BATCHES, shares=SHARES, warmup=3, reps=args.reps,
                                   gpu_name=gpu_type, back_to_back=True)
     except (BatonError, RuntimeError) as err:  # out of memory, say: the runs and the default table still count
         print(f"back-to-back table failed, plans priced from the default table only: {err}", flush=True)
-        b2b_table = None
     else:
-        write_table(b2b_table, b2b_dir / "measured" / table.name)
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_table(b2b_table, args.out / "gpu_table_back_to_back.csv")
+        b2b_path = args.out / "gpu_table_back_to_back.csv"
+        write_table(b2b_table, b2b_path)
+        profiles_b2b = ProfileSet(spec, tables={gpu_type: Profile(b2b_table, source=str(b2b_path))})
+    work = Path(tempfile.mkdtemp(prefix="baton-bench-gpu-"))
     cluster_path = work / "cluster.yaml"
     cluster_path.write_text(yaml.safe_dump(cluster_mapping(gpu_type, props.total_memory), sort_keys=False))
     cluster = load_cluster(cluster_path)
     profiles = ProfileSet(spec, directory=args.profiles)
-    profiles_b2b = ProfileSet(spec, directory=b2b_dir) if b2b_table is not None else None
     env = {"device": props.name, "gpu_type": gpu_type, "memory_gib": props.total_memory / GIB, "torch": torch.__version__,
            "cuda": torch.version.cuda, "model": spec.name, "attention": spec.attention, "steps": args.steps,
            "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table), "python": platform.python_version()}

@@ -39,7 +39,7 @@ TARGET_GEOMEAN, TARGET_WORST = 1.15, 1.4
 
 
 def derived_layer_ms(base: str, gpu: str, *, seq_len: int, micro_batch: int, dtype: str, tf32: bool,
-                     attention: str = "eager") -> float:
+                     attention: str) -> float:
     """Forward + backward of one layer (every operator, share 1) from the derivation, with the attention
     implementation the measurement ran."""
     spec = PRESETS[base].with_overrides(seq_len=seq_len, dtype=dtype, attention=attention)

@@ -100,7 +100,7 @@ def backward_call_overhead_ms(device: torch.device, *, warmup: int = 3, reps: in
     timer = _Timer(device)
     x = torch.ones(1, device=device, requires_grad=True)
     times = []
-    for i in range(warmup + reps):
+    for i in range(warmup + (0 if back_to_back else reps)):
         y = x * 2.0
         t = timer(lambda: y.backward())
         if i >= warmup:
@@ -108,7 +108,12 @@ def backward_call_overhead_ms(device: torch.device, *, warmup: int = 3, reps: in
     if not back_to_back:
         return statistics.median(times)
     graphs = [x * 2.0 for _ in range(reps)]
-    return timer(lambda: [y.backward() for y in graphs]) / reps
+
+    def backwards():
+        for y in graphs:
+            y.backward()
+
+    return timer(backwards) / reps
 
 
 BACK_TO_BACK_CPU_BYTES = 1 << 30
@@ -235,11 +240,11 @@ def _init(module: torch.nn.Module, seed: int) -> None:
 
 
 def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share: float, *, warmup: int, reps: int,
-                  seed: int = 0, backward_overhead_ms: float = 0.0, back_to_back: bool = False,
-                  back_to_back_overhead_ms: float = 0.0) -> dict[str, Measurement]:
-    """Measure every operator of one layer at one (micro-batch, share). With ``back_to_back`` the whole layer,
-    which the operators' times are scaled to, is timed back to back (``measure``; each operator alone still
-    gives its share), its backward less ``back_to_back_overhead_ms``."""
+                  seed: int = 0, backward_overhead_ms: float = 0.0,
+                  back_to_back_overhead_ms: float | None = None) -> dict[str, Measurement]:
+    """Measure every operator of one layer at one (micro-batch, share). Given ``back_to_back_overhead_ms``, the
+    whole layer, which the operators' times are scaled to, is timed back to back (``measure``), its backward
+    less that; each operator alone still gives its share."""
     dtype = compute_dtype(spec.dtype)
     nh, nf = local_sizes(spec, share)
     block = ParallelBlock(spec, 0, heads=range(nh), ffn_cols=range(nf))
@@ -267,8 +272,15 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
             if partial_name in env:
                 env[full_name] = env[partial_name]  # one device: the all-reduce is the identity
     return _in_context(results, block, mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps,
-                       backward_overhead_ms=back_to_back_overhead_ms if back_to_back else backward_overhead_ms,
-                       back_to_back=back_to_back)
+                       **_whole_timing(backward_overhead_ms, back_to_back_overhead_ms))
+
+
+def _whole_timing(backward_overhead_ms: float, back_to_back_overhead_ms: float | None) -> dict:
+    """``measure``'s timing arguments for a whole layer, embedding or head: back to back, less the back-to-back
+    backward-call cost, when that cost is given; else one repetition at a time."""
+    if back_to_back_overhead_ms is None:
+        return {"backward_overhead_ms": backward_overhead_ms, "back_to_back": False}
+    return {"backward_overhead_ms": back_to_back_overhead_ms, "back_to_back": True}
 
 
 def _in_context(results: dict[str, Measurement], block: ParallelBlock, mb: MicroBatch, x: torch.Tensor, device, *,
@@ -292,10 +304,13 @@ def _in_context(results: dict[str, Measurement], block: ParallelBlock, mb: Micro
 
 
 def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, share: float = 1.0, *, warmup: int, reps: int,
-                  seed: int = 0, backward_overhead_ms: float = 0.0, back_to_back: bool = False) -> dict[str, tuple[Measurement, int]]:
+                  seed: int = 0, backward_overhead_ms: float = 0.0,
+                  back_to_back_overhead_ms: float | None = None) -> dict[str, tuple[Measurement, int]]:
     """The embedding of the first stage and the head (final LayerNorm, tied LM head, loss) of the last, at a
     rank's ``share`` of the (vocabulary-parallel) rows, each with the parameter bytes it holds (the head's
-    without the tied embedding, which the cost model charges apart); timed back to back with ``back_to_back``."""
+    without the tied embedding, which the cost model charges apart); timed back to back when
+    ``back_to_back_overhead_ms`` is given (``profile_layer``)."""
+    timing = _whole_timing(backward_overhead_ms, back_to_back_overhead_ms)
     dtype = compute_dtype(spec.dtype)
     g = _seeded(seed + 2)
     tokens = torch.randint(spec.vocab_size, (micro_batch, spec.seq_len), generator=g).to(device)
@@ -311,11 +326,10 @@ def profile_edges(spec: ModelSpec, device: torch.device, micro_batch: int, share
     head_params = sum(p.numel() for n, p in last.named_parameters() if not n.startswith("wte.")) * e
     return {
         EMBEDDING: (measure(lambda xs: first(tokens, mb), lambda: [], list(first.parameters()), device, warmup=warmup, reps=reps,
-                            backward_overhead_ms=backward_overhead_ms, as_trained=True, back_to_back=back_to_back),
+                            as_trained=True, **timing),
                     sum(p.numel() for p in first.parameters()) * e),
         HEAD: (measure(lambda xs: last(xs[0], mb, targets=tokens), lambda: [x.detach().requires_grad_()], list(last.parameters()),
-                       device, warmup=warmup, reps=reps, backward_overhead_ms=backward_overhead_ms, as_trained=True,
-                       back_to_back=back_to_back), head_params),
+                       device, warmup=warmup, reps=reps, as_trained=True, **timing), head_params),
     }
 
 
@@ -429,8 +443,8 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
     other_ops = {o.name: o for o in layer_operators(other) if o.name not in ops}
     sync()
     overhead = backward_call_overhead_ms(dev)
-    timing = {"back_to_back": back_to_back,
-              "back_to_back_overhead_ms": backward_call_overhead_ms(dev, back_to_back=True) if back_to_back else 0.0}
+    timing = {"backward_overhead_ms": overhead,
+              "back_to_back_overhead_ms": backward_call_overhead_ms(dev, back_to_back=True) if back_to_back else None}
     opt_bytes, opt_ms = profile_optimizer(spec, dev, warmup=warmup, reps=reps)
     rows = []
     total = len(micro_batches) * (len(shares) + 1)
@@ -438,9 +452,9 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
     for b in sorted(micro_batches):
         for share in sorted(shares):
             sync()
-            measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead, **timing)
+            measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, **timing)
             if other_ops:
-                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, backward_overhead_ms=overhead, **timing)
+                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, **timing)
                 measured.update({n: layer[n] for n in other_ops})
             for op_name, m in measured.items():
                 op = ops.get(op_name) or other_ops[op_name]
@@ -454,9 +468,7 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
                 progress(done, total)
         sync()
         for share in sorted(shares):  # the vocabulary is split like the units
-            for op_name, (m, params) in profile_edges(spec, dev, b, share, warmup=warmup, reps=reps, back_to_back=back_to_back,
-                                                      backward_overhead_ms=timing["back_to_back_overhead_ms"] if back_to_back
-                                                      else overhead).items():
+            for op_name, (m, params) in profile_edges(spec, dev, b, share, warmup=warmup, reps=reps, **timing).items():
                 rows.append((name, spec.name, op_name, b, spec.seq_len, share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes,
                              params, "measured"))
         rows.append((name, spec.name, OPTIMIZER, b, spec.seq_len, 1.0, opt_ms, 0.0, 0, 0, opt_bytes, "measured"))

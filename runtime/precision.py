@@ -171,12 +171,6 @@ class MasterWeights:
                                            weight_decay=weight_decay)
         self.scaler = LossScaler(loss_scale) if dtype == "fp16" else None
         self._chunks = self._chunk(self.params) if self.mixed else []
-        # AdamW walks every parameter of its groups at every ``step``, to find those with gradients; stepped a
-        # chunk at a time over the whole groups, that walk cost chunks x parameters (26,000 visits for a
-        # 24-layer model). Each chunk's step is given the groups cut to the chunk's own masters instead.
-        chunk_of = {id(self.masters[i]): c for c, chunk in enumerate(self._chunks) for i in chunk}
-        self._chunk_groups = [[[m for m in g["params"] if chunk_of[id(m)] == c] for g in self.optimizer.param_groups]
-                              for c in range(len(self._chunks))]
 
     def _groups(self, decays: list[bool] | None, weight_decay: float) -> list[dict]:
         """AdamW parameter groups: those ``decays`` marks (every parameter when None) take
@@ -243,27 +237,16 @@ class MasterWeights:
                         p.grad.mul_(grad_factor)
             self.optimizer.step()
             return True
-        groups = self.optimizer.param_groups
-        whole = [g["params"] for g in groups]
-        try:
-            for chunk, cut in zip(self._chunks, self._chunk_groups):
-                held = [i for i in chunk if self.params[i].grad is not None]
-                unscaled = [self.params[i].grad.float() for i in held]
-                if unscaled:  # the foreach kernels refuse an empty list (a chunk may be one parameter without a gradient)
-                    torch._foreach_mul_(unscaled, inv_scale)  # one launch for the chunk, not one per parameter
-                for i in chunk:
-                    self.masters[i].grad = None
-                for i, g in zip(held, unscaled):
-                    self.masters[i].grad = g
-                for g, params in zip(groups, cut):
-                    g["params"] = params
-                self.optimizer.step()
-                for i in chunk:
-                    self.masters[i].grad = None
-                torch._foreach_copy_([self.params[i] for i in chunk], [self.masters[i] for i in chunk])
-        finally:
-            for g, params in zip(groups, whole):
-                g["params"] = params
+        for chunk in self._chunks:
+            unscaled = {i: self.params[i].grad.float() for i in chunk if self.params[i].grad is not None}
+            if unscaled:  # the foreach kernels refuse an empty list (a chunk may be one parameter without a gradient)
+                torch._foreach_mul_(list(unscaled.values()), inv_scale)  # one launch for the chunk, not one per parameter
+            for i in chunk:
+                self.masters[i].grad = unscaled.get(i)
+            self.optimizer.step()
+            for i in chunk:
+                self.masters[i].grad = None
+            torch._foreach_copy_([self.params[i] for i in chunk], [self.masters[i] for i in chunk])
         return True
 
     def state_bytes(self) -> StateBytes:

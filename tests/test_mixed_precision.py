@@ -68,7 +68,7 @@ def test_master_weights_take_the_bytes_of_eq7(dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_chunked_master_step_equals_one_adamw_step_over_all_masters(dtype):
     """The mixed-precision step unscales and updates a chunk of parameters at a time (the fp32 gradients
-    never exist whole), each chunk's AdamW step seeing only that chunk's masters. It must equal, bit for
+    never exist whole), each chunk's gradients unscaled and its weights rounded back in one call. It must equal, bit for
     bit, one AdamW step over every master with every gradient unscaled: weight-decay groups split across
     chunks, a parameter without a gradient, gradient clipping's factor and fp16's loss scale included; and
     the optimizer's groups are whole again afterwards (checkpoints and the learning rate read them)."""
