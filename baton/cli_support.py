@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import typer
@@ -70,6 +71,36 @@ def require_writable_ancestor(path: Path, flag: str, what: str) -> None:
         raise BatonError(f"{what}: {parent} is not a directory", source=str(path), field=flag)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise BatonError(f"{what}: directory {parent} is not writable", source=str(path), field=flag)
+    refused = _refuses_new_files(parent)
+    if refused is not None:
+        raise BatonError(f"{what}: directory {parent} refuses new files ({refused})", source=str(path), field=flag)
+
+
+def _refuses_new_files(directory: Path) -> str | None:
+    """Why a file cannot be created in ``directory`` (the OS's words), or None when one can: tried for real,
+    since ``os.access`` reads permission bits only and says yes to root, whom a read-only or special
+    file system (/sys, /proc, an NFS export) still refuses."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".baton-probe-")
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """``path`` is (or can be created as) a directory we may write into; checked before any long work
+    starts, so a bad --save-dir or --out is not found after it."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise BatonError("exists and is not a directory", source=str(p), field=flag)
+        refused = _refuses_new_files(p)
+        if refused is not None:
+            raise BatonError(f"directory refuses new files ({refused})", source=str(p), field=flag)
+        return
+    require_writable_ancestor(p, flag, "cannot be created")
 
 
 def guarded(fn):

@@ -7,12 +7,13 @@ latency), and a collective at the slowest pair it spans (``slowest_link``). The 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.catalog import GIB, GpuType, gpu_type
 from baton.errors import BatonError
-from baton.fields import Fields, load_yaml
+from baton.fields import Fields, excerpt, load_yaml
 from baton.plan import MAX_DEVICES
 
 
@@ -111,6 +112,9 @@ class ClusterSpec:
     """Relative standard deviation of a replica's time between two collectives that the other replicas do not
     share (eq. 19: what replicas of equal predicted time lose waiting for the last of them); 0: none stated.
     ``baton profile --comm`` measures it between the local processes."""
+    interfaces: dict = field(default_factory=dict)
+    """Node name -> the network interface its processes talk through (gloo's and NCCL's socket interface, e.g.
+    ``eth0``); nodes without one let the libraries choose."""
 
     @property
     def has_ring_pass_figures(self) -> bool:
@@ -217,10 +221,11 @@ def combined_nics(links: list[Link]) -> Link:
     )
 
 
-_TOP = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description", "replica_time_cv"}
+FIELDS = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description", "replica_time_cv"}
+"""The top-level fields of a cluster file."""
 MAX_REPLICA_TIME_CV = 0.5
 """Beyond this the normal noise model of eq. 19 would give replicas negative times a few % of the steps."""
-_NODE = {"name", "gpus", "intra_node_link", "count", "nic", "nics"}
+_NODE = {"name", "gpus", "intra_node_link", "count", "nic", "nics", "interface"}
 _NIC_COUNT = "count"
 """How many identical NICs one ``nics`` entry stands for."""
 _GPUS = {"type", "count", "memory_gib", "memory_reserve_gib"}
@@ -230,7 +235,7 @@ _LINK = {"bandwidth_gb_per_s", "latency_us", "allreduce_bandwidth_gb_per_s", "al
 
 
 def _link(f: Fields, *, extra: frozenset = frozenset()) -> Link:
-    f.check_known(_LINK | extra)
+    f.check_known(_LINK | extra, what="a link")
 
     def optional(key, **kw):
         return f.number(key, **kw) if f.has(key) else None
@@ -253,25 +258,27 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
     so large clusters stay short to write.
     """
     top = Fields(data, source=source)
-    top.check_known(_TOP)
+    top.check_known(FIELDS, what="a cluster file")
     default_reserve = top.number("memory_reserve_gib", default=0.0, allow_zero=True)
     devices: list[Device] = []
     intra: dict[str, Link] = {}
     nics: dict[str, Link] = {}
+    interfaces: dict[str, str] = {}
     node_names: set[str] = set()
     node_names_in_order: list[str] = []
     for i, raw_node in enumerate(top.sequence("nodes")):
         node = Fields(raw_node, source=source, prefix=f"nodes[{i}]")
-        node.check_known(_NODE)
+        node.check_known(_NODE, what="a node")
         base_name = node.string("name", default=f"node{i}")
         copies = node.integer("count", default=1)
         link = _link(node.mapping("intra_node_link")) if node.has("intra_node_link") else None
         nic = _node_nic(node)
+        interface = _interface(node) if node.has("interface") else None
         entries = node.sequence("gpus")
         parsed = []
         for j, raw_gpu in enumerate(entries):
             g = Fields(raw_gpu, source=source, prefix=f"{node.prefix}.gpus[{j}]")
-            g.check_known(_GPUS)
+            g.check_known(_GPUS, what="a GPU entry")
             gpu = gpu_type(g.string("type"), source=source, field=g.path("type"))
             count = g.integer("count", default=1)
             memory = int(g.number("memory_gib") * GIB) if g.has("memory_gib") else gpu.memory_bytes
@@ -294,6 +301,8 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
             intra[name] = link or Link(bandwidth_gb_per_s=1e6, latency_us=0.0)
             if nic is not None:
                 nics[name] = nic
+            if interface is not None:
+                interfaces[name] = interface
             k = 0
             for gpu, count, memory, reserve in parsed:
                 for _ in range(count):
@@ -309,9 +318,18 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
             raise top.error("inter_node_link", f"missing required field (node '{node_names_in_order[bare[0]]}' has no nic)")
     return ClusterSpec(
         name=top.string("name", default=Path(source).stem),
-        devices=tuple(devices), intra_links=intra, inter_link=inter, source=source, nics=nics,
+        devices=tuple(devices), intra_links=intra, inter_link=inter, source=source, nics=nics, interfaces=interfaces,
         replica_time_cv=top.number("replica_time_cv", default=0.0, allow_zero=True, maximum=MAX_REPLICA_TIME_CV),
     )
+
+
+def _interface(node: Fields) -> str:
+    """A node's ``interface``: a Linux interface name (at most 15 characters, no slash or space)."""
+    name = node.string("interface")
+    if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", name):
+        raise node.error("interface", f"expected a network interface name such as eth0 (at most 15 letters, digits "
+                                      f"or _.:@-), got {excerpt(name)}")
+    return name
 
 
 def _node_nic(node: Fields) -> Link | None:
@@ -365,3 +383,10 @@ def _cluster_cache(cluster: ClusterSpec) -> tuple[ClusterSpec, dict[str, Device]
 
 def _device_index(cluster: ClusterSpec) -> dict[str, Device]:
     return _cluster_cache(cluster)[1]
+
+
+def shipped_clusters_dir() -> Path:
+    """The cluster specs that come with Baton: the checkout's clusters/, else (an installed wheel) the copy
+    shipped inside the package. Read only."""
+    checkout = Path(__file__).resolve().parent.parent / "clusters"
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parent / "shipped" / "clusters"

@@ -19,12 +19,15 @@ from baton.catalog import CATALOG, GIB, gpu_type
 from baton.cli_support import check_output_path, console, guarded, say
 from baton.cluster import load_cluster
 from baton.errors import BatonError
-from baton.fields import MAX_FILE_BYTES, excerpt
+from baton.fields import excerpt, load_yaml
+from baton.file_kinds import kind_of
 from baton.evaluate import PlanReport, evaluate
 from baton.profile import ProfileSet
-from baton.model_spec import PRESETS, load_model, split_profile_name
+from baton.model_files import load_model
+from baton.model_spec import PRESETS, split_profile_name
 from baton.plan import load_plan
-from baton.profile import DEFAULT_MICRO_BATCHES, calibrate, calibration_summary, derive_table, profiles_dir, read_table, table_filename, write_table
+from baton.profile import (DEFAULT_MICRO_BATCHES, calibrate, calibration_summary, derive_table, profiles_dir, read_table,
+                           user_derived_path, write_table)
 
 SHARDED = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
 """What each sharding stage splits between the devices that hold the same parameters."""
@@ -140,10 +143,11 @@ class MeasureRequest:
     out: Path | None
     """Output CSV, or None for the default path under profiles/measured/."""
     back_to_back: bool = False
-    """Time each layer, embedding and head in pieces of repetitions run one after another (``runtime.op_profiler.measure``)."""
+    """Time each layer, embedding and head in pieces of repetitions run one after another (``runtime.measure.op_profiler.measure``)."""
 
 
 _measure_profile: Callable[[MeasureRequest], None] | None = None
+_measure_link_between: Callable[..., None] | None = None
 
 
 def set_profile_measurer(measure: Callable[[MeasureRequest], None]) -> None:
@@ -153,121 +157,146 @@ def set_profile_measurer(measure: Callable[[MeasureRequest], None]) -> None:
     _measure_profile = measure
 
 
+def set_link_measurer(measure: Callable[..., None]) -> None:
+    """Make ``baton profile --comm --peer`` call ``measure(peer=, peer_rank=, interface=, out=)`` (the runtime's)."""
+    global _measure_link_between
+    _measure_link_between = measure
+
+
+def evaluate_cmd(
+    plan: Annotated[Path, typer.Argument(help="Plan JSON (from 'baton solve --out' or written by hand).")],
+    cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster spec YAML.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Preset or model YAML; must match the plan's model.")] = None,
+    profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: yours, then the shipped ones).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """Predict iteration time, throughput and per-device memory of a plan, independently of any solver."""
+    p = load_plan(plan)
+    if model is not None:
+        spec = load_model(model)
+        mine, planned = spec.to_dict(), p.model.to_dict()
+        if mine != planned:
+            differ = ", ".join(f"{k} {excerpt(planned.get(k))} vs {excerpt(mine.get(k))}" for k in mine if mine[k] != planned.get(k))
+            raise BatonError(f"the plan was made for model '{p.model.name}', not '{spec.name}' ({differ})",
+                             source=str(plan), field="model")
+    c = load_cluster(cluster)
+    report = evaluate(p, c, ProfileSet(p.model, directory=profiles, derive_missing=say_derived), plan_source=str(plan))
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        render_report(report, title=f"{p.model.name} on {c.name}: {p.global_batch} samples x {p.model.seq_len} tokens")
+    if not report.fits:
+        raise typer.Exit(1)
+
+
+def profile_cmd(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Preset, model YAML, or 'all' presets (with --analytic); "
+                                                                     "not with --peer.")] = None,
+    analytic: Annotated[bool, typer.Option("--analytic", help="Derive the table from the GPU catalog (roofline).")] = False,
+    device: Annotated[Optional[str], typer.Option(help="Measure on this device: cpu, cuda or cuda:N.")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="Catalog GPU type ('all' with --analytic); with --device, the type to record.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (default: the model's).")] = None,
+    micro_batch: Annotated[Optional[list[int]], typer.Option(help="Micro-batch sizes to tabulate (repeatable).")] = None,
+    tp_shares: Annotated[Optional[str], typer.Option(help="Comma-separated TP shares to measure, e.g. 0.25,0.5,1.")] = None,
+    warmup: Annotated[int, typer.Option(help="Untimed repetitions before measuring.")] = 2,
+    reps: Annotated[int, typer.Option(help="Timed repetitions; the median is kept.")] = 7,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads while measuring on CPU.")] = None,
+    comm: Annotated[bool, typer.Option("--comm", help="Also measure all-reduce and send/receive and fit a link.")] = False,
+    comm_ranks: Annotated[int, typer.Option(help="Processes for --comm.")] = 2,
+    concurrent: Annotated[int, typer.Option(help="Profile on this many cores (CPU, with BATON_PIN_CPUS=1) or GPUs at once, "
+                                                 "as training loads them; times are the median over them.")] = 1,
+    back_to_back: Annotated[bool, typer.Option("--back-to-back", help="Time each layer, embedding and head in pieces of "
+                                               "repetitions run one after another, not one from an idle device: on a GPU "
+                                               "the launches then overlap the kernels, as in a training step.")] = False,
+    calibrate_from: Annotated[Optional[Path], typer.Option(help="With --analytic: scale by a measured table of a similar device.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: <derived|measured>/<gpu>__<model>__s<seq>.csv in your "
+                                                     "profile directory: $BATON_PROFILES, else e.g. ~/.local/share/baton/profiles); "
+                                                     "with --peer, the link YAML.")] = None,
+    peer: Annotated[Optional[str], typer.Option(help="With --comm: measure the link between this machine and another, "
+                                                     "one process each, meeting at HOST:PORT (the address of the machine "
+                                                     "with --peer-rank 0, run on both).")] = None,
+    peer_rank: Annotated[int, typer.Option(help="With --peer: 0 on the machine at HOST, 1 on the other.")] = 0,
+    interface: Annotated[Optional[str], typer.Option(help="With --peer: the network interface to talk through (e.g. eth0).")] = None,
+) -> None:
+    """Write operator-level profile tables: derived from the catalog, or measured on this machine."""
+    if peer is not None:
+        if not comm or model is not None or device is not None or analytic:
+            raise BatonError("--peer measures only the link between two machines: give it with --comm and without "
+                             "--model, --device or --analytic", field="--peer")
+        if _measure_link_between is None:
+            raise BatonError("measuring needs Baton's runtime, which has not registered its commands", field="--peer")
+        _measure_link_between(peer=peer, peer_rank=peer_rank, interface=interface, out=out)
+        return
+    if model is None:
+        raise BatonError("missing: give --model (or --comm --peer to measure a link between machines)", field="--model")
+    if analytic == (device is not None):
+        raise BatonError("choose exactly one of --analytic (derive from the catalog) or --device (measure here)", field="--device")
+    mbs = tuple(micro_batch) if micro_batch else (DEFAULT_MICRO_BATCHES if analytic else (1, 2))
+    if any(b <= 0 for b in mbs):
+        raise BatonError("micro-batch sizes must be positive", field="--micro-batch")
+    if seq_len is not None and seq_len <= 0:
+        raise BatonError("must be positive", field="--seq-len")
+    if analytic:
+        _derive(model, gpu, seq_len, mbs, calibrate_from, out)
+    else:
+        if _measure_profile is None:
+            raise BatonError("measuring needs Baton's runtime, which has not registered its commands", field="--device")
+        if model != "all" and load_model(model).tf32:
+            # The profiler times matmuls as PyTorch does by default (no TF32); its table would be filed
+            # under the model's plain name and then never be found for this model.
+            raise BatonError(f"model '{load_model(model).name}' sets tf32: true, which the profiler does not apply; measure it "
+                             "with tf32: false, or derive its tables with --analytic", field="--model")
+        _measure_profile(MeasureRequest(model=model, device=device, gpu=gpu, seq_len=seq_len, micro_batches=mbs,
+                                        tp_shares=tp_shares, warmup=warmup, reps=reps, threads=threads, comm=comm,
+                                        comm_ranks=comm_ranks, concurrent=concurrent, out=out, back_to_back=back_to_back))
+
+
+def show_cmd(
+    what: Annotated[str, typer.Argument(help="'gpus', 'models', a cluster YAML, a model preset/YAML, or a plan JSON.")],
+    cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="With a plan: the cluster spec YAML it runs on.")] = None,
+    profiles: Annotated[Optional[Path], typer.Option(help="With a plan: directory of profile tables.")] = None,
+    timeline: Annotated[Optional[Path], typer.Option(help="With a plan: draw its predicted 1F1B timeline into this PNG.")] = None,
+    memory: Annotated[Optional[Path], typer.Option(help="With a plan: draw its predicted memory per device into this PNG.")] = None,
+) -> None:
+    """Show the GPU catalog, the model presets, a cluster, a model, or a plan (with pictures)."""
+    if what.endswith(".json") or timeline is not None or memory is not None:
+        _show_plan(Path(what), cluster, profiles, timeline, memory)
+    elif what == "gpus":
+        t = Table(title="GPU catalog")
+        for col in ("type", "memory GiB", "fp16 TFLOPS", "bf16 TFLOPS", "fp32 TFLOPS", "GB/s", "source"):
+            t.add_column(col)
+        for g in CATALOG.values():
+            t.add_row(g.name, f"{g.memory_bytes / GIB:g}", f"{g.peak_fp16_tflops:g}",
+                      "-" if g.peak_bf16_tflops is None else f"{g.peak_bf16_tflops:g}", f"{g.peak_fp32_tflops:g}",
+                      f"{g.memory_bandwidth_gb_per_s:g}", g.note)
+        console.print(t)
+        _show_achievable()
+    elif what == "models":
+        t = Table(title="Model presets")
+        for col in ("name", "arch", "layers", "hidden", "heads", "kv heads", "ffn", "seq", "vocab", "head", "dtype", "params"):
+            t.add_column(col)
+        for m in PRESETS.values():
+            t.add_row(m.name, m.architecture, str(m.num_layers), str(m.hidden_dim), str(m.num_heads), str(m.kv_heads),
+                      str(m.ffn_dim), str(m.seq_len), str(m.vocab_size), "tied" if m.tie_embeddings else "untied", m.dtype,
+                      f"{m.num_params() / 1e6:,.1f}M")
+        console.print(t)
+    elif _file_kind(what) == "cluster":
+        c = load_cluster(what)
+        t = Table(title=Text(f"cluster {c.name} ({len(c.devices)} devices)"))
+        for col in ("device", "gpu", "memory GiB", "reserve GiB"):
+            t.add_column(col)
+        for d in c.devices:
+            t.add_row(Text(d.id), d.gpu.name, f"{d.memory_bytes / GIB:g}", f"{d.reserve_bytes / GIB:g}")
+        console.print(t)
+    else:
+        m = load_model(what)
+        console.print_json(json.dumps({**m.to_dict(), "num_params": m.num_params()}))
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("evaluate")
-    @guarded
-    def evaluate_cmd(
-        plan: Annotated[Path, typer.Argument(help="Plan JSON (from 'baton solve --out' or written by hand).")],
-        cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster spec YAML.")],
-        model: Annotated[Optional[str], typer.Option("--model", "-m", help="Preset or model YAML; must match the plan's model.")] = None,
-        profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: yours, then the shipped ones).")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
-    ) -> None:
-        """Predict iteration time, throughput and per-device memory of a plan, independently of any solver."""
-        p = load_plan(plan)
-        if model is not None:
-            spec = load_model(model)
-            mine, planned = spec.to_dict(), p.model.to_dict()
-            if mine != planned:
-                differ = ", ".join(f"{k} {excerpt(planned.get(k))} vs {excerpt(mine.get(k))}" for k in mine if mine[k] != planned.get(k))
-                raise BatonError(f"the plan was made for model '{p.model.name}', not '{spec.name}' ({differ})",
-                                 source=str(plan), field="model")
-        c = load_cluster(cluster)
-        report = evaluate(p, c, ProfileSet(p.model, directory=profiles), plan_source=str(plan))
-        if as_json:
-            print(json.dumps(report.to_dict(), indent=2))
-        else:
-            render_report(report, title=f"{p.model.name} on {c.name}: {p.global_batch} samples x {p.model.seq_len} tokens")
-        if not report.fits:
-            raise typer.Exit(1)
-
-    @app.command("profile")
-    @guarded
-    def profile_cmd(
-        model: Annotated[str, typer.Option("--model", "-m", help="Preset, model YAML, or 'all' presets (with --analytic).")],
-        analytic: Annotated[bool, typer.Option("--analytic", help="Derive the table from the GPU catalog (roofline).")] = False,
-        device: Annotated[Optional[str], typer.Option(help="Measure on this device: cpu, cuda or cuda:N.")] = None,
-        gpu: Annotated[Optional[str], typer.Option(help="Catalog GPU type ('all' with --analytic); with --device, the type to record.")] = None,
-        seq_len: Annotated[Optional[int], typer.Option(help="Sequence length (default: the model's).")] = None,
-        micro_batch: Annotated[Optional[list[int]], typer.Option(help="Micro-batch sizes to tabulate (repeatable).")] = None,
-        tp_shares: Annotated[Optional[str], typer.Option(help="Comma-separated TP shares to measure, e.g. 0.25,0.5,1.")] = None,
-        warmup: Annotated[int, typer.Option(help="Untimed repetitions before measuring.")] = 2,
-        reps: Annotated[int, typer.Option(help="Timed repetitions; the median is kept.")] = 7,
-        threads: Annotated[Optional[int], typer.Option(help="torch threads while measuring on CPU.")] = None,
-        comm: Annotated[bool, typer.Option("--comm", help="Also measure all-reduce and send/receive and fit a link.")] = False,
-        comm_ranks: Annotated[int, typer.Option(help="Processes for --comm.")] = 2,
-        concurrent: Annotated[int, typer.Option(help="Profile on this many cores (CPU, with BATON_PIN_CPUS=1) or GPUs at once, "
-                                                     "as training loads them; times are the median over them.")] = 1,
-        back_to_back: Annotated[bool, typer.Option("--back-to-back", help="Time each layer, embedding and head in pieces of "
-                                                   "repetitions run one after another, not one from an idle device: on a GPU "
-                                                   "the launches then overlap the kernels, as in a training step.")] = False,
-        calibrate_from: Annotated[Optional[Path], typer.Option(help="With --analytic: scale by a measured table of a similar device.")] = None,
-        out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: <derived|measured>/<gpu>__<model>__s<seq>.csv in your "
-                                                         "profile directory: $BATON_PROFILES, else e.g. ~/.local/share/baton/profiles).")] = None,
-    ) -> None:
-        """Write operator-level profile tables: derived from the catalog, or measured on this machine."""
-        if analytic == (device is not None):
-            raise BatonError("choose exactly one of --analytic (derive from the catalog) or --device (measure here)", field="--device")
-        mbs = tuple(micro_batch) if micro_batch else (DEFAULT_MICRO_BATCHES if analytic else (1, 2))
-        if any(b <= 0 for b in mbs):
-            raise BatonError("micro-batch sizes must be positive", field="--micro-batch")
-        if seq_len is not None and seq_len <= 0:
-            raise BatonError("must be positive", field="--seq-len")
-        if analytic:
-            _derive(model, gpu, seq_len, mbs, calibrate_from, out)
-        else:
-            if _measure_profile is None:
-                raise BatonError("measuring needs Baton's runtime, which has not registered its commands", field="--device")
-            if model != "all" and load_model(model).tf32:
-                # The profiler times matmuls as PyTorch does by default (no TF32); its table would be filed
-                # under the model's plain name and then never be found for this model.
-                raise BatonError(f"model '{load_model(model).name}' sets tf32: true, which the profiler does not apply; measure it "
-                                 "with tf32: false, or derive its tables with --analytic", field="--model")
-            _measure_profile(MeasureRequest(model=model, device=device, gpu=gpu, seq_len=seq_len, micro_batches=mbs,
-                                            tp_shares=tp_shares, warmup=warmup, reps=reps, threads=threads, comm=comm,
-                                            comm_ranks=comm_ranks, concurrent=concurrent, out=out, back_to_back=back_to_back))
-
-    @app.command("show")
-    @guarded
-    def show_cmd(
-        what: Annotated[str, typer.Argument(help="'gpus', 'models', a cluster YAML, a model preset/YAML, or a plan JSON.")],
-        cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="With a plan: the cluster spec YAML it runs on.")] = None,
-        profiles: Annotated[Optional[Path], typer.Option(help="With a plan: directory of profile tables.")] = None,
-        timeline: Annotated[Optional[Path], typer.Option(help="With a plan: draw its predicted 1F1B timeline into this PNG.")] = None,
-        memory: Annotated[Optional[Path], typer.Option(help="With a plan: draw its predicted memory per device into this PNG.")] = None,
-    ) -> None:
-        """Show the GPU catalog, the model presets, a cluster, a model, or a plan (with pictures)."""
-        if what.endswith(".json") or timeline is not None or memory is not None:
-            _show_plan(Path(what), cluster, profiles, timeline, memory)
-        elif what == "gpus":
-            t = Table(title="GPU catalog")
-            for col in ("type", "memory GiB", "fp16 TFLOPS", "bf16 TFLOPS", "fp32 TFLOPS", "GB/s", "source"):
-                t.add_column(col)
-            for g in CATALOG.values():
-                t.add_row(g.name, f"{g.memory_bytes / GIB:g}", f"{g.peak_fp16_tflops:g}",
-                          "-" if g.peak_bf16_tflops is None else f"{g.peak_bf16_tflops:g}", f"{g.peak_fp32_tflops:g}",
-                          f"{g.memory_bandwidth_gb_per_s:g}", g.note)
-            console.print(t)
-            _show_achievable()
-        elif what == "models":
-            t = Table(title="Model presets")
-            for col in ("name", "layers", "hidden", "heads", "ffn", "seq", "vocab", "dtype", "params"):
-                t.add_column(col)
-            for m in PRESETS.values():
-                t.add_row(m.name, str(m.num_layers), str(m.hidden_dim), str(m.num_heads), str(m.ffn_dim), str(m.seq_len),
-                          str(m.vocab_size), m.dtype, f"{m.num_params() / 1e6:,.1f}M")
-            console.print(t)
-        elif what.endswith((".yaml", ".yml")) and _mentions_nodes(Path(what)):
-            c = load_cluster(what)
-            t = Table(title=Text(f"cluster {c.name} ({len(c.devices)} devices)"))
-            for col in ("device", "gpu", "memory GiB", "reserve GiB"):
-                t.add_column(col)
-            for d in c.devices:
-                t.add_row(Text(d.id), d.gpu.name, f"{d.memory_bytes / GIB:g}", f"{d.reserve_bytes / GIB:g}")
-            console.print(t)
-        else:
-            m = load_model(what)
-            console.print_json(json.dumps({**m.to_dict(), "num_params": m.num_params()}))
+    app.command("evaluate")(guarded(evaluate_cmd))
+    app.command("profile")(guarded(profile_cmd))
+    app.command("show")(guarded(show_cmd))
 
 
 def _show_plan(plan_path: Path, cluster: Path | None, profiles: Path | None, timeline: Path | None, memory: Path | None) -> None:
@@ -282,7 +311,7 @@ def _show_plan(plan_path: Path, cluster: Path | None, profiles: Path | None, tim
             check_output_path(path, flag)
     p = load_plan(plan_path)
     c = load_cluster(cluster)
-    report = evaluate(p, c, ProfileSet(p.model, directory=profiles), plan_source=str(plan_path))
+    report = evaluate(p, c, ProfileSet(p.model, directory=profiles, derive_missing=say_derived), plan_source=str(plan_path))
     title = f"{p.model.name} on {c.name}: {p.global_batch} samples x {p.model.seq_len} tokens"
     render_report(report, title=title)
     if timeline is None and memory is None:
@@ -291,7 +320,8 @@ def _show_plan(plan_path: Path, cluster: Path | None, profiles: Path | None, tim
 
     where = f"{plan_path.name} on {c.name}"
     if timeline is not None:
-        pictures.save_figure(pictures.timeline_figure(report, p.num_microbatches, title=f"predicted 1F1B timeline: {where}, "
+        kind = "interleaved 1F1B" if any(pipe.chunks > 1 for pipe in p.pipelines) else "1F1B"
+        pictures.save_figure(pictures.timeline_figure(report, p.num_microbatches, title=f"predicted {kind} timeline: {where}, "
                              f"{p.num_microbatches} micro-batch(es) of {p.micro_batch_size}"), timeline)
         say(f"wrote {timeline}")
     if memory is not None:
@@ -299,13 +329,24 @@ def _show_plan(plan_path: Path, cluster: Path | None, profiles: Path | None, tim
         say(f"wrote {memory}")
 
 
-def _mentions_nodes(path: Path) -> bool:
-    """Whether ``path`` is a file that looks like a cluster spec (reads at most the size a spec may have,
-    whatever the file's size; the loader then names the file for anything wrong with it)."""
-    if not path.is_file():
-        return False
-    with path.open("rb") as fh:
-        return b"nodes" in fh.read(MAX_FILE_BYTES + 1)
+def _file_kind(what: str) -> str:
+    """'cluster' or 'model' for what ``baton show`` was given that is neither a plan JSON nor a word it
+    knows: a preset, or a YAML file told by its fields (``baton.file_kinds``); a plan written as YAML is
+    refused here, in one line. A file of no clear kind goes to the model reader, whose error names it."""
+    path = Path(what)
+    if what in PRESETS or not (path.suffix in (".yaml", ".yml") or path.is_file()):
+        return "model"
+    kind = kind_of(load_yaml(path)) or "model"
+    if kind == "plan":
+        raise BatonError("this is a plan, and plans are read as JSON: save it as .json and show it with --cluster "
+                         "(the cluster YAML it runs on)", source=what)
+    return kind
+
+
+def say_derived(line: str) -> None:
+    """Where ``solve``, ``evaluate`` and ``show`` report a profile table they derived because none was found:
+    stderr, so ``--json`` output stays one JSON object."""
+    say(line, err=True)
 
 
 def _show_achievable() -> None:
@@ -364,7 +405,7 @@ def _derive(model, gpu, seq_len, mbs, calibrate_from, out) -> None:
                                                           shares=tuple(sorted(set(measured["tp_share"]))), seq_len=s,
                                                           tf32=measured_tf32))
                 say(f"{g}: {calibration_summary(df)}")
-            path = out or target_dir / table_filename(g, spec.profile_name, s)
+            path = out or user_derived_path(g, spec, s)
             write_table(df, path)
             written += 1
             if len(gpus) * len(specs) == 1:

@@ -12,7 +12,8 @@ Two levels:
     micro-batches, capacity), ``device_memory`` (eq. 7-8, element-wise so it also runs over arrays of
     recompute sets), ``stage_constants`` (eq. 5, 9 terms fixed by the group), ``pipeline_transfers``
     (eq. 6), ``embedding_sync_ms`` and ``allreduce_ms`` (eq. 11), ``optimizer_step_ms`` (eq. 10) and
-    ``layer_limits``;
+    ``layer_limits``; a pipeline's schedule (``baton.schedules``) read as stage times and activations:
+    ``group_passes``, ``interleaved_timing`` and ``scheduled_activation_bytes`` (docs/schedules.md, eq. 6i, 8i, 9i);
   * data parallelism: ``group_sync_ms``, ``sync_buffer_bytes`` and ``data_parallel_sync_ms`` over peer
     groups (eq. 13-15), and for sharded gradients and weights run layer by layer ``unit_pass_ms``,
     ``layered_parts`` and ``layered_iteration_ms`` (eq. 16, 17; their memory is ``device_memory``'s, eq. 18).
@@ -29,9 +30,12 @@ from baton.cluster import ClusterSpec, Link
 from baton.memory import RecomputeSpace, recompute_space, tensor_bytes
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD, layer_operators, operator_flops, padded_vocab
-from baton.peers import (EDGES, held_params, owned_fractions, owned_params, peer_groups, position_param_count,
-                         replicated_param_count, split_param_count, unit_groups, whole_groups)
+from baton.peers import (EDGES, final_norm_param_count, held_params, owned_fractions, owned_params, peer_groups,
+                         position_param_count, replicated_param_count, split_param_count, unit_groups, whole_groups)
 from baton.profile import Profile, ProfileSet
+from baton.pipeline import PipelineTiming
+from baton.schedules import (Backward, Forward, Gather, OptimizerStep, ReduceScatter, Schedule, layer_by_layer,
+                             one_f_one_b, peak_in_flight)
 from baton.waits import last_arrival_ms
 
 BLOCKS = ("attn", "mlp")
@@ -196,10 +200,14 @@ def pipeline_transfers(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, 
 # -- a device's place in a skeleton, and its memory (eq. 7, 8) ---------------------------------------
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def in_flight_microbatches(stage: int, num_stages: int, num_microbatches: int, *, layered: bool = False) -> int:
-    """Under 1F1B stage s holds activations of min(p - s, m) micro-batches at its peak; run layer by layer
-    (stages 2 and 3, eq. 18) a replica holds all m at the end of its forward."""
-    return num_microbatches if layered else min(num_stages - stage, num_microbatches)
+    """The micro-batches whose activations a device holds at its peak, read from its schedule: under 1F1B stage
+    s holds min(p - s, m) (``baton.schedules.peak_in_flight``); run layer by layer (stages 2 and 3, eq. 18) a
+    replica holds all m at the end of its forward."""
+    if layered:
+        return num_microbatches
+    return int(peak_in_flight(one_f_one_b(num_stages, num_microbatches), stage))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,8 +225,8 @@ class EdgeCost:
     head_saved_bytes: float = 0.0
     """The head's part of ``saved_bytes`` (run layer by layer, only one micro-batch's is alive: eq. 18)."""
     param_bytes: float
-    """Embedding rows (and positions), final LayerNorm, and the tied head's own rows on a last stage that
-    is not the first."""
+    """Embedding rows (and positions), final norm, and the head's rows: an untied head's always (the head row
+    of the table holds them), a tied head's own copy on a last stage that is not the first."""
 
 
 NO_EDGE = EdgeCost(fwd_ms=0.0, bwd_ms=0.0, saved_bytes=0.0, param_bytes=0.0)
@@ -235,7 +243,7 @@ def edge_cost(slot: "DeviceSlot", spec: ModelSpec, micro_batch: int, share: floa
 def _edge_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, first: bool, last: bool) -> EdgeCost:
     emb, head = profile.cost(EMBEDDING, micro_batch, share), profile.cost(HEAD, micro_batch, share)
     params = (emb.param_bytes if first else 0.0) + (head.param_bytes if last else 0.0)
-    if last and not first:
+    if last and not first and spec.tie_embeddings:
         params += tied_embedding_bytes(spec) * share
     return EdgeCost(fwd_ms=(emb.fwd_ms if first else 0.0) + (head.fwd_ms if last else 0.0),
                     bwd_ms=(emb.bwd_ms if first else 0.0) + (head.bwd_ms if last else 0.0),
@@ -317,13 +325,14 @@ class DeviceMemory:
 
 def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes, held_bytes, transient_bytes,
                   edge: EdgeCost, owned_fraction=1.0, sync_buffer_bytes=0.0, zero_stage: int = 0,
-                  owned_layer_fraction=None) -> DeviceMemory:
+                  owned_layer_fraction=None, activation_bytes=None) -> DeviceMemory:
     """Eq. 7 and 8 for a device holding ``num_layers`` layers with the given per-layer figures; with
     sharded optimizer state (eq. 14) it keeps the state of ``owned_fraction`` of its weights, and the
     gradient sync after the backward pass stages ``sync_buffer_bytes`` while no activation is alive.
     At ``zero_stage`` 2 and 3 (eq. 18) it keeps the owned shards of its gradients (and at 3 of its layers'
     weights: ``owned_layer_fraction`` of them, ``owned_fraction`` when not given), the edges whole and one
-    layer whole, and the staging of one unit's collective beside the activations.
+    layer whole, and the staging of one unit's collective beside the activations. ``activation_bytes``, when
+    given, replaces the 1F1B in-flight term by a schedule's own peak (``scheduled_activation_bytes``).
 
     Plain arithmetic, so it runs element-wise on numpy arrays (every recompute set at once, or every
     layer count) with bit-for-bit the numbers it gives for one float: the planner's memory limits and
@@ -331,7 +340,9 @@ def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes,
     """
     weights = held_weights_bytes(num_layers, param_bytes, edge)
     opt = optimizer_bytes(weights * owned_fraction, spec)
-    activ = slot.in_flight * (num_layers * held_bytes + edge.saved_bytes)
+    activ = activation_bytes
+    if activ is None:
+        activ = slot.in_flight * (num_layers * held_bytes + edge.saved_bytes)
     any_layer = np.asarray(num_layers) > 0
     transient = transient_bytes * any_layer  # one layer's buffer, once any layer is held
     if zero_stage < 2:
@@ -458,6 +469,74 @@ def stage_time_ms(num_layers: int, per_layer_ms: float, allreduce_ms_per_layer: 
     return num_layers * (per_layer_ms + allreduce_ms_per_layer) + edge_ms
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupPasses:
+    """A stage's group (its TP ranks) in eq. 9's terms, whatever layers it runs: what a pass costs per micro-batch."""
+
+    layer_fwd_ms: float
+    """One layer's forward: the blocks at their slowest rank (``group_layer_ms``), all-reduces excluded."""
+    layer_bwd_ms: float
+    """One layer's backward, recomputation included, all-reduces excluded."""
+    allreduce_ms: float
+    """The in-layer all-reduces of one direction (``StageConstants.allreduce_ms``)."""
+    edge_fwd_ms: float
+    """The embedding's (first group) or the head and loss's (last group) forward at the slowest rank, with their
+    all-reduces; 0 in between."""
+    edge_bwd_ms: float
+    """Their backward."""
+    send_fwd_ms: float
+    """Eq. 6: the activation to the next group (the last group: back to the first, for interleaving)."""
+    send_bwd_ms: float
+    """Eq. 6: the gradient coming back from the next group (the last group: from the first)."""
+
+
+def group_passes(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str], costs: Sequence[LayerCost],
+                 edges: Sequence[EdgeCost], const: StageConstants, next_ids: Sequence[str] | None) -> GroupPasses:
+    """``GroupPasses`` of the group ``ids`` (TP rank order) with its ranks' layer ``costs`` and ``edges``, its
+    ``stage_constants`` and the group its activations go to (None: none)."""
+    f_layer, b_layer = group_layer_ms([c.block_fwd_ms() for c in costs], [c.block_bwd_ms() for c in costs])
+    send_f, send_b = pipeline_transfers(cluster, spec, micro_batch, ids, next_ids)
+    return GroupPasses(layer_fwd_ms=f_layer, layer_bwd_ms=b_layer, allreduce_ms=const.allreduce_ms,
+                       edge_fwd_ms=max(e.fwd_ms for e in edges) + const.edge_fwd_comm_ms,
+                       edge_bwd_ms=max(e.bwd_ms for e in edges) + const.edge_bwd_comm_ms,
+                       send_fwd_ms=send_f, send_bwd_ms=send_b)
+
+
+def interleaved_timing(groups: Sequence[GroupPasses], layers: Sequence[int]) -> PipelineTiming:
+    """Eq. 9 and 6 per virtual stage of an interleaved replica (docs/schedules.md): ``layers[k]`` layers on virtual
+    stage k of p v in model order, which runs on group k mod p; the embedding belongs to virtual stage 0 (chunk 0 of
+    the first group), the head to the last (the last chunk of the last group). A boundary k -> k + 1 is a transfer
+    from group k mod p to the next, the last group's to the first (``GroupPasses.send_*``). With one chunk per
+    group this is the 1F1B stages' eq. 9."""
+    p, K = len(groups), len(layers)
+    fwd, bwd = [], []
+    for k, L in enumerate(layers):
+        g = groups[k % p]
+        edge = k == 0 or k == K - 1
+        fwd.append(stage_time_ms(L, g.layer_fwd_ms, g.allreduce_ms, g.edge_fwd_ms if edge else 0.0))
+        bwd.append(stage_time_ms(L, g.layer_bwd_ms, g.allreduce_ms, g.edge_bwd_ms if edge else 0.0))
+    return PipelineTiming(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd),
+                          send_fwd_ms=tuple(groups[k % p].send_fwd_ms for k in range(K - 1)),
+                          send_bwd_ms=tuple(groups[k % p].send_bwd_ms for k in range(K - 1)))
+
+
+def scheduled_activation_bytes(schedule: Schedule, group: int, layers: Sequence[int], held_bytes: float,
+                               edge: EdgeCost) -> float:
+    """Eq. 8's activations of a device of ``group`` at its peak under ``schedule`` (``baton.schedules.peak_in_flight``):
+    a virtual stage's forward keeps ``layers[k]`` layers of ``held_bytes`` each (and the embedding's or the head's
+    saved bytes on the first and last virtual stage) until the same micro-batch's backward of it. Under 1F1B, stage s
+    keeps min(p - s, m) micro-batches of its L_s layers: eq. 8's in-flight term."""
+    K = len(layers)
+
+    def held(k: int) -> float:
+        first, last = k == 0, k == K - 1
+        own = (edge.saved_bytes if first and last else edge.saved_bytes - edge.head_saved_bytes if first
+               else edge.head_saved_bytes if last else 0.0)
+        return layers[k] * held_bytes + own
+
+    return peak_in_flight(schedule, group, held)
+
+
 def layer_limits(num_layers: int, num_stages: int) -> tuple[list[int], list[int]]:
     """Fewest and most layers each stage may hold: every middle stage at least one (an empty middle stage
     would only forward activations); the first and last may hold none (embedding or head alone)."""
@@ -470,8 +549,8 @@ def layer_limits(num_layers: int, num_stages: int) -> tuple[list[int], list[int]
 
 def embedding_sync_ms(cluster: ClusterSpec, spec: ModelSpec, pipelines: Sequence[Sequence[Sequence[str]]]) -> float:
     """Eq. 11's T_emb: the tied embedding's gradient is all-reduced between the first and last stage of
-    every replica once per iteration (nothing when the stages are one)."""
-    if len(pipelines[0]) <= 1:
+    every replica once per iteration (nothing when the stages are one, or the head is untied)."""
+    if len(pipelines[0]) <= 1 or not spec.tie_embeddings:
         return 0.0
     return max(allreduce_ms(tied_embedding_bytes(spec), len(pipe[0]) + len(pipe[-1]),
                             cluster.slowest_link(list(pipe[0]) + list(pipe[-1]))) for pipe in pipelines)
@@ -488,14 +567,14 @@ def layer_param_count(spec: ModelSpec, share: float) -> float:
 
 def edge_param_count(spec: ModelSpec, share: float, *, first: bool, last: bool) -> float:
     """Embedding-side parameters a rank at vocabulary ``share`` holds: its token-embedding rows and the
-    position embedding on the first stage, its tied-head rows (a separate copy when the last stage is not
-    the first) and the final LayerNorm on the last."""
+    position embedding on the first stage, its head rows (of a tied head a separate copy when the last stage
+    is not the first; of an untied head always) and the final norm on the last."""
     rows = padded_vocab(spec) * spec.hidden_dim * share
     n = 0.0
     if first:
         n += rows + position_param_count(spec)
     if last:
-        n += (0.0 if first else rows) + 2 * spec.hidden_dim
+        n += (0.0 if first and spec.tie_embeddings else rows) + final_norm_param_count(spec)
     return n
 
 
@@ -711,31 +790,37 @@ class LayeredIteration:
     """What noise in the replicas' times adds to the segments over their predicted maxima (eq. 19)."""
 
 
-def layered_chain(zero_stage: int, num_layers: int) -> list[tuple[str, object]]:
-    """Eq. 17's order of one iteration at stage 2 or 3, the one statement of it: ("compute", the LayeredParts
-    fields a replica runs, times its micro-batches), ("gather", unit), ("reduce", unit) (eq. 16's passes of a
-    unit: ``EDGES`` or a layer index) and ("optimizer", None). The evaluator prices it
-    (``layered_iteration_ms``); the runtime's report counts each unit's gathers from it."""
+_PART_FIELDS = {("F", EMBEDDING): "emb_fwd_ms", ("F", HEAD): "head_fwd_ms", ("B", HEAD): "head_bwd_ms",
+                ("B", EMBEDDING): "emb_bwd_ms", ("F", "layer"): "layer_fwd_ms", ("B", "layer"): "layer_bwd_ms"}
+"""The ``LayeredParts`` field that prices a pass of the layered schedule, by (direction, part)."""
+
+
+@functools.lru_cache(maxsize=256)
+def layered_chain(zero_stage: int, num_layers: int) -> tuple[tuple[str, object], ...]:
+    """Eq. 17's order of one iteration at stage 2 or 3, read from ``baton.schedules.layer_by_layer`` with one
+    micro-batch (each pass of a part runs once per micro-batch, back to back): ("compute", the LayeredParts
+    fields of one pass over a part, the head's forward and backward together), ("gather", unit), ("reduce",
+    unit) (eq. 16's passes of a unit: ``EDGES`` or a layer index) and ("optimizer", None). The evaluator prices
+    it (``layered_iteration_ms``); the runtime's report counts each unit's gathers from it."""
     chain: list[tuple[str, object]] = []
-    if zero_stage >= 3:
-        chain.append(("gather", EDGES))
-    chain.append(("compute", ("emb_fwd_ms",)))
-    for layer in range(num_layers):
-        if zero_stage >= 3:
-            chain.append(("gather", layer))
-        chain.append(("compute", ("layer_fwd_ms",)))
-    chain.append(("compute", ("head_fwd_ms", "head_bwd_ms")))
-    for layer in reversed(range(num_layers)):
-        if zero_stage >= 3:
-            chain.append(("gather", layer))
-        chain.append(("compute", ("layer_bwd_ms",)))
-        chain.append(("reduce", layer))
-    chain.append(("compute", ("emb_bwd_ms",)))
-    chain.append(("reduce", EDGES))
-    chain.append(("optimizer", None))
-    if zero_stage == 2:  # the updated weights, every unit in order, after the owners' step
-        chain += [("gather", EDGES)] + [("gather", layer) for layer in range(num_layers)]
-    return chain
+    last_part = object()
+    for a in layer_by_layer(zero_stage, num_layers, 1).devices[0]:
+        if isinstance(a, (Forward, Backward)):
+            name = _PART_FIELDS[("F" if isinstance(a, Forward) else "B", "layer" if isinstance(a.part, int) else a.part)]
+            if chain and chain[-1][0] == "compute" and a.part == last_part:
+                chain[-1] = ("compute", chain[-1][1] + (name,))
+            else:
+                chain.append(("compute", (name,)))
+            last_part = a.part
+            continue
+        last_part = object()
+        if isinstance(a, Gather):
+            chain.append(("gather", a.unit))
+        elif isinstance(a, ReduceScatter):
+            chain.append(("reduce", a.unit))
+        elif isinstance(a, OptimizerStep):
+            chain.append(("optimizer", None))
+    return tuple(chain)
 
 
 def layered_iteration_ms(zero_stage: int, num_layers: int, replicas: Sequence[tuple[int, LayeredParts]],

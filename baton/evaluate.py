@@ -5,14 +5,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (device_memory, device_optimizer_ms, device_slot, edge_cost, embedding_sync_ms, group_layer_ms, layer_cost,
-                             layer_train_ms, layered_iteration_of, layered_parts, model_flops_per_s, peak_flops,
-                             pipeline_transfers, stage_constants, stage_time_ms, sync_terms)
+from baton.costmodel import (device_memory, device_optimizer_ms, device_slot, edge_cost, embedding_sync_ms, group_passes,
+                             interleaved_timing, layer_cost, layer_train_ms, layered_iteration_of, layered_parts,
+                             model_flops_per_s, peak_flops, scheduled_activation_bytes, stage_constants, sync_terms)
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD
-from baton.pipeline import PipelineTiming, iteration_time_1f1b
+from baton.pipeline import iteration_time
 from baton.plan import Plan, check_against_cluster
+from baton.schedules import interleaved_one_f_one_b
 from baton.profile import Profile, ProfileSet
 from baton.waits import last_arrival_ms
 
@@ -77,7 +78,7 @@ class StageReport:
     pipeline: int
     """Replica index."""
     index: int
-    """Stage index."""
+    """Stage index (an interleaved replica's virtual stage; it runs on stage ``index mod p``'s devices)."""
     devices: list
     """Device ids in TP rank order."""
     first_layer: int
@@ -91,7 +92,7 @@ class StageReport:
     allreduce_ms: float
     """TP all-reduce time inside F_s + B_s."""
     send_fwd_ms: float
-    """Activation transfer to the next stage (0 for the last)."""
+    """Activation transfer to the next stage (0 for the last; interleaved, the last group's goes to the first)."""
     send_bwd_ms: float
     """Gradient transfer from the next stage (0 for the last)."""
 
@@ -103,12 +104,12 @@ class PlanReport:
     iteration_time_ms: float
     """Pipeline time + embedding sync + data-parallel sync + optimizer step."""
     pipeline_ms: float
-    """When the last replica reaches the gradient sync (eq. 19 over the replicas' exact 1F1B times: the
+    """When the last replica reaches the gradient sync (eq. 19 over the replicas' exact pipeline times: the
     slowest one's, plus what noise in the others' adds); at stages 2 and 3 (eq. 17) the compute of the
     iteration's chain, each segment at its last replica, so a replica's waits at the collectives are in it."""
     replica_pipeline_ms: list
-    """Exact 1F1B time of every replica, with its own micro-batch size and count (stages 2 and 3: its own
-    compute, no waits)."""
+    """Exact time of every replica's schedule (1F1B, or interleaved: docs/schedules.md), with its own micro-batch
+    size and count (stages 2 and 3: its own compute, no waits)."""
     replica_samples: list
     """Samples each replica trains on per iteration (they add up to global_batch)."""
     embedding_sync_ms: float
@@ -136,7 +137,7 @@ class PlanReport:
     fits: bool
     """Every device within capacity."""
     stages: list
-    """StageReport per stage of every replica."""
+    """StageReport per stage of every replica (an interleaved replica: per virtual stage)."""
     devices: list
     """DeviceReport per device."""
 
@@ -162,10 +163,12 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     device_reports: list[DeviceReport] = []
     pipeline_times = []
     for pi, pipe in enumerate(plan.pipelines):
-        p = len(pipe.stages)
+        p = len(pipe.device_stages)  # device groups: the stages, or interleaved the first p of the p v virtual stages
         mb, m = plan.batch(pi)
-        fwd, bwd, sf, sb = [], [], [], []
-        for si, stage in enumerate(pipe.stages):
+        schedule = interleaved_one_f_one_b(p, pipe.chunks, m)
+        layers = [st.num_layers for st in pipe.stages]
+        groups = []
+        for si, stage in enumerate(pipe.device_stages):
             ids = stage.device_ids
             slots = [device_slot(cluster, profiles, spec, mb, i, stage=si, num_stages=p, num_microbatches=m, layered=layered)
                      for i in ids]
@@ -173,26 +176,18 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
             shares = [d.units / stage.units_per_layer for d in stage.devices]
             costs = [layer_cost(slot.profile, spec, mb, r, frozenset(d.recompute)) for slot, d, r in zip(slots, stage.devices, shares)]
             edges = [edge_cost(slot, spec, mb, r) for slot, r in zip(slots, shares)]
-            L = stage.num_layers
+            L = sum(layers[si::p])  # every chunk of the group
             if layered:
                 parts.append((m, layered_parts(cluster, spec, mb, ids, [sl.profile for sl in slots], shares, costs)))
-            f_layer, b_layer = group_layer_ms([c.block_fwd_ms() for c in costs], [c.block_bwd_ms() for c in costs])
-            fwd.append(stage_time_ms(L, f_layer, const.allreduce_ms, max(e.fwd_ms for e in edges) + const.edge_fwd_comm_ms))
-            bwd.append(stage_time_ms(L, b_layer, const.allreduce_ms, max(e.bwd_ms for e in edges) + const.edge_bwd_comm_ms))
-            nxt = pipe.stages[si + 1].device_ids if si + 1 < p else None
-            send_f, send_b = pipeline_transfers(cluster, spec, mb, ids, nxt)
-            if nxt is not None:
-                sf.append(send_f)
-                sb.append(send_b)
-            stage_reports.append(StageReport(
-                pipeline=pi, index=si, devices=ids, first_layer=stage.first_layer, num_layers=L, fwd_ms=fwd[-1], bwd_ms=bwd[-1],
-                allreduce_ms=2 * L * const.allreduce_ms, send_fwd_ms=send_f, send_bwd_ms=send_b))
+            nxt = pipe.stages[(si + 1) % p].device_ids if si + 1 < p or pipe.chunks > 1 else None
+            groups.append(group_passes(cluster, spec, mb, ids, costs, edges, const, nxt))
             for d, slot, lc, edge in zip(stage.devices, slots, costs, edges):
                 own = sync.owned_fraction[d.id]
+                activations = None if pipe.chunks == 1 else scheduled_activation_bytes(schedule, si, layers, lc.held_bytes, edge)
                 mem = device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
                                     transient_bytes=lc.transient_bytes, edge=edge, owned_fraction=own,
                                     sync_buffer_bytes=sync.buffer_bytes[d.id], zero_stage=plan.zero_stage,
-                                    owned_layer_fraction=sync.owned_layer_fraction.get(d.id))
+                                    owned_layer_fraction=sync.owned_layer_fraction.get(d.id), activation_bytes=activations)
                 dev = cluster.device(d.id)
                 device_reports.append(DeviceReport(
                     id=d.id, gpu=dev.gpu.name, pipeline=pi, stage=si, units=d.units, share=d.units / stage.units_per_layer,
@@ -206,8 +201,14 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                     fits=bool(mem.peak_bytes <= slot.memory_bytes),
                     optimizer_ms=float(device_optimizer_ms(slot, mem.held_weights_bytes, own)), owned_fraction=own,
                     sync_buffer_bytes=sync.buffer_bytes[d.id], micro_batch_size=mb))
-        timing = PipelineTiming(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), send_fwd_ms=tuple(sf), send_bwd_ms=tuple(sb))
-        pipeline_times.append(iteration_time_1f1b(timing, m))
+        timing = interleaved_timing(groups, layers)
+        last = len(layers) - 1
+        for k, stage in enumerate(pipe.stages):
+            stage_reports.append(StageReport(
+                pipeline=pi, index=k, devices=stage.device_ids, first_layer=stage.first_layer, num_layers=stage.num_layers,
+                fwd_ms=timing.fwd_ms[k], bwd_ms=timing.bwd_ms[k], allreduce_ms=2 * stage.num_layers * groups[k % p].allreduce_ms,
+                send_fwd_ms=timing.send_fwd_ms[k] if k < last else 0.0, send_bwd_ms=timing.send_bwd_ms[k] if k < last else 0.0))
+        pipeline_times.append(iteration_time(schedule, timing))
 
     emb_sync = embedding_sync_ms(cluster, spec, [[s.device_ids for s in pipe.stages] for pipe in plan.pipelines])
     opt = max(r.optimizer_ms for r in device_reports)
@@ -229,7 +230,7 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     # Eq. 12 with every device at its own replica's micro-batch size (replicas may differ).
     ideal = 0.0
     for r, pipe in enumerate(plan.pipelines):
-        gpus = [cluster.device(d).gpu.name for st in pipe.stages for d in st.device_ids]
+        gpus = [cluster.device(d).gpu.name for st in pipe.device_stages for d in st.device_ids]
         ideal += ideal_tokens_per_s(spec, gpus, profiles, plan.batch(r)[0])
     return PlanReport(
         iteration_time_ms=total, pipeline_ms=pipe_ms, replica_pipeline_ms=pipeline_times,

@@ -13,6 +13,7 @@ Whatever a file holds, reading it ends in bounded time and memory with either da
 """
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import reprlib
@@ -191,6 +192,13 @@ def _check_depth(data: Any, *, source: str) -> None:
             stack.extend((v, depth + 1) for v in value)
 
 
+def close_fields(key: Any, allowed) -> list[str]:
+    """The fields of ``allowed`` that ``key`` is likely a typo of (at most two, nearest first)."""
+    if not isinstance(key, str):
+        return []
+    return difflib.get_close_matches(key[:60], sorted(allowed), n=2, cutoff=0.75)
+
+
 _EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
@@ -214,12 +222,16 @@ class Fields:
     def has(self, key: str) -> bool:
         return key in self.data and self.data[key] is not None
 
-    def check_known(self, allowed: set[str]) -> None:
-        """Reject misspelt keys early: an unknown key is almost always a typo of a known one."""
+    def check_known(self, allowed: set[str], *, what: str | None = None) -> None:
+        """Reject misspelt keys early: an unknown key is almost always a typo of a known one, so the error
+        lists the fields ``what`` (a cluster file, a node, ...) has and the nearest of them."""
         for key in self.data:
             if key not in allowed:
+                listed = f"{what} has: " if what else "expected one of: "
+                near = close_fields(key, allowed)
+                hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
                 raise self.error(excerpt(key) if not isinstance(key, str) else key[:60],
-                                 f"unknown field (expected one of: {', '.join(sorted(allowed))})")
+                                 f"unknown field ({listed}{', '.join(sorted(allowed))}{hint})")
 
     def raw(self, key: str, default: Any = ...) -> Any:
         if not self.has(key):

@@ -1,7 +1,8 @@
 """A transformer layer as named operators, each described once: its tensors, FLOPs, parameters and traffic.
 
 Shape legend: b micro-batch, s sequence, h hidden, a heads, f FFN width, e bytes per element, and r the
-tensor-parallel share (units held / units in the layer) of the device computing the operator.
+tensor-parallel share (units held / units in the layer) of the device computing the operator; for Llama's
+grouped-query attention g KV heads and hk = h g / a the width of k and v.
 
 Each ``Operator`` states which tensors it reads (``inputs``), creates (``outputs``) and keeps for its
 backward pass (``saves``), and how much work it does at share 1 (``flops``, ``param_count``,
@@ -16,6 +17,11 @@ Attention comes in two implementations (``ModelSpec.attention``):
     q, k, v, its output and the fp32 log-sum-exp of every row (b, a, s), and recomputes the scores in its
     backward pass. It applies no dropout to the attention probabilities (the CPU and GPU flash kernels
     keep no mask; the residual dropouts stay), so it is recomputed, like any operator, as a whole.
+
+Llama's layer (``ModelSpec.architecture == 'llama'``, fused attention only) is ``llama_operators``: RMSNorm,
+q/k/v projection (k and v narrower under grouped-query attention), rotary embedding of q and k, fused
+attention, output projection, residual, RMSNorm, gate and up projection, SiLU-gated product, down
+projection, residual; no biases.
 """
 from __future__ import annotations
 
@@ -51,15 +57,22 @@ class Dims:
     """FFN width."""
     e: int
     """Bytes per element of weights and activations."""
+    g: int
+    """Key/value heads (a without grouped-query attention)."""
 
     @property
     def tokens(self) -> int:
         return self.b * self.s
 
+    @property
+    def hk(self) -> int:
+        """Width of k and of v: g heads of h / a channels."""
+        return self.h * self.g // self.a
+
 
 def dims(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) -> Dims:
     return Dims(b=micro_batch, s=seq_len or spec.seq_len, h=spec.hidden_dim, a=spec.num_heads, f=spec.ffn_dim,
-                e=spec.dtype_bytes)
+                e=spec.dtype_bytes, g=spec.kv_heads)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,10 +131,74 @@ def _attention_ops(spec: ModelSpec, op=Operator) -> list[Operator]:
     return ops
 
 
+def _residual(name: str, block: str, branch: str, skip: str, out: str, drop: bool) -> Operator:
+    """Dropout on the branch (when the model has any) and the residual add: both architectures'."""
+    return Operator(name=name, kind="dropout" if drop else "elementwise", block=block, tp_split=False,
+                    inputs=(branch, skip), outputs=(out,), saves=(f"{name}_mask",) if drop else (),
+                    flops=lambda d: 3 * d.tokens * d.h, bytes_moved=lambda d: 3 * d.tokens * d.h * d.e + d.tokens * d.h)
+
+
+RMS_STATS_BYTES_PER_ROW = 4
+"""An RMSNorm keeps one fp32 reciprocal root-mean-square per token (a LayerNorm two: mean and rstd)."""
+
+
+def llama_operators(spec: ModelSpec) -> tuple[Operator, ...]:
+    """Llama's layer in execution order (docs/cost-model.md, section 1, "The Llama layer").
+
+    ``rope`` rotates q and k by position (the cos/sin tables are computed once per step by the stage and
+    shared by its layers, so no layer keeps them) and keeps nothing: its backward is the inverse rotation.
+    ``swiglu`` keeps gate and up and recomputes the sigmoid in its backward. The RMSNorms keep their input
+    and one fp32 statistic per token."""
+    drop = spec.dropout > 0.0
+    op = Operator
+    norm_moved = lambda d: 2 * d.tokens * d.h * d.e  # noqa: E731
+    return (
+        op(name="rms1", kind="norm", block="attn", tp_split=False,
+           inputs=(LAYER_INPUT,), outputs=("rms1_out",), saves=(LAYER_INPUT, "rms1_stats"),
+           flops=lambda d: 4 * d.tokens * d.h, bytes_moved=norm_moved, param_count=lambda d: d.h),
+        op(name="qkv", kind="matmul", block="attn", tp_split=True,
+           inputs=("rms1_out",), outputs=("q", "k", "v"), saves=("rms1_out",),
+           flops=lambda d: 2 * d.tokens * d.h * (d.h + 2 * d.hk),
+           bytes_moved=lambda d: d.h * (d.h + 2 * d.hk) * d.e + d.tokens * (2 * d.h + 2 * d.hk) * d.e,
+           param_count=lambda d: d.h * (d.h + 2 * d.hk)),
+        op(name="rope", kind="elementwise", block="attn", tp_split=True,
+           inputs=("q", "k"), outputs=("q_rot", "k_rot"), saves=(),
+           flops=lambda d: 3 * d.tokens * (d.h + d.hk),
+           bytes_moved=lambda d: 2 * d.tokens * (d.h + d.hk) * d.e + 2 * d.s * (d.h // d.a) * d.e),
+        op(name="attn_core", kind="attention", block="attn", tp_split=True,
+           inputs=("q_rot", "k_rot", "v"), outputs=("ctx",), saves=("q_rot", "k_rot", "v", "ctx", "attn_lse"),
+           flops=lambda d: 4 * d.b * d.s * d.s * d.h + 5 * d.b * d.a * d.s * d.s,
+           bytes_moved=lambda d: (2 * d.tokens * d.h + 2 * d.tokens * d.hk) * d.e + d.b * d.a * d.s * LSE_BYTES_PER_ROW),
+        op(name="out_proj", kind="matmul", block="attn", tp_split=True,
+           inputs=("ctx",), outputs=("attn_partial",), saves=("ctx",),
+           flops=lambda d: 2 * d.tokens * d.h * d.h, bytes_moved=lambda d: d.h * d.h * d.e + 2 * d.tokens * d.h * d.e,
+           param_count=lambda d: d.h * d.h),
+        _residual("resid1", "attn", "attn_out", LAYER_INPUT, "x_mid", drop),
+        op(name="rms2", kind="norm", block="mlp", tp_split=False,
+           inputs=("x_mid",), outputs=("rms2_out",), saves=("x_mid", "rms2_stats"),
+           flops=lambda d: 4 * d.tokens * d.h, bytes_moved=norm_moved, param_count=lambda d: d.h),
+        op(name="gate_up", kind="matmul", block="mlp", tp_split=True,
+           inputs=("rms2_out",), outputs=("gate", "up"), saves=("rms2_out",),
+           flops=lambda d: 4 * d.tokens * d.h * d.f,
+           bytes_moved=lambda d: 2 * d.h * d.f * d.e + d.tokens * d.h * d.e + 2 * d.tokens * d.f * d.e,
+           param_count=lambda d: 2 * d.h * d.f),
+        op(name="swiglu", kind="elementwise", block="mlp", tp_split=True,
+           inputs=("gate", "up"), outputs=("swiglu_out",), saves=("gate", "up"),
+           flops=lambda d: 6 * d.tokens * d.f, bytes_moved=lambda d: 3 * d.tokens * d.f * d.e),
+        op(name="down", kind="matmul", block="mlp", tp_split=True,
+           inputs=("swiglu_out",), outputs=("mlp_partial",), saves=("swiglu_out",),
+           flops=lambda d: 2 * d.tokens * d.f * d.h, bytes_moved=lambda d: d.f * d.h * d.e + d.tokens * d.h * d.e + d.tokens * d.f * d.e,
+           param_count=lambda d: d.f * d.h),
+        _residual("resid2", "mlp", "mlp_out", "x_mid", "layer_output", drop),
+    )
+
+
 @functools.lru_cache(maxsize=64)
 def layer_operators(spec: ModelSpec) -> tuple[Operator, ...]:
     """The forward pass of one layer, in execution order (cached: the evaluator asks for it on every plan,
     and an exhaustive search prices hundreds of thousands)."""
+    if spec.llama:
+        return llama_operators(spec)
     drop = spec.dropout > 0.0
     op = Operator
     ops = [
@@ -137,9 +214,7 @@ def layer_operators(spec: ModelSpec) -> tuple[Operator, ...]:
            inputs=("ctx",), outputs=("attn_partial",), saves=("ctx",),
            flops=lambda d: 2 * d.tokens * d.h * d.h, bytes_moved=lambda d: d.h * d.h * d.e + 2 * d.tokens * d.h * d.e,
            param_count=lambda d: d.h * d.h, replicated_param_count=lambda d: d.h),
-        op(name="resid1", kind="dropout" if drop else "elementwise", block="attn", tp_split=False,
-           inputs=("attn_out", LAYER_INPUT), outputs=("x_mid",), saves=("resid1_mask",) if drop else (),
-           flops=lambda d: 3 * d.tokens * d.h, bytes_moved=lambda d: 3 * d.tokens * d.h * d.e + d.tokens * d.h),
+        _residual("resid1", "attn", "attn_out", LAYER_INPUT, "x_mid", drop),
         op(name="ln2", kind="norm", block="mlp", tp_split=False,
            inputs=("x_mid",), outputs=("ln2_out",), saves=("x_mid", "ln2_stats"),
            flops=lambda d: 5 * d.tokens * d.h, bytes_moved=lambda d: 2 * d.tokens * d.h * d.e, param_count=lambda d: 2 * d.h),
@@ -154,9 +229,7 @@ def layer_operators(spec: ModelSpec) -> tuple[Operator, ...]:
            inputs=("gelu_out",), outputs=("mlp_partial",), saves=("gelu_out",),
            flops=lambda d: 2 * d.tokens * d.f * d.h, bytes_moved=lambda d: d.f * d.h * d.e + d.tokens * d.h * d.e + d.tokens * d.f * d.e,
            param_count=lambda d: d.f * d.h, replicated_param_count=lambda d: d.h),
-        op(name="resid2", kind="dropout" if drop else "elementwise", block="mlp", tp_split=False,
-           inputs=("mlp_out", "x_mid"), outputs=("layer_output",), saves=("resid2_mask",) if drop else (),
-           flops=lambda d: 3 * d.tokens * d.h, bytes_moved=lambda d: 3 * d.tokens * d.h * d.e + d.tokens * d.h),
+        _residual("resid2", "mlp", "mlp_out", "x_mid", "layer_output", drop),
     ]
     return tuple(ops)
 
@@ -167,7 +240,7 @@ def table_operators(spec: ModelSpec) -> tuple[Operator, ...]:
     from dataclasses import replace
 
     seen, out = set(), []
-    for attention in ("eager", "fused"):
+    for attention in (("fused",) if spec.llama else ("eager", "fused")):
         for o in layer_operators(replace(spec, attention=attention)):
             if o.name not in seen:
                 seen.add(o.name)
@@ -208,6 +281,7 @@ def tensor_sizes(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) 
     d = dims(spec, micro_batch, seq_len)
     b, s, h, a, f, e = d.b, d.s, d.h, d.a, d.f, d.e
     bsh = b * s * h * e
+    bskv = b * s * d.hk * e
     bass = b * a * s * s * e
     t = TensorSize
     sizes = [
@@ -215,8 +289,8 @@ def tensor_sizes(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) 
         t(name="ln1_out", bytes_at_full_share=bsh, tp_split=False),
         t(name="ln1_stats", bytes_at_full_share=b * s * 2 * 4, tp_split=False),
         t(name="q", bytes_at_full_share=bsh, tp_split=True),
-        t(name="k", bytes_at_full_share=bsh, tp_split=True),
-        t(name="v", bytes_at_full_share=bsh, tp_split=True),
+        t(name="k", bytes_at_full_share=bskv, tp_split=True),
+        t(name="v", bytes_at_full_share=bskv, tp_split=True),
         t(name="scores", bytes_at_full_share=bass, tp_split=True),
         t(name="probs", bytes_at_full_share=bass, tp_split=True),
         t(name="attn_mask", bytes_at_full_share=b * a * s * s, tp_split=True),
@@ -235,6 +309,16 @@ def tensor_sizes(spec: ModelSpec, micro_batch: int, seq_len: int | None = None) 
         t(name="mlp_out", bytes_at_full_share=bsh, tp_split=False),
         t(name="resid2_mask", bytes_at_full_share=b * s * h, tp_split=False),
         t(name="layer_output", bytes_at_full_share=bsh, tp_split=False),
+        # Llama's own tensors.
+        t(name="rms1_out", bytes_at_full_share=bsh, tp_split=False),
+        t(name="rms1_stats", bytes_at_full_share=b * s * RMS_STATS_BYTES_PER_ROW, tp_split=False),
+        t(name="q_rot", bytes_at_full_share=bsh, tp_split=True),
+        t(name="k_rot", bytes_at_full_share=bskv, tp_split=True),
+        t(name="rms2_out", bytes_at_full_share=bsh, tp_split=False),
+        t(name="rms2_stats", bytes_at_full_share=b * s * RMS_STATS_BYTES_PER_ROW, tp_split=False),
+        t(name="gate", bytes_at_full_share=b * s * f * e, tp_split=True),
+        t(name="up", bytes_at_full_share=b * s * f * e, tp_split=True),
+        t(name="swiglu_out", bytes_at_full_share=b * s * f * e, tp_split=True),
     ]
     return {x.name: x for x in sizes}
 

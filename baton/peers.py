@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import NamedTuple
 
 from baton.model_spec import ModelSpec
 from baton.operators import layer_operators, padded_vocab
@@ -35,7 +36,8 @@ class Block:
     part: str
     """'units' (a layer's TP-split weights: heads and FFN columns in [lo, hi)), 'replicated' (a layer's
     LayerNorms and row-parallel biases), 'vocab' (token-embedding rows in [lo, hi) of the padded
-    vocabulary), 'positions' (position embedding) or 'final_norm' (final LayerNorm)."""
+    vocabulary), 'head' (an untied LM head's rows in [lo, hi)), 'positions' (position embedding) or
+    'final_norm' (final LayerNorm)."""
     layer: int | None
     """Transformer layer for 'units' and 'replicated', None otherwise."""
     lo: Fraction
@@ -85,8 +87,15 @@ def replicated_param_count(spec: ModelSpec) -> int:
 
 
 def position_param_count(spec: ModelSpec) -> int:
-    """Parameters of the learned position embedding (s x h), held whole by every rank of a first stage."""
-    return spec.seq_len * spec.hidden_dim
+    """Parameters of the learned position embedding (s x h), held whole by every rank of a first stage
+    (none for Llama, whose rotary positions have no parameters)."""
+    return 0 if spec.llama else spec.seq_len * spec.hidden_dim
+
+
+def final_norm_param_count(spec: ModelSpec) -> int:
+    """Parameters of the final norm, held whole by every rank of a last stage: a LayerNorm's gain and bias,
+    an RMSNorm's gain."""
+    return spec.hidden_dim if spec.llama else 2 * spec.hidden_dim
 
 
 def _count(total: int, lo: Fraction, hi: Fraction) -> int:
@@ -107,30 +116,42 @@ def _pieces(cuts: list[list[tuple[Fraction, Fraction, str]]]) -> list[tuple[Frac
     return out
 
 
-def _stage_intervals(stage) -> list[tuple[Fraction, Fraction, str]]:
+class StageShape(NamedTuple):
+    """What the peer sets depend on of a plan's stage (``baton.plan.Stage``): its layers and who holds
+    which units. Hashable, so the groups of a shape are worked out once however many plans share it; and
+    plain data, so this module needs nothing of ``baton.plan``, whose validation needs the peer sets."""
+
+    first_layer: int
+    num_layers: int
+    units_per_layer: int
+    devices: tuple[tuple[str, int], ...]
+    """(device id, units) in tensor-parallel rank order."""
+
+    def holds(self, layer: int) -> bool:
+        return self.first_layer <= layer < self.first_layer + self.num_layers
+
+
+def _stage_intervals(stage: StageShape) -> list[tuple[Fraction, Fraction, str]]:
     out, before = [], 0
-    for d in stage.devices:
-        out.append((Fraction(before, stage.units_per_layer), Fraction(before + d.units, stage.units_per_layer), d.id))
-        before += d.units
+    for device, units in stage.devices:
+        out.append((Fraction(before, stage.units_per_layer), Fraction(before + units, stage.units_per_layer), device))
+        before += units
     return out
 
 
 def peer_groups(plan) -> tuple[PeerGroup, ...]:
     """The plan's peer groups, in the order the runtime runs their collectives (docs/cost-model.md, sec. 9)."""
-    return _peer_groups(_shape_key(plan), plan.model)
+    return _peer_groups(plan_shape(plan), plan.model)
 
 
-def _shape_key(plan):
-    return tuple(tuple((s.first_layer, s.num_layers, s.units_per_layer, tuple((d.id, d.units) for d in s.devices))
+def plan_shape(plan) -> tuple[tuple[StageShape, ...], ...]:
+    """Every replica's stages as ``StageShape``s: all of a plan (``baton.plan.Plan``) the peer sets depend on."""
+    return tuple(tuple(StageShape(s.first_layer, s.num_layers, s.units_per_layer, tuple((d.id, d.units) for d in s.devices))
                        for s in p.stages) for p in plan.pipelines)
 
 
 @functools.lru_cache(maxsize=256)
-def _peer_groups(shape, spec: ModelSpec) -> tuple[PeerGroup, ...]:
-    from baton.plan import DeviceShare, Stage
-
-    replicas = [[Stage(first_layer=f, num_layers=n, units_per_layer=U,
-                       devices=tuple(DeviceShare(id=i, units=u) for i, u in devs)) for f, n, U, devs in pipe] for pipe in shape]
+def _peer_groups(replicas: tuple[tuple[StageShape, ...], ...], spec: ModelSpec) -> tuple[PeerGroup, ...]:
     h = spec.hidden_dim
     V = padded_vocab(spec)
     whole = (Fraction(0), Fraction(1))
@@ -147,16 +168,21 @@ def _peer_groups(shape, spec: ModelSpec) -> tuple[PeerGroup, ...]:
     firsts = [rep[0] for rep in replicas]
     lasts = [rep[-1] for rep in replicas]
     # The tied embedding: the first stage's rows, then (a separate copy) the last stage's when it is another stage.
-    add("vocab", None, [_stage_intervals(f) + (_stage_intervals(l) if len(rep) > 1 else [])
+    # An untied head's rows are a piece of their own, held by the last stage only.
+    tied = spec.tie_embeddings
+    add("vocab", None, [_stage_intervals(f) + (_stage_intervals(l) if len(rep) > 1 and tied else [])
                         for f, l, rep in zip(firsts, lasts, replicas)], V * h)
-    add("positions", None, [_stage_intervals(f) for f in firsts], position_param_count(spec), split=False)
+    if not tied:
+        add("head", None, [_stage_intervals(l) for l in lasts], V * h)
+    if position_param_count(spec):
+        add("positions", None, [_stage_intervals(f) for f in firsts], position_param_count(spec), split=False)
     split_n, repl_n = split_param_count(spec), replicated_param_count(spec)
     for layer in range(spec.num_layers):
-        holding = [next(s for s in rep if layer in s.layers) for rep in replicas]
+        holding = [next(s for s in rep if s.holds(layer)) for rep in replicas]
         cuts = [_stage_intervals(s) for s in holding]
         add("units", layer, cuts, split_n)
         add("replicated", layer, cuts, repl_n, split=False)
-    add("final_norm", None, [_stage_intervals(l) for l in lasts], 2 * h, split=False)
+    add("final_norm", None, [_stage_intervals(l) for l in lasts], final_norm_param_count(spec), split=False)
 
     groups: dict[tuple, list[Block]] = {}
     for block, holders in pieces:

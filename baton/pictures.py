@@ -2,9 +2,9 @@
 measured next to it (matplotlib, Agg).
 
 Nothing here computes a time or a size. The timeline places each stage's passes where
-``baton.pipeline.simulate_1f1b`` runs them, with the stage times, transfers and synchronisations of
+``baton.pipeline.simulate`` runs them (1F1B, or interleaved), with the stage times, transfers and synchronisations of
 ``baton.evaluate``'s report; the memory picture stacks the terms of each ``DeviceReport``. A measured
-timeline arrives as plain data (``Timeline``: rows and blocks, built by ``runtime.report`` from the spans
+timeline arrives as plain data (``Timeline``: rows and blocks, built by ``runtime.measure.report`` from the spans
 every rank recorded) and is drawn by the same code as the predicted one.
 
 Timeline rows are devices (replica by replica, stage by stage, tensor-parallel rank by rank); the
@@ -30,7 +30,8 @@ from matplotlib.patches import Patch  # noqa: E402
 from baton.atomic import write_atomically_with  # noqa: E402
 from baton.catalog import GIB  # noqa: E402
 from baton.evaluate import PlanReport  # noqa: E402
-from baton.pipeline import PipelineTiming, simulate_1f1b  # noqa: E402
+from baton.pipeline import PipelineTiming, simulate  # noqa: E402
+from baton.schedules import interleaved_one_f_one_b  # noqa: E402
 
 MAX_LABELLED_BLOCKS = 400
 """Micro-batch numbers are written into blocks only up to this many blocks per panel (legibility)."""
@@ -40,7 +41,7 @@ SYNC_COLOURS = {"embedding sync": "#8c564b", "data-parallel sync": "#7f7f7f", "o
 
 # What a block is, how it is drawn (band of the row: full height, a thin band under it or over it, or hatched
 # over what is under it), its colour (None: the stage's) and alpha, and its legend entry. Predicted timelines
-# use the first kinds; measured ones (``runtime.report``) all of them, since the runtime also records what the
+# use the first kinds; measured ones (``runtime.measure.report``) all of them, since the runtime also records what the
 # cost model folds into other terms (waits, tensor-parallel all-reduces) or leaves out (the step's all-reduce).
 KINDS = {
     "forward": ("full", None, 0.45, None),
@@ -94,7 +95,7 @@ def _stage_colour(stage: int):
 
 
 def replica_schedules(report: PlanReport, num_microbatches: int) -> dict[int, list[list[tuple[str, int, float, float]]]]:
-    """Per replica, per stage, the passes (kind, micro-batch, start ms, end ms) that ``simulate_1f1b`` runs
+    """Per replica, per stage (device group), the passes (kind, micro-batch, start ms, end ms) that ``simulate`` runs
     with the report's stage times and transfers, and the replica's own number of micro-batches (its samples
     over its micro-batch size; replicas may differ), else ``num_microbatches``."""
     out = {}
@@ -103,7 +104,10 @@ def replica_schedules(report: PlanReport, num_microbatches: int) -> dict[int, li
         timing = PipelineTiming(fwd_ms=tuple(s.fwd_ms for s in stages), bwd_ms=tuple(s.bwd_ms for s in stages),
                                 send_fwd_ms=tuple(s.send_fwd_ms for s in stages[:-1]),
                                 send_bwd_ms=tuple(s.send_bwd_ms for s in stages[:-1]))
-        out[pi] = simulate_1f1b(timing, _replica_microbatches(report, pi, num_microbatches))[1]
+        # An interleaved replica's virtual stages repeat its groups' devices (baton.plan.Pipeline.chunks).
+        groups = next((k for k in range(1, len(stages)) if stages[k].devices == stages[0].devices), len(stages))
+        sch = interleaved_one_f_one_b(groups, len(stages) // groups, _replica_microbatches(report, pi, num_microbatches))
+        out[pi] = [[(kind, i, a, b) for kind, i, _, a, b in runs] for runs in simulate(sch, timing)[1]]
     return out
 
 
@@ -124,7 +128,7 @@ def timeline_rows(report: PlanReport) -> list[Row]:
 
 
 def predicted_timeline(report: PlanReport, num_microbatches: int) -> Timeline:
-    """The evaluator's step as blocks: each stage's passes where ``simulate_1f1b`` runs them (the devices of a
+    """The evaluator's step as blocks: each stage's passes where ``simulate`` runs them (the devices of a
     stage share its schedule), the device's recomputation at the start of each backward pass (its total per
     micro-batch: in the runtime it is spread over the layers), transfers to the neighbouring stage after each
     pass, then after the slowest pipeline the tied-embedding sync (first and last stages), the data-parallel

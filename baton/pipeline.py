@@ -1,20 +1,25 @@
-"""Iteration time of a 1F1B pipeline: the exact recurrence, and an event-driven simulation to check it.
+"""Iteration time of a pipeline schedule (``baton.schedules``): the exact recurrence, and an event-driven
+simulation to check it.
 
-Stage s (0-based, p stages) runs min(p - s - 1, m) warm-up forwards, then alternates one forward and
-one backward, then drains its remaining backwards. A forward of micro-batch i on stage s needs the
-forward of i on s - 1 plus the transfer ``send_fwd_ms[s - 1]``; a backward needs the backward of i on
-s + 1 plus ``send_bwd_ms[s]``. The familiar ``(m - 1) * max(F + B) + sum(F + B)`` is only an upper
-bound once stages differ (docs/cost-model.md, section 5), so Baton uses the exact longest path.
+Both walk the schedule's actions, device by device. A forward or backward of virtual stage k takes
+``fwd_ms[k]`` or ``bwd_ms[k]`` of its device's time; a send returns at once and its tensor arrives after the
+link (``send_fwd_ms[k]`` from k to k + 1, ``send_bwd_ms[k]`` from k + 1 back to k); a receive waits for its
+tensor. Under 1F1B (``schedule_1f1b``) a forward of micro-batch i on stage s therefore needs the forward of i
+on s - 1 plus the transfer, a backward the backward of i on s + 1 plus the transfer. The familiar
+``(m - 1) * max(F + B) + sum(F + B)`` is only an upper bound once stages differ (docs/cost-model.md,
+section 5), so Baton uses the exact longest path.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
 
+from baton.schedules import Backward, Forward, Recv, Schedule, Send, one_f_one_b
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineTiming:
-    """Per-stage times of one micro-batch and the links between stages."""
+    """Per-stage times of one micro-batch and the links between stages (virtual stages, when interleaved)."""
 
     fwd_ms: tuple[float, ...]
     """Forward time of one micro-batch on each stage."""
@@ -35,119 +40,135 @@ class PipelineTiming:
     def bwd_link(self, s: int) -> float:
         return self.send_bwd_ms[s] if self.send_bwd_ms else 0.0
 
+    def duration(self, action) -> float:
+        """A compute action's time on its device."""
+        return self.fwd_ms[action.stage] if isinstance(action, Forward) else self.bwd_ms[action.stage]
+
+    def delivery(self, send: Send) -> tuple[tuple[bool, int, int], float]:
+        """Where a sent tensor goes, as the key of the receive that waits for it, and the link time it takes."""
+        if send.grad:
+            return (True, send.micro, send.stage - 1), self.bwd_link(send.stage - 1)
+        return (False, send.micro, send.stage + 1), self.fwd_link(send.stage)
+
 
 def schedule_1f1b(num_stages: int, num_microbatches: int, stage: int) -> list[tuple[str, int]]:
-    """The order in which ``stage`` runs its passes: [('F', 0), ('F', 1), ('B', 0), ...]."""
-    p, m = num_stages, num_microbatches
-    warmup = min(p - stage - 1, m)
-    order = [("F", i) for i in range(warmup)]
-    next_f = warmup
-    for b in range(m):
-        if next_f < m:
-            order.append(("F", next_f))
-            next_f += 1
-        order.append(("B", b))
-    return order
+    """The passes ``stage`` runs under 1F1B (``baton.schedules.one_f_one_b``): [('F', 0), ('F', 1), ('B', 0), ...]."""
+    return [(kind, i) for kind, i, _ in one_f_one_b(num_stages, num_microbatches).passes(stage)]
 
 
-def iteration_time_1f1b(t: PipelineTiming, num_microbatches: int) -> float:
-    """Exact finish time of the last backward: a longest-path recurrence over the 1F1B graph.
+def iteration_time(schedule: Schedule, t: PipelineTiming) -> float:
+    """Exact finish time of the last pass: a longest-path recurrence over the schedule's actions.
 
+    A device's clock moves on by each pass's time and, at a receive, up to the arrival of its tensor (the
+    sender's finish plus the link); with 1F1B that is eq. 1:
     finish(F, s, i) = max(finish(prev pass on s), finish(F, s-1, i) + link_f(s-1)) + F_s
     finish(B, s, i) = max(finish(prev pass on s), finish(B, s+1, i) + link_b(s)) + B_s
-    Passes are visited in an order where every dependency is already known (a wavefront).
+    Devices are visited in turn, each as far as its receives allow (a wavefront).
     """
-    p, m = t.num_stages, num_microbatches
-    orders = [schedule_1f1b(p, m, s) for s in range(p)]
-    finish: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * p
-    pos = [0] * p
-    remaining = 2 * m * p
+    lists = schedule.devices
+    clock = [0.0] * len(lists)
+    pos = [0] * len(lists)
+    arrival: dict[tuple[bool, int, int], float] = {}
+    remaining = sum(len(a) for a in lists)
+    fwd, bwd = t.fwd_ms, t.bwd_ms
     while remaining:
         advanced = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
-                if kind == "F":
-                    dep = finish.get(("F", s - 1, i)) if s > 0 else 0.0
-                    ready = None if dep is None else dep + (t.fwd_link(s - 1) if s > 0 else 0.0)
-                    dur = t.fwd_ms[s]
+        for d, actions in enumerate(lists):
+            here, now = pos[d], clock[d]
+            while here < len(actions):
+                a = actions[here]
+                kind = type(a)
+                if kind is Forward:
+                    now += fwd[a.stage]
+                elif kind is Backward:
+                    now += bwd[a.stage]
+                elif kind is Recv:
+                    key = (a.grad, a.micro, a.stage)
+                    if key not in arrival:
+                        break
+                    now = max(now, arrival[key])
+                elif kind is Send:
+                    key, link = t.delivery(a)
+                    arrival[key] = now + link
                 else:
-                    dep = finish.get(("B", s + 1, i)) if s < p - 1 else finish.get(("F", s, i))
-                    ready = None if dep is None else dep + (t.bwd_link(s) if s < p - 1 else 0.0)
-                    dur = t.bwd_ms[s]
-                if ready is None:
-                    break
-                clock[s] = max(clock[s], ready) + dur
-                finish[(kind, s, i)] = clock[s]
-                pos[s] += 1
-                remaining -= 1
+                    raise ValueError(f"{kind.__name__} has no place in a pipeline schedule")
+                here += 1
+            if here > pos[d]:
+                remaining -= here - pos[d]
+                pos[d], clock[d] = here, now
                 advanced = True
-        if not advanced:  # pragma: no cover - the 1F1B order is deadlock-free
-            raise RuntimeError("1F1B schedule deadlocked")
+        if not advanced:
+            raise RuntimeError(f"schedule {schedule.name} deadlocked")
     return max(clock)
 
 
-def simulate_1f1b(t: PipelineTiming, num_microbatches: int) -> tuple[float, list[list[tuple[str, int, float, float]]]]:
-    """Event-driven simulation: stages are workers, messages arrive after link delays.
+def simulate(schedule: Schedule, t: PipelineTiming) -> tuple[float, list[list[tuple[str, int, int, float, float]]]]:
+    """Event-driven simulation: devices are workers, messages arrive after link delays.
 
-    Returns the makespan and, per stage, the executed passes as (kind, micro-batch, start, end).
-    Written independently of ``iteration_time_1f1b`` so that tests can check one against the other.
+    Returns the makespan and, per device, the passes it ran as (kind, micro-batch, virtual stage, start, end).
+    Written independently of ``iteration_time`` so that tests can check one against the other.
     """
-    p, m = t.num_stages, num_microbatches
-    queues = [schedule_1f1b(p, m, s) for s in range(p)]
-    arrived: list[set[tuple[str, int]]] = [set() for _ in range(p)]
-    for i in range(m):
-        arrived[0].add(("F", i))  # the first stage has its inputs from the start
-    busy_until = [0.0] * p
-    idle = [True] * p
-    trace: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
-    events: list[tuple[float, int, str, int, int]] = []  # (time, seq, what, stage, micro)
+    queues = [list(actions) for actions in schedule.devices]
+    arrived: set[tuple[bool, int, int]] = set()
+    waiting: dict[tuple[bool, int, int], int] = {}  # receive key -> the device that waits for it
+    for d, actions in enumerate(schedule.devices):
+        for a in actions:
+            if isinstance(a, Recv):
+                waiting[(a.grad, a.micro, a.stage)] = d
+    idle = [True] * len(queues)
+    trace: list[list[tuple[str, int, int, float, float]]] = [[] for _ in queues]
+    events: list[tuple[float, int, str, object]] = []  # (time, seq, what, device or key)
     seq = 0
 
-    def push(time: float, what: str, stage: int, micro: int) -> None:
+    def push(time: float, what: str, who) -> None:
         nonlocal seq
-        heapq.heappush(events, (time, seq, what, stage, micro))
+        heapq.heappush(events, (time, seq, what, who))
         seq += 1
 
-    def try_start(s: int, now: float) -> None:
-        if not idle[s] or not queues[s]:
-            return
-        kind, i = queues[s][0]
-        if (kind, i) not in arrived[s]:
-            return
-        queues[s].pop(0)
-        dur = t.fwd_ms[s] if kind == "F" else t.bwd_ms[s]
-        idle[s] = False
-        busy_until[s] = now + dur
-        trace[s].append((kind, i, now, now + dur))
-        push(now + dur, "done" + kind, s, i)
+    def run(d: int, now: float) -> None:
+        while idle[d] and queues[d]:
+            a = queues[d][0]
+            if isinstance(a, Recv):
+                if (a.grad, a.micro, a.stage) not in arrived:
+                    return
+                queues[d].pop(0)
+            elif isinstance(a, Send):
+                queues[d].pop(0)
+                key, link = t.delivery(a)
+                push(now + link, "arrive", key)
+            else:
+                queues[d].pop(0)
+                dur = t.fwd_ms[a.stage] if isinstance(a, Forward) else t.bwd_ms[a.stage]
+                idle[d] = False
+                trace[d].append(("F" if isinstance(a, Forward) else "B", a.micro, a.stage, now, now + dur))
+                push(now + dur, "done", d)
 
-    for s in range(p):
-        try_start(s, 0.0)
+    for d in range(len(queues)):
+        run(d, 0.0)
     end = 0.0
     while events:
-        now, _, what, s, i = heapq.heappop(events)
-        end = max(end, now)
-        if what == "doneF":
-            idle[s] = True
-            if s + 1 < p:
-                push(now + t.fwd_link(s), "arriveF", s + 1, i)
-            else:
-                arrived[s].add(("B", i))
-            try_start(s, now)
-        elif what == "doneB":
-            idle[s] = True
-            if s > 0:
-                push(now + t.bwd_link(s - 1), "arriveB", s - 1, i)
-            try_start(s, now)
-        elif what == "arriveF":
-            arrived[s].add(("F", i))
-            try_start(s, now)
-        elif what == "arriveB":
-            arrived[s].add(("B", i))
-            try_start(s, now)
+        now, _, what, who = heapq.heappop(events)
+        if what == "done":
+            end = max(end, now)
+            idle[who] = True
+            run(who, now)
+        else:
+            arrived.add(who)
+            run(waiting[who], now)
+    if any(queues):
+        raise RuntimeError(f"schedule {schedule.name} deadlocked")
     return end, trace
+
+
+def iteration_time_1f1b(t: PipelineTiming, num_microbatches: int) -> float:
+    """Eq. 1: ``iteration_time`` of the 1F1B schedule over ``t``'s stages."""
+    return iteration_time(one_f_one_b(t.num_stages, num_microbatches), t)
+
+
+def simulate_1f1b(t: PipelineTiming, num_microbatches: int) -> tuple[float, list[list[tuple[str, int, float, float]]]]:
+    """``simulate`` of the 1F1B schedule, each stage's passes as (kind, micro-batch, start, end)."""
+    end, trace = simulate(one_f_one_b(t.num_stages, num_microbatches), t)
+    return end, [[(kind, i, a, b) for kind, i, _, a, b in stage] for stage in trace]
 
 
 def classic_bound_1f1b(t: PipelineTiming, num_microbatches: int) -> float:

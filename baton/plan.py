@@ -8,7 +8,7 @@ may train on its own micro-batch size and number of micro-batches (Poplar); with
 optimizer state (fp32 master weights and Adam moments) of the devices that hold the same parameters is
 sharded between them by each device's ``shard_ratio`` (Cephalo), with 2 the gradients too and with 3 the
 weights too (replicas of one stage each, run layer by layer). Who holds the same parameters is
-``baton.peers``' business.
+``baton.peers``' business: it reads a plan's shapes as plain data and imports nothing from here.
 """
 from __future__ import annotations
 
@@ -21,12 +21,16 @@ from baton.errors import BatonError
 from baton.fields import Fields, excerpt, load_json
 from baton.model_spec import ModelSpec, from_mapping as model_from_mapping, splits_into
 from baton.operators import operator_names
+from baton.peers import peer_groups
 
 FORMAT = "baton-plan/2"
-READABLE_FORMATS = ("baton-plan/1", FORMAT)
+INTERLEAVED_FORMAT = "baton-plan/3"
+"""A plan with an interleaved pipeline (``Pipeline.chunks`` > 1) is written as /3, so that older readers refuse it
+rather than read its virtual stages as stages; every other plan is still written as /2."""
+READABLE_FORMATS = ("baton-plan/1", FORMAT, INTERLEAVED_FORMAT)
 """/1 had one batch for all replicas, identical replicas and no sharding; it reads as such a /2 plan."""
 
-# Upper bounds (README, "Errors"): beyond them a plan is a typo, and would make the runtime or the
+# Upper bounds (docs/errors.md, "Upper bounds"): beyond them a plan is a typo, and would make the runtime or the
 # evaluator allocate without end.
 MAX_DEVICES = 4096
 """Devices in a plan or a cluster."""
@@ -89,6 +93,14 @@ class Pipeline:
     """Samples per micro-batch of this replica; None: the plan's ``micro_batch_size``."""
     num_microbatches: int | None = None
     """Micro-batches this replica runs per iteration; None: the plan's ``num_microbatches``."""
+    chunks: int = 1
+    """Chunks of layers per device group (interleaved 1F1B, docs/schedules.md): ``stages`` then lists the p v
+    virtual stages in model order, and virtual stage k runs on the devices of stage k mod p; 1: plain 1F1B."""
+
+    @property
+    def device_stages(self) -> tuple[Stage, ...]:
+        """The stages that place devices: all of them, or interleaved the first p (the others repeat them)."""
+        return self.stages[:len(self.stages) // self.chunks]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,11 +149,11 @@ class Plan:
 
     def device_ids(self) -> list[str]:
         """Every device in rank order: pipeline by pipeline, stage by stage, TP rank by rank."""
-        return [d.id for p in self.pipelines for s in p.stages for d in s.devices]
+        return [d.id for p in self.pipelines for s in p.device_stages for d in s.devices]
 
     def to_dict(self) -> dict:
         data = {
-            "format": FORMAT,
+            "format": INTERLEAVED_FORMAT if any(p.chunks > 1 for p in self.pipelines) else FORMAT,
             "model": self.model.to_dict(),
             "cluster": self.cluster,
             "micro_batch_size": self.micro_batch_size,
@@ -157,11 +169,15 @@ class Plan:
         out = {}
         if self.batch(i) != (self.micro_batch_size, self.num_microbatches):
             out["micro_batch_size"], out["num_microbatches"] = self.batch(i)
+        if p.chunks > 1:
+            out["chunks"] = p.chunks
+        groups = len(p.device_stages)
         out["stages"] = [
+            {"first_layer": s.first_layer, "num_layers": s.num_layers} if k >= groups else
             {"first_layer": s.first_layer, "num_layers": s.num_layers, "units_per_layer": s.units_per_layer,
              "devices": [{"id": d.id, "units": d.units, "recompute": list(d.recompute),
                           **({"shard_ratio": d.shard_ratio} if d.shard_ratio is not None else {})} for d in s.devices]}
-            for s in p.stages]
+            for k, s in enumerate(p.stages)]
         return out
 
     def to_json(self) -> str:
@@ -171,10 +187,14 @@ class Plan:
         return replace(self, info={**self.info, **info})
 
 
+FIELDS = {"format", "model", "cluster", "micro_batch_size", "num_microbatches", "zero_stage", "pipelines", "info"}
+"""The top-level fields of a plan file."""
+
+
 def from_dict(data, *, source: str = "<plan>") -> Plan:
     """Parse a plan mapping (as written by ``Plan.to_dict``) and validate it."""
     top = Fields(data, source=source)
-    top.check_known({"format", "model", "cluster", "micro_batch_size", "num_microbatches", "zero_stage", "pipelines", "info"})
+    top.check_known(FIELDS, what="a plan")
     fmt = top.string("format", default=FORMAT)
     if fmt not in READABLE_FORMATS:
         raise top.error("format", f"unsupported plan format {excerpt(fmt)} (expected one of {', '.join(READABLE_FORMATS)})")
@@ -182,17 +202,27 @@ def from_dict(data, *, source: str = "<plan>") -> Plan:
     pipelines = []
     for pi, raw_p in enumerate(top.sequence("pipelines")):
         pf = Fields(raw_p, source=source, prefix=f"pipelines[{pi}]")
-        pf.check_known({"stages", "micro_batch_size", "num_microbatches"})
+        pf.check_known({"stages", "micro_batch_size", "num_microbatches", "chunks"}, what="a pipeline")
         own_b = pf.integer("micro_batch_size", maximum=MAX_GLOBAL_BATCH, default=None)
         own_m = pf.integer("num_microbatches", maximum=MAX_MICROBATCHES, default=None)
+        chunks = pf.integer("chunks", maximum=model.num_layers, default=1)
+        raw_stages = pf.sequence("stages")
+        groups = len(raw_stages) // chunks if chunks > 1 else len(raw_stages)
         stages = []
-        for si, raw_s in enumerate(pf.sequence("stages")):
+        for si, raw_s in enumerate(raw_stages):
             sf = Fields(raw_s, source=source, prefix=f"{pf.prefix}.stages[{si}]")
-            sf.check_known({"first_layer", "num_layers", "units_per_layer", "devices"})
+            sf.check_known({"first_layer", "num_layers", "units_per_layer", "devices"}, what="a stage")
+            if si >= groups > 0 and not (isinstance(raw_s, dict) and "devices" in raw_s):
+                # A later virtual stage of an interleaved pipeline runs on the group of stage si mod p.
+                group = stages[si % groups]
+                stages.append(Stage(first_layer=sf.integer("first_layer", minimum=0, maximum=model.num_layers),
+                                    num_layers=sf.integer("num_layers", minimum=0, maximum=model.num_layers),
+                                    units_per_layer=group.units_per_layer, devices=group.devices))
+                continue
             devices = []
             for di, raw_d in enumerate(sf.sequence("devices")):
                 df = Fields(raw_d, source=source, prefix=f"{sf.prefix}.devices[{di}]")
-                df.check_known({"id", "units", "recompute", "shard_ratio"})
+                df.check_known({"id", "units", "recompute", "shard_ratio"}, what="a stage device")
                 recompute = df.raw("recompute", default=[])
                 if not isinstance(recompute, list) or not all(isinstance(x, str) for x in recompute):
                     raise df.error("recompute", "expected a list of operator names")
@@ -202,7 +232,7 @@ def from_dict(data, *, source: str = "<plan>") -> Plan:
                 first_layer=sf.integer("first_layer", minimum=0, maximum=model.num_layers),
                 num_layers=sf.integer("num_layers", minimum=0, maximum=model.num_layers),
                 units_per_layer=sf.integer("units_per_layer", maximum=model.num_heads), devices=tuple(devices)))
-        pipelines.append(Pipeline(stages=tuple(stages), micro_batch_size=own_b, num_microbatches=own_m))
+        pipelines.append(Pipeline(stages=tuple(stages), micro_batch_size=own_b, num_microbatches=own_m, chunks=chunks))
     info = top.raw("info", default={})
     plan = Plan(
         model=model, cluster=top.string("cluster"), micro_batch_size=top.integer("micro_batch_size", maximum=MAX_GLOBAL_BATCH),
@@ -232,8 +262,17 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
                 raise err(f"pipelines[{pi}].{name}", f"must be >= 1, got {value}")
     for pi, pipe in enumerate(plan.pipelines):
         next_layer = 0
+        if pipe.chunks > 1 and (len(pipe.stages) % pipe.chunks or len(pipe.stages) < 2 * pipe.chunks):
+            raise err(f"pipelines[{pi}].chunks", f"{pipe.chunks} chunks per device group need the stages to be a multiple "
+                      f"of {pipe.chunks} virtual stages over at least two groups, got {len(pipe.stages)}")
+        groups = len(pipe.device_stages)
         for si, stage in enumerate(pipe.stages):
             where = f"pipelines[{pi}].stages[{si}]"
+            if si >= groups:
+                group = pipe.stages[si % groups]
+                if (stage.units_per_layer, stage.devices) != (group.units_per_layer, group.devices):
+                    raise err(f"{where}.devices", f"virtual stage {si} runs on the group of stage {si % groups}: give it "
+                              "no devices, or the same devices, units and recomputation")
             if stage.first_layer != next_layer:
                 raise err(f"{where}.first_layer",
                           f"expected layer {next_layer} (stages must cover layers 0..{spec.num_layers - 1} once, in order), got {stage.first_layer}")
@@ -243,13 +282,14 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
             U = stage.units_per_layer
             if not splits_into(spec, U):
                 raise err(f"{where}.units_per_layer",
-                          f"{U} units do not divide the {spec.num_heads} heads and {spec.ffn_dim} FFN columns evenly")
+                          f"{U} units do not divide the {spec.kv_heads} {'KV heads' if spec.llama else 'heads'} and {spec.ffn_dim} FFN columns "
+                          "evenly")
             if len(stage.devices) > U:
                 raise err(f"{where}.devices", f"{len(stage.devices)} devices but only {U} units per layer (each device needs at least one)")
             total = sum(d.units for d in stage.devices)
             if total != U:
                 raise err(f"{where}.devices", f"units add up to {total}, expected units_per_layer = {U}")
-            for di, d in enumerate(stage.devices):
+            for di, d in enumerate(stage.devices if si < groups else ()):
                 if d.id in seen:
                     raise err(f"{where}.devices[{di}].id", f"device {excerpt(d.id)} is used more than once")
                 seen.add(d.id)
@@ -277,9 +317,7 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
             pi, si, di = given
             raise err(f"pipelines[{pi}].stages[{si}].devices[{di}].shard_ratio", "a shard ratio needs zero_stage >= 1")
     else:
-        from baton.peers import peer_groups  # the peer sets come from the plan's shapes
-
-        for g in peer_groups(plan):
+        for g in peer_groups(plan):  # the peer sets come from the plan's shapes
             mine = [ratios[h] for h in g.holders]
             if any(r is None for r in mine) and any(r is not None for r in mine):
                 raise err("pipelines", f"devices {', '.join(g.holders)} hold the same parameters: give all or none of them a shard_ratio")
@@ -323,6 +361,16 @@ def plan_of_replicas(spec: ModelSpec, batches, zero_stage: int, stages, *, clust
                                num_microbatches=None if uniform else m) for st, (b, m) in zip(stages, batches))
     return Plan(model=spec, cluster=cluster, micro_batch_size=batches[0][0], num_microbatches=batches[0][1],
                 pipelines=pipelines, zero_stage=zero_stage)
+
+
+def interleaved_pipeline(pipe: Pipeline, layers) -> Pipeline:
+    """``pipe``'s stages as the device groups of an interleaved pipeline (docs/schedules.md): virtual stage k holds
+    ``layers[k]`` layers (in model order, a multiple of the groups) and runs on group k mod p."""
+    p, first, stages = len(pipe.stages), 0, []
+    for k, n in enumerate(layers):
+        stages.append(replace(pipe.stages[k % p], first_layer=first, num_layers=n))
+        first += n
+    return replace(pipe, stages=tuple(stages), chunks=len(layers) // p)
 
 
 def simple_plan(spec: ModelSpec, *, cluster: str, stages: list[list[tuple[str, int]]], layers: list[int],

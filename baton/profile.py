@@ -11,7 +11,8 @@ import functools
 import math
 import os
 import sys
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,10 @@ import pandas as pd
 from baton.atomic import write_atomically
 from baton.catalog import GpuType, gpu_type
 from baton.errors import BatonError
-from baton.model_spec import PRESETS, ModelSpec, split_profile_name
+from baton.model_spec import PRESETS, ModelSpec, preset_differences, split_profile_name
 from baton.operators import (EMBEDDING, HEAD, Operator, layer_operators, operator_bytes_moved, operator_flops,
                              operator_param_bytes, operator_param_count, padded_vocab, table_operators, tensor_sizes)
+from baton.peers import final_norm_param_count, position_param_count
 
 COLUMNS = [
     "gpu", "model", "op", "micro_batch", "seq_len", "tp_share",
@@ -88,6 +90,15 @@ def shipped_profiles_dir() -> Path:
 
 def table_filename(gpu: str, model: str, seq_len: int) -> str:
     return f"{gpu}__{model}__s{seq_len}.csv"
+
+
+def user_derived_path(gpu: str, spec: ModelSpec, seq_len: int | None = None) -> Path:
+    """Where ``baton profile --analytic`` files the table of (gpu, model, seq_len): the user's derived/."""
+    return profiles_dir() / "derived" / table_filename(gpu, spec.profile_name, seq_len or spec.seq_len)
+
+
+class MissingProfile(BatonError):
+    """No directory searched has the table of (gpu, model, seq_len)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,12 +274,17 @@ def load_profile(gpu: str, spec: ModelSpec, *, directory: str | Path | None = No
                                  source=str(path), field="model")
             prof.check_model(spec)
             return prof
+    # The preset's own table serves it at any attention (a derived table holds both); TF32 needs a YAML.
     preset = PRESETS.get(spec.name)
-    model_arg = spec.name if preset is not None and replace(preset, seq_len=seq) == replace(spec, seq_len=seq) else "<model YAML>"
-    raise BatonError(
+    model_arg = spec.name if preset is not None and preset.tf32 == spec.tf32 and not preset_differences(spec) else "<model YAML>"
+    # A directory given is searched alone, so the table must go there (--out); the line already starts
+    # with that directory, and says it once more only where the command needs it.
+    where = "this directory" if directory else " and then ".join(map(str, roots))
+    out = f" --out {Path(directory) / 'derived' / name}" if directory else ""
+    raise MissingProfile(
         f"no profile for GPU '{gpu}', model '{spec.profile_name}', seq_len {seq} "
-        f"(looked for {name} in measured/, ./ and derived/ of {' and then '.join(map(str, roots))}); "
-        f"create it with: baton profile --analytic --gpu {gpu} --model {model_arg} --seq-len {seq}",
+        f"(looked for {name} in measured/, ./ and derived/ of {where}); "
+        f"create it with: baton profile --analytic --gpu {gpu} --model {model_arg} --seq-len {seq}{out}",
         source=str(roots[0]), field="profile",
     )
 
@@ -294,17 +310,55 @@ DEFAULT_TF32 = False
 
 
 class ProfileSet:
-    """Profiles of every GPU type of a cluster for one model, loaded on first use."""
+    """Profiles of every GPU type of a cluster for one model, loaded on first use.
 
-    def __init__(self, spec: ModelSpec, *, directory: str | Path | None = None, tables: dict[str, Profile] | None = None):
+    With ``derive_missing`` (a function taking one line of text), a table that no directory has is derived
+    from the catalog into the user's profile directory (``derive_user_table``), the line saying so goes to
+    ``derive_missing``, and later runs find it there like any table of the user's; a measured table, where
+    there is one, is still found first. Never into a ``directory`` (``--profiles``): that is searched alone
+    and may be shipped or shared tables, so a table missing there stays an error that says how to make it.
+    """
+
+    def __init__(self, spec: ModelSpec, *, directory: str | Path | None = None, tables: dict[str, Profile] | None = None,
+                 derive_missing: Callable[[str], None] | None = None):
         self.spec = spec
         self.directory = directory
+        self.derive_missing = derive_missing
         self._tables: dict[str, Profile] = dict(tables or {})
 
     def __getitem__(self, gpu: str) -> Profile:
         if gpu not in self._tables:
-            self._tables[gpu] = load_profile(gpu, self.spec, directory=self.directory)
+            try:
+                self._tables[gpu] = load_profile(gpu, self.spec, directory=self.directory)
+            except MissingProfile as missing:
+                if self.derive_missing is None:
+                    raise
+                if self.directory is not None:
+                    raise MissingProfile(f"{missing.message} (--profiles is searched alone, so Baton derives nothing into it)",
+                                         source=missing.source, field=missing.field) from None
+                path = derive_user_table(gpu, self.spec)
+                self.derive_missing(f"derived the analytic table for {gpu} x {self.spec.profile_name} (seq {self.spec.seq_len}) "
+                                    f"into {path}")
+                self._tables[gpu] = load_profile(gpu, self.spec)
         return self._tables[gpu]
+
+    def __getstate__(self) -> dict:
+        # Worker processes of a solve receive the tables already loaded; the reporter may be a closure.
+        return {**self.__dict__, "derive_missing": None}
+
+
+def derive_user_table(gpu: str, spec: ModelSpec, seq_len: int | None = None) -> Path:
+    """Write the analytic table ``baton profile --analytic --gpu gpu --model spec`` writes (default micro-batch
+    sizes and shares) to ``user_derived_path``, atomically, and return that path."""
+    path = user_derived_path(gpu, spec, seq_len)
+    table = derive_table(spec, gpu_type(gpu), micro_batches=DEFAULT_MICRO_BATCHES, seq_len=seq_len or spec.seq_len)
+    try:
+        write_table(table, path)
+    except OSError as exc:
+        raise BatonError(f"no table for GPU '{gpu}', model '{spec.profile_name}', and the analytic one cannot be written "
+                         f"there ({exc.strerror or exc}); set ${PROFILES_ENV} to a directory you may write",
+                         source=str(path), field="profile") from None
+    return path
 
 
 def _time_ms(flops: float, bytes_moved: float, kind: str, gpu: GpuType, dtype: str, tf32: bool = DEFAULT_TF32) -> float:
@@ -341,16 +395,18 @@ def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: in
                        *, share: float = 1.0, tf32: bool = DEFAULT_TF32) -> OpCost:
     """Embedding (first stage) or final LayerNorm + LM head + cross-entropy (last stage) on a rank that
     holds ``share`` of the padded vocabulary (its share of the stage's units; the runtime's
-    ``runtime/vocab_parallel.py``). Bytes are exactly what that code keeps and holds:
+    ``runtime/parallel/vocab_parallel.py``). Bytes are exactly what that code keeps and holds:
 
     * embedding: its rows of the token embedding (``V_pad * share`` x h) and the whole position embedding
       (s x h) as parameters; it keeps the (b, s) int64 local token indices. Forward writes the full
       (b, s, h) output (zeros for tokens other ranks hold); backward writes the dense gradient of its
       rows and adds it into the gradient buffer.
-    * head: the final LayerNorm (replicated) as parameters; its rows of the tied matrix are charged by
-      the evaluator (to the embedding row on the first stage, again on a last stage that is not the
-      first). It keeps the LayerNorm's input, statistics and output, the fp32 softmax of its logits
-      shard (b, s, V_pad * share) and the (b, s) int64 local targets.
+    * head: the final norm (replicated) as parameters, and an untied head's rows (``V_pad * share`` x h);
+      a tied head's rows are charged by the evaluator (to the embedding row on the first stage, again on
+      a last stage that is not the first). It keeps the norm's input, statistics and output, the fp32
+      softmax of its logits shard (b, s, V_pad * share) and the (b, s) int64 local targets.
+    * Llama: the embedding has no position rows (rotary positions have no parameters); the final norm is
+      an RMSNorm (one fp32 statistic per token, a gain and no bias).
 
     The all-reduces (one of (b, s, h) in the embedding's forward, three of (b, s) fp32 in the loss's
     forward and one of (b, s, h) in the head's backward) are not part of these times: the cost model
@@ -367,16 +423,19 @@ def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: in
         fwd = _time_ms(tokens * h, moved, "embedding", gpu, spec.dtype) + launch_ms(gpu)
         bwd = _time_ms(tokens * h, moved * BACKWARD_FACTOR["embedding"] + grad_rows, "embedding", gpu, spec.dtype) + launch_ms(gpu)
         return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=index_bytes, output_bytes=tokens * h * e,
-                      param_bytes=(vd * h + s * h) * e)
+                      param_bytes=(vd * h + position_param_count(spec)) * e)
     if name == HEAD:
         flops = 2 * tokens * h * vd + 5 * tokens * h + 5 * tokens * vd
         moved = vd * h * e + 2 * tokens * h * e + tokens * vd * (e + 8)
         fwd = _time_ms(flops, moved, "head", gpu, spec.dtype, tf32) + 3 * launch_ms(gpu)
         bwd = _time_ms(2 * flops, 2 * moved, "head", gpu, spec.dtype, tf32) + 3 * launch_ms(gpu)
-        sizes = tensor_sizes(spec, micro_batch, s)  # the final LayerNorm keeps what a layer's ln1 keeps
-        ln = sizes["layer_input"].bytes(1.0) + sizes["ln1_stats"].bytes(1.0) + sizes["ln1_out"].bytes(1.0)
+        sizes = tensor_sizes(spec, micro_batch, s)  # the final norm keeps what a layer's first norm keeps
+        norm = "rms1" if spec.llama else "ln1"
+        ln = sizes["layer_input"].bytes(1.0) + sizes[f"{norm}_stats"].bytes(1.0) + sizes[f"{norm}_out"].bytes(1.0)
         saved = ln + tokens * vd * 4 + index_bytes
-        return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=tokens * vd * e, param_bytes=2 * h * e)
+        own_rows = 0.0 if spec.tie_embeddings else vd * h
+        return OpCost(fwd_ms=fwd, bwd_ms=bwd, saved_bytes=saved, output_bytes=tokens * vd * e,
+                      param_bytes=(final_norm_param_count(spec) + own_rows) * e)
     raise ValueError(name)
 
 

@@ -5,7 +5,7 @@ Set-up (explicit, because CPU processes share this machine's cores):
   BATON_PIN_CPUS=1), both while profiling and while training, so an operator runs under the same
   conditions in the table and in the run; gloo's I/O threads are left free to run on any core;
 * the operator profilers and the training ranks keep the host memory they free for reuse
-  (``runtime.host_memory``): with glibc's defaults a rank faulted 1,000-20,000 fresh pages in per
+  (``runtime.launch.host_memory``): with glibc's defaults a rank faulted 1,000-20,000 fresh pages in per
   step, depending on its allocation history, and ran up to ~18% slower than the table;
 * the operator table is measured on every core at once (``profile_table(concurrent=procs)``: training
   keeps every core busy, and a layer runs ~14% slower beside a busy core than beside an idle one),
@@ -22,7 +22,10 @@ Set-up (explicit, because CPU processes share this machine's cores):
   round's median step), so drift between rounds cancels instead of landing on one side; the measured and predicted times shown are the
   medians over rounds of each. (Round 1 also profiles every size and share once, for ``baton solve``.)
 
-Plans: pipelines with even and uneven layers, recomputation on one stage, tensor parallelism with
+Plans: pipelines with even and uneven layers (with ``--machines`` the even one also across two "machines" on
+this host: network namespaces joined by a 40 Mbit/s link, tests/machines_harness.py, root only, each machine's
+`baton train --node` pinned to a core of its own), an interleaved pipeline (two uneven chunks per device,
+docs/schedules.md), recomputation on one stage, tensor parallelism with
 even and uneven (3:1) units, data-parallel replicas (equal batches, uneven micro-batch counts 3 vs 1 and
 sizes 4 vs 2, optimizer state sharded 0.7/0.3 at zero_stage 1, everything sharded 0.7/0.3 at zero_stage 3,
 run layer by layer; with 4 processes also a two-stage pipeline
@@ -34,7 +37,7 @@ jitter, each rank's sync split into waiting for the peers and the collective its
 the step's excess over the slowest replica against a model of noisy replicas (expected maximum of
 normals), its sigma taken from the run or from the spread of a layer's profiled repetitions.
 
-Run: ``python bench/bench_fidelity.py [--rounds 4] [--steps 8] [--procs 2] [--variant fp32-eager|bf16-fused]``;
+Run: ``python bench/bench_fidelity.py [--rounds 4] [--steps 8] [--procs 2] [--variant fp32-eager|bf16-fused] [--machines]``;
 writes bench/results/fidelity.json and .md (``fidelity_bf16_fused.*`` for the bf16, fused-attention variant)
 after every round, so a run cut short keeps the rounds it finished (the table then says so).
 """
@@ -60,18 +63,19 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from baton.cluster import load_cluster  # noqa: E402
+from baton.evaluate import evaluate  # noqa: E402
 from baton.profile import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
-from baton.plan import Pipeline, Plan, load_plan, simple_plan, validate  # noqa: E402
+from baton.plan import Pipeline, Plan, interleaved_pipeline, load_plan, simple_plan, validate  # noqa: E402
 from baton.operators import EMBEDDING, HEAD  # noqa: E402
 from baton.profile import OPTIMIZER, table_filename, write_table  # noqa: E402
-from runtime.comm_profiler import measure_links, median_link  # noqa: E402
-from runtime.launch import TrainConfig, train  # noqa: E402
-from runtime.op_profiler import median_of_tables, profile_table  # noqa: E402
-from runtime.precision import cpu_runs_natively  # noqa: E402
-from runtime.report import build_report  # noqa: E402
-from runtime.topology import Topology  # noqa: E402
-from runtime.trace import read_spans  # noqa: E402
+from runtime.measure.comm_profiler import measure_links, median_link  # noqa: E402
+from runtime.launch.launcher import TrainConfig, train  # noqa: E402
+from runtime.measure.op_profiler import median_of_tables, profile_table  # noqa: E402
+from runtime.train.precision import cpu_runs_natively  # noqa: E402
+from runtime.measure.report import build_report  # noqa: E402
+from runtime.parallel.topology import Topology  # noqa: E402
+from runtime.measure.trace import read_spans  # noqa: E402
 
 SPEC = PRESETS["small"]
 ATTN = ["attn_scores", "softmax", "attn_dropout", "attn_v"]
@@ -80,7 +84,13 @@ VARIANTS = {
     "fp32-eager": (PRESETS["small"], ATTN, "fidelity"),
     "bf16-fused": (PRESETS["small"].with_overrides(name="small-bf16-fused", dtype="bf16", attention="fused"), ["attn_core"],
                    "fidelity_bf16_fused"),
+    # The small preset's sizes as a Llama layer: 8 query heads over 4 KV heads (units of one KV head), SwiGLU
+    # of the same width, untied head, residual dropout 0.1.
+    "llama": (PRESETS["small"].with_overrides(name="small-llama", architecture="llama", num_kv_heads=4, attention="fused",
+                                              tie_embeddings=False), ["rope", "attn_core"], "fidelity_llama"),
 }
+MLP_TAIL = {"gpt": ["gelu", "fc2"], "llama": ["swiglu", "down"]}
+"""What the 'tp2 3:1' plan's rank 0 recomputes: the MLP's activation and its row-parallel matmul."""
 
 
 def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
@@ -93,11 +103,12 @@ def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
             micro_batch_size=2, num_microbatches=4, recompute={d[0]: ATTN}),
         "pp2 2+4, mb 4": simple_plan(SPEC, cluster=cluster_name, stages=[[(d[0], 1)], [(d[1], 1)]], layers=[2, 4],
                                      units_per_layer=1, micro_batch_size=4, num_microbatches=2),
+        "pp2 interleaved, 2 chunks of 1+2 and 2+1": interleaved_plan(cluster_name, d[:2], [1, 2, 2, 1], m=4),
         "tp2 2:2": simple_plan(SPEC, cluster=cluster_name, stages=[[(d[0], 2), (d[1], 2)]], layers=[6],
                                units_per_layer=4, micro_batch_size=2, num_microbatches=2),
-        "tp2 3:1, rank 0 recomputes gelu+fc2": simple_plan(
+        f"tp2 3:1, rank 0 recomputes {'+'.join(MLP_TAIL[SPEC.architecture])}": simple_plan(
             SPEC, cluster=cluster_name, stages=[[(d[0], 3), (d[1], 1)]], layers=[6], units_per_layer=4,
-            micro_batch_size=2, num_microbatches=2, recompute={d[0]: ["gelu", "fc2"]}),
+            micro_batch_size=2, num_microbatches=2, recompute={d[0]: MLP_TAIL[SPEC.architecture]}),
     }
     # Data-parallel replicas (docs/cost-model.md, section 9): ranks that meet at every gradient sync.
     single = dict(stages=[[1]], layers=[6])
@@ -125,6 +136,63 @@ def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
     return out
 
 
+MACHINES_CASE = "pp2 3+3 across 2 machines, 40 Mbit/s between"
+MACHINES_MBIT = 40
+"""The NIC rate of each of the two namespaced machines (tc tbf both ways), and the ``nic`` their cluster file gives:
+slow enough that the pipeline's transfers (256 KiB activations, 52 ms each) are a tenth of its step."""
+
+
+def machines_plan() -> Plan:
+    """The two-stage pipeline of 'pp2 3+3' with its stages on two machines (tests/machines_harness.py)."""
+    return simple_plan(SPEC, cluster="cpu1x2", stages=[[("m1:0", 1)], [("m2:0", 1)]], layers=[3, 3], units_per_layer=1,
+                       micro_batch_size=2, num_microbatches=4)
+
+
+def write_machines_cluster(dst: Path, link) -> Path:
+    """Two machines of one CPU process each, their NICs the shaped rate, a message's latency the measured gloo one."""
+    node = lambda name, k: {"name": name, "interface": f"bm{k}", "gpus": [{"type": "cpu", "count": 1, "memory_gib": 12}],  # noqa: E731
+                            "nic": {"bandwidth_gb_per_s": MACHINES_MBIT / 8000, "latency_us": round(link.latency_us, 2)}}
+    data = {"name": "cpu1x2", "nodes": [node("m1", 1), node("m2", 2)]}
+    dst.mkdir(parents=True, exist_ok=True)
+    path = dst / "cpu1x2.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def run_on_machines(plan: Plan, cluster_path: Path, profiles: Path, steps: int, work: Path) -> dict:
+    """Train ``plan`` on two namespaced machines, each its own `baton train --node` pinned to a core of its own; the
+    report rank 0 writes (measured against the prediction from ``profiles``)."""
+    from tests.machines_harness import Machines
+
+    save = work / "machines-plan.json"
+    save.write_text(plan.to_json())
+    report = work / "machines-report.json"
+    env = {**os.environ, "BATON_PIN_CPUS": "1"}
+    with Machines(2, [MACHINES_MBIT, MACHINES_MBIT]) as ms:
+        procs = []
+        for k, node in enumerate(("m1", "m2")):
+            args = ["taskset", "-c", str(k % (os.cpu_count() or 1)), sys.executable, "-m", "cli", "train", "--plan", str(save),
+                    "--node", node, "--rdzv-endpoint", f"{ms.machines[0].address}:29400", "--cluster", str(cluster_path),
+                    "--profiles", str(profiles), "--device", "cpu", "--steps", str(steps), "--timeout", "300",
+                    "--report", str(report), "--run-dir", str(work / "machines-run")]
+            procs.append(ms.machines[k].popen(args, env=env, cwd=ROOT, log=work / f"machine{k + 1}.log"))
+            time.sleep(1.0 if k == 0 else 0)  # the rendezvous host first
+        for p in procs:
+            p.wait(1800)
+        if any(p.returncode for p in procs):
+            raise RuntimeError("the run across machines failed: " + (work / "machine1.log.err").read_text()[-500:])
+    return json.loads(report.read_text())
+
+
+def interleaved_plan(cluster_name: str, ids: list[str], layers: list[int], *, m: int, mbs: int = 2) -> Plan:
+    """Interleaved 1F1B (docs/schedules.md) over one device per group: virtual stage k holds ``layers[k]`` layers and
+    runs on ``ids[k mod p]``."""
+    p = len(ids)
+    flat = simple_plan(SPEC, cluster=cluster_name, stages=[[(i, 1)] for i in ids], layers=[sum(layers[g::p]) for g in range(p)],
+                       units_per_layer=1, micro_batch_size=mbs, num_microbatches=m)
+    return validate(replace(flat, pipelines=(interleaved_pipeline(flat.pipelines[0], layers),)))
+
+
 def replicas_plan(cluster_name: str, ids: list[str], replicas: list[dict], *, zero_stage: int = 0,
                   ratios: list[float] | None = None) -> Plan:
     """A plan of data-parallel replicas, each its own shape and batch: ``replicas[r]`` has ``stages`` ([[units,
@@ -149,7 +217,7 @@ def replicas_plan(cluster_name: str, ids: list[str], replicas: list[dict], *, ze
 # model prices each replica at its profile's (median) time and the sync as the collective alone (eq. 11,
 # 15). A step really lasts as long as the replica that arrives last *in that step*, so noise in every
 # replica's time adds E[max_r P_r] - max_r E[P_r] per step. Measured from the ranks' traces (one wall
-# clock on one machine, ``runtime.trace``), per kept step k:
+# clock on one machine, ``runtime.measure.trace``), per kept step k:
 #   S_k        the step's start: the earliest span of the step on any rank (the ranks leave the previous
 #              step's last all-reduce together);
 #   A_{r,k}    replica r's arrival: the last of its ranks to enter the gradient-sync span, minus S_k;
@@ -274,7 +342,7 @@ def _layer_ms(table) -> float:
 
 def cpu_description() -> str:
     """The CPU model and whether it has bf16 instructions: without them PyTorch's bf16 matrix products run
-    an emulation (``runtime.precision.emulation_note``; on an AVX2-only EPYC a bf16 layer of the small
+    an emulation (``runtime.train.precision.emulation_note``; on an AVX2-only EPYC a bf16 layer of the small
     preset ran 18x slower than in fp32), which changes a bf16 plan's balance of compute and communication."""
     model = platform.processor() or platform.machine()
     try:
@@ -326,8 +394,11 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=None,
                     help="run only the plans whose name contains this text (repeatable: any of them); the solver's "
                          "plan, named once solved, runs when the text is part of 'baton solve'")
+    ap.add_argument("--machines", action="store_true",
+                    help="also run 'pp2 3+3' across two namespaced machines joined by a 40 Mbit/s link (root only)")
     ap.add_argument("--variant", default="fp32-eager", choices=tuple(VARIANTS),
-                    help="the small preset as it is (fp32, eager attention) or in bf16 with fused attention")
+                    help="the small preset as it is (fp32, eager attention), in bf16 with fused attention, or as a "
+                         "Llama layer")
     args = ap.parse_args()
     global SPEC, ATTN
     SPEC, ATTN, _ = VARIANTS[args.variant]
@@ -337,6 +408,12 @@ def main() -> None:
     profiles = work / "profiles"
     t0 = time.time()
     cases = plans(f"cpu{args.procs}", args.procs)
+    from tests.machines_harness import unavailable
+
+    if args.machines:
+        if args.procs != 2 or unavailable() is not None:
+            raise SystemExit(f"--machines needs --procs 2 and network namespaces ({unavailable() or 'procs'})")
+        cases[MACHINES_CASE] = machines_plan()
     if args.only:
         cases = {k: v for k, v in cases.items() if any(o in k for o in args.only)}
     # Every micro-batch size and share the hand plans use, plus those the solver may pick.
@@ -373,13 +450,28 @@ def main() -> None:
                                      reps=args.reps, concurrent=args.procs)
 
             before = plan_table()
+            table_file = plan_profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len)
+            if name == MACHINES_CASE:
+                write_table(before, table_file)
+                machines_cluster = write_machines_cluster(work / f"round-{r}", links[-1])
+                rep = run_on_machines(plan, machines_cluster, plan_profiles, args.steps, work / f"round-{r}")
+                after = plan_table()
+                write_table(median_of_tables([before, after]), table_file)
+                drifts.setdefault(name, []).append(_layer_ms(after) / _layer_ms(before) - 1.0)
+                # The worker priced the run with the table before it; the pair's mean, as for every other plan.
+                predicted = evaluate(plan, load_cluster(machines_cluster), ProfileSet(SPEC, directory=plan_profiles)).iteration_time_ms
+                it = rep["iteration_time_ms"]
+                it["predicted"], it["rel_error"] = predicted, (predicted - it["measured"]) / it["measured"]
+                rounds.setdefault(name, []).append(rep)
+                print(f"    round {r + 1}: {it['measured']:.1f} ms measured, {predicted:.1f} predicted ({it['rel_error']:+.1%})")
+                continue
             per_rank: dict = {}
             trace = work / f"trace-{index}-{r}.json"
             train(TrainConfig(plan=plan, steps=args.steps, seed=0, collect_all_ranks=True, timeout_s=300, trace=str(trace)),
                   per_rank=per_rank)
             after = plan_table()
             # The run sits between two tables: their mean cancels the machine's drift across the pair, to first order.
-            write_table(median_of_tables([before, after]), plan_profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len))
+            write_table(median_of_tables([before, after]), table_file)
             drifts.setdefault(name, []).append(_layer_ms(after) / _layer_ms(before) - 1.0)
             syncs.setdefault(name, []).extend(sync_samples(plan, read_spans(trace), per_rank))
             rep = build_report(plan, cluster, ProfileSet(SPEC, directory=plan_profiles), per_rank)
@@ -502,7 +594,7 @@ def wait_table(rows: list[dict]) -> list[str]:
                    f"{w['excess_over_slowest_mean_ms']:.2f} | "
                    f"{mdl['excess_ms']:.2f} | {w['excess_over_slowest_median_ms']:.2f} | {mdl['excess_ms_robust']:.2f} | {eq19} |")
     out += ["", "Replica arrival: its last rank's entry into the gradient sync, from the step's first span (one wall clock, "
-            "`runtime.trace`). Wait per step: last arrival minus the replicas' mean arrival; model: E[max] of independent "
+            "`runtime.measure.trace`). Wait per step: last arrival minus the replicas' mean arrival; model: E[max] of independent "
             "normals (Clark) with each replica's measured mean and sd, minus their mean (sigma / sqrt(pi) for two equal "
             "replicas); with rho: the first two replicas' measured correlation (ranks that share a core arrive "
             "together). Excess: mean of the steps' last arrival minus the slowest replica's mean arrival, what the cost model "

@@ -1,7 +1,7 @@
 """The runtime on this machine's GPU against the cost model: profile, plan, train, compare (issue 9).
 
 On a CUDA machine it
-1. profiles GPU 0 with the runtime's own layer (``runtime.op_profiler.profile_table``): the model in bf16
+1. profiles GPU 0 with the runtime's own layer (``runtime.measure.op_profiler.profile_table``): the model in bf16
    with fused attention, at several micro-batch sizes and tensor-parallel shares, and writes the table to
    ``profiles/measured/<gpu>__<model>__s<seq>.csv`` with ``<same>.command.json`` beside it (the command,
    torch and CUDA versions, the device); then profiles it again with each layer, embedding and head timed
@@ -91,7 +91,7 @@ def fitting(plans: list[tuple[str, Plan]], cluster, profiles) -> list[tuple[str,
 
 
 def row_of(name: str, report: dict, back_to_back: dict | None = None) -> dict:
-    """One result line from a ``runtime.report.build_report`` dict of a one-device run (and, when given, the
+    """One result line from a ``runtime.measure.report.build_report`` dict of a one-device run (and, when given, the
     report of the same run priced from the table timed back to back)."""
     dev = report["devices"][0]
     it = report["iteration_time_ms"]
@@ -179,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     from baton.cluster import load_cluster
     from baton.errors import BatonError
     from baton.profile import Profile, ProfileSet, table_filename, write_table
-    from runtime.devices import catalog_gpu
-    from runtime.launch import TrainConfig, train
-    from runtime.op_profiler import profile_table
-    from runtime.report import build_report
+    from runtime.launch.devices import catalog_gpu
+    from runtime.launch.launcher import TrainConfig, train
+    from runtime.measure.op_profiler import profile_table
+    from runtime.measure.report import build_report
 
     props = torch.cuda.get_device_properties(0)
     gpu_type = catalog_gpu(props.name, props.total_memory)
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     table = args.profiles / "measured" / table_filename(gpu_type, spec.profile_name, spec.seq_len)
     df = profile_table(spec, device="cuda", micro_batches=MICRO_BATCHES, shares=SHARES, warmup=3, reps=args.reps, gpu_name=gpu_type)
     write_table(df, table)
-    command = {"command": shlex.join([sys.executable, *sys.argv]), "function": "runtime.op_profiler.profile_table",
+    command = {"command": shlex.join([sys.executable, *sys.argv]), "function": "runtime.measure.op_profiler.profile_table",
                "micro_batches": list(MICRO_BATCHES), "shares": list(SHARES), "reps": args.reps, "warmup": 3,
                "device": props.name, "torch": torch.__version__, "cuda": torch.version.cuda, "model": spec.to_dict()}
     write_atomically(table.with_suffix(".command.json"), json.dumps(command, indent=2) + "\n")

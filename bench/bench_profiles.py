@@ -123,7 +123,7 @@ def local_cpu_row() -> dict:
     """The runtime's own `small` layer timed on this CPU, one thread, against the `cpu` stand-in's derivation."""
     import torch
 
-    from runtime.op_profiler import profile_table
+    from runtime.measure.op_profiler import profile_table
 
     torch.set_num_threads(1)
     spec = PRESETS["small"]
@@ -134,7 +134,7 @@ def local_cpu_row() -> dict:
     return {"group": "local-cpu/small-s128", "gpu": "cpu", "device_as_named": platform.processor() or platform.machine(),
             "dtype": "fp32", "tf32": False, "micro_batch": 1, "seq_len": spec.seq_len, "metric": "layer_ms", "reference_gpu": None,
             "derived_ms": derived, "measured_value": measured, "derived_per_sample": derived, "measured_per_sample": measured,
-            "absolute": True, "source": "measured now (runtime/op_profiler.py, 1 thread, median of 5)"}
+            "absolute": True, "source": "measured now (runtime/measure/op_profiler.py, 1 thread, median of 5)"}
 
 
 def score(rows: list[dict]) -> dict:

@@ -49,7 +49,7 @@ class EvenBlock(nn.Module):
 
     def __init__(self, spec, rank, world, group, full):
         super().__init__()
-        from runtime.slicing import parameter_slice, take_slice
+        from runtime.parallel.slicing import parameter_slice, take_slice
 
         self.spec, self.group = spec, group
         nh, nf = spec.num_heads // world, spec.ffn_dim // world  # divide(n, world)
@@ -63,7 +63,7 @@ class EvenBlock(nn.Module):
             self.p[name.replace(".", "_")] = nn.Parameter(t.clone())
 
     def forward(self, x):
-        from runtime.tensor_parallel import copy_to_tp, reduce_from_tp
+        from runtime.parallel.tensor_parallel import copy_to_tp, reduce_from_tp
 
         p, B, T, C, hs = self.p, x.size(0), x.size(1), x.size(2), self.spec.head_dim
         a = copy_to_tp(F.layer_norm(x, (C,), p["ln_1_weight"], p["ln_1_bias"], 1e-5), self.group)
@@ -79,8 +79,8 @@ class EvenBlock(nn.Module):
 
 
 def bench_tp(rank, world, iters):
-    from runtime.model import init_parameter
-    from runtime.tp_layer import MicroBatch, ParallelBlock
+    from runtime.model.gpt import init_parameter
+    from runtime.parallel.tp_layer import MicroBatch, ParallelBlock
 
     spec = SPEC
     full = lambda name: init_parameter(spec, name, 0)  # noqa: E731
@@ -93,7 +93,7 @@ def bench_tp(rank, world, iters):
         blk = ParallelBlock(spec, 0, heads=range(before * hpu, (before + units[rank]) * hpu),
                             ffn_cols=range(before * fpu, (before + units[rank]) * fpu), tp_group=group)
         with torch.no_grad():
-            from runtime.slicing import parameter_slice, take_slice
+            from runtime.parallel.slicing import parameter_slice, take_slice
             for n, prm in blk.named_parameters():
                 prm.copy_(take_slice(full("h.0." + n), parameter_slice(spec, "h.0." + n, blk.heads,
                                                                         range(before * fpu, (before + units[rank]) * fpu))))
@@ -122,9 +122,9 @@ def bench_tp(rank, world, iters):
 def bench_pp(rank, world, iters):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
-    from runtime.tp_layer import MicroBatch
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
+    from runtime.parallel.tp_layer import MicroBatch
     from tests.runtime_helpers import plan_of
 
     spec, m, mbs = SPEC, 4, 2

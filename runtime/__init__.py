@@ -1,21 +1,18 @@
-"""Baton's runtime: trains a GPT under a plan, with numerics equal to the single-device model.
+"""Baton's runtime: trains a model under a plan, with numerics equal to the single-device model.
 
-model.py            the single-device reference GPT (nanoGPT style) and the parameter inventory/init
-rng.py              dropout masks as pure functions of (seed, step, layer, op, sample, head, position)
-tensor_parallel.py  non-uniform TP communication (dual autograd Functions, padded uneven gather)
-tp_layer.py         the tensor-parallel transformer layer (ParallelBlock): any head/FFN split, recompute segments
-stage.py            one rank's part of the model: its layers, the embedding and head at the pipeline's ends
-slicing.py          which slice of each full parameter a rank holds (checkpoints, loading full weights)
-meters.py           operator calls, recompute time and saved activation bytes, measured while training
-topology.py         plan devices -> ranks, stage pairing, process groups
-engine.py           the 1F1B step, gradient sync, AdamW, StepStats
-replica_sync.py     gradient sync over baton.peers' peer groups: all-reduces, or ZeRO-1 reduce-scatter/all-gather
-sharded_optimizer.py  AdamW over the owned shards at zero_stage 1 (fp32 master shards in mixed precision)
-host_memory.py      keep freed host memory in the process, so a CPU step's speed does not depend on its history
-data.py             byte-level text or synthetic tokens addressed by sample position
-checkpoint.py       plan-independent checkpoints (full tensors, safetensors), atomic writes
-hf.py               Hugging Face GPT-2 import
-launch.py           spawning ranks (or running under torchrun), error reporting
-commands.py         `baton train`
-profile_command.py  the measured branch of `baton profile` (--device, --comm)
+model/     the single-device reference GPT (nanoGPT style), dropout masks as pure functions of where they
+           are drawn, Hugging Face import and export, sampling
+parallel/  non-uniform tensor parallelism (communication, the parallel layer, the vocabulary-parallel
+           embedding and head), each rank's slices and stage, plan devices as ranks and groups
+train/     the step: one interpreter of baton.schedules (1F1B, interleaved 1F1B, layer by layer), gradient
+           sync over peer groups, AdamW (sharded at ZeRO stages 1-3, fp32 masters in mixed precision),
+           optimisation settings, plan-independent checkpoints
+data/      tokenizers and prepared token datasets, the samples each rank reads
+launch/    one process per plan device (or under torchrun), a machine's part of a run across machines (plan
+           ranks after the rendezvous, re-planning for lost machines), devices and the pre-flight memory
+           check, processes that end with the run, core pinning, host memory kept for reuse
+measure/   operator tables and link fits for the cost model, meters inside a step, metrics, traces,
+           the measured-against-predicted report
+commands/  `baton train`, `baton launch --print`, `baton data prepare`, `baton export`, `baton generate`,
+           `baton profile --device` and `--comm --peer`
 """

@@ -13,10 +13,10 @@ from baton.fields import excerpt
 from baton.model_spec import LIMITS as MODEL_LIMITS
 from baton.plan import MAX_DEVICES, MAX_GLOBAL_BATCH, SUPPORTED_ZERO_STAGES
 from baton.cluster import load_cluster
-from baton.commands import render_report
+from baton.commands import render_report, say_derived
 from baton.errors import BatonError
 from baton.profile import ProfileSet
-from baton.model_spec import load_model
+from baton.model_files import load_model
 from baton.plan import save_plan
 from solver.instance import DEFAULT_SHARD_GRID
 
@@ -94,7 +94,7 @@ def register(app: typer.Typer) -> None:
         """Plan the fastest training iteration that fits in every GPU's memory (three-level MILP)."""
         if strategy not in STRATEGIES:
             raise BatonError(f"unknown strategy {excerpt(strategy)} (choose one of {', '.join(STRATEGIES)})", field="--strategy")
-        # Bounds (README, "Errors"): a typo such as 10^12 samples would otherwise grow the search without end.
+        # Bounds (docs/errors.md, "Upper bounds"): a typo such as 10^12 samples would otherwise grow the search without end.
         if not 0 < global_batch <= MAX_GLOBAL_BATCH:
             raise BatonError(f"must be in 1..{MAX_GLOBAL_BATCH}, got {global_batch}", field="--global-batch")
         if micro_batch is not None and not 0 < micro_batch <= global_batch:
@@ -119,8 +119,8 @@ def register(app: typer.Typer) -> None:
         c = load_cluster(cluster)
         if len(c.devices) > MAX_DEVICES:
             raise BatonError(f"{len(c.devices)} devices, more than the {MAX_DEVICES} Baton plans for", source=str(cluster), field="nodes")
-        profile_set = ProfileSet(spec, directory=profiles)
-        for g in c.gpu_types:  # fail early, one line, naming the missing table
+        profile_set = ProfileSet(spec, directory=profiles, derive_missing=say_derived)
+        for g in c.gpu_types:  # fail early, one line, naming the missing table; or derive it now
             prof = profile_set[g]
             if prof.seq_len != spec.seq_len:
                 raise BatonError(f"the profile is for seq_len {prof.seq_len}, not {spec.seq_len}", source=prof.source, field="--seq-len")

@@ -192,6 +192,10 @@ def _device_signature(cluster: ClusterSpec, i: str):
     return (d.gpu.name, d.memory_bytes, d.reserve_bytes)
 
 
+class _Infeasible(Exception):
+    """The candidate holds no plan; the message says why (``Instance.infeasible_reason``)."""
+
+
 def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches: Sequence,
                    space: RecomputeSpace, *, zero_stage: int = 0, shard_grid: int = DEFAULT_SHARD_GRID, monotone: dict,
                    prune: bool = True, reduce_symmetry: bool = True, allowed=None, even_shards: bool = False) -> Instance:
@@ -210,11 +214,33 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
     if sum(min_layers) > N:
         return _infeasible(spec, skeleton, batches, zero_stage, "more stages than layers")
     zero_stage = zero_stage if r > 1 else 0
+    ratios, replica_class, representatives = _modelled_replicas(spec, cluster, skeleton, batches, zero_stage, shard_grid,
+                                                                reduce_symmetry, even_shards)
+    try:
+        share_options, unit_counts, tied = _share_options(spec, cluster, skeleton, ratios, monotone, reduce_symmetry, allowed)
+        positions = [_positions(spec, cluster, skeleton, s, zero_stage, share_options[s]) for s in range(p)]
+        rules = _ChoiceRules(spec=spec, space=space, ratios=ratios, min_layers=min_layers, max_layers=max_layers,
+                             prune=prune, allowed=allowed, replicas=r)
+        stages = [[_stage_data(cluster, profiles, rules, skeleton, batches, rep, s, share_options[s], tied[s], positions[s])
+                   for s in range(p)] for rep in representatives]
+    except _Infeasible as exc:
+        return _infeasible(spec, skeleton, batches, zero_stage, str(exc))
+    return Instance(spec=spec, skeleton=skeleton, batches=batches, zero_stage=zero_stage, ratios=ratios, stages=stages,
+                    modelled_replicas=len(representatives), replica_class=replica_class, representatives=representatives,
+                    share_options=share_options, unit_counts=unit_counts, min_layers=min_layers, max_layers=max_layers,
+                    embedding_sync_ms=embedding_sync_ms(cluster, spec, skeleton.pipelines), positions=positions,
+                    replica_time_cv=cluster.replica_time_cv)
 
-    # Replicas are interchangeable when every stage matches device for device and link for link, and they
-    # train on the same batch: one of each class is modelled and its twins copy its choices (any twin's
-    # choices fit on every twin, and the max over replicas only needs the fastest twin's). Not when each
-    # device's owned fraction is its own decision ('choose'): twins then differ in what they own.
+
+def _modelled_replicas(spec, cluster, skeleton, batches, zero_stage, shard_grid, reduce_symmetry, even_shards):
+    """(ratios, modelled replica of each replica, replica each modelled one is).
+
+    Replicas are interchangeable when every stage matches device for device and link for link, and they train on
+    the same batch: one of each class is modelled and its twins copy its choices (any twin's choices fit on every
+    twin, and the max over replicas only needs the fastest twin's). Not when each device's owned fraction is its
+    own decision ('choose'): twins then differ in what they own."""
+    r, p = skeleton.num_replicas, skeleton.num_stages
+
     def replica_signature(rho):
         pipe, (b, m) = skeleton.pipelines[rho], batches[rho]
         return (b, m) + tuple((tuple(_device_signature(cluster, i) for i in ids), cluster.slowest_link(list(ids)),
@@ -227,12 +253,15 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
     first_of: dict = {}
     replica_class = [first_of.setdefault(sig, len(first_of)) for sig in sigs]
     representatives = [replica_class.index(c) for c in range(len(first_of))]
-    modelled = len(representatives)
+    return ratios, replica_class, representatives
 
-    # Share options per stage position; a stage is "tied" when it is homogeneous in every replica.
+
+def _share_options(spec, cluster, skeleton, ratios, monotone, reduce_symmetry, allowed):
+    """(share options, unit counts, tied) of every stage position, shared by all replicas (eq. 2). A stage is tied
+    (rule 3: equal shares, one recompute set) when it is homogeneous in every replica and its table monotone."""
     units_all = valid_unit_counts(spec)
     share_options, unit_counts, tied = [], [], []
-    for s in range(p):
+    for s in range(skeleton.num_stages):
         n = len(skeleton.pipelines[0][s])
         sigs = {_device_signature(cluster, i) for pipe in skeleton.pipelines for i in pipe[s]}
         homog = len(sigs) == 1 and monotone[next(iter(sigs))[0]] and reduce_symmetry and ratios.mode != "choose"
@@ -240,7 +269,7 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
         if allowed is not None and allowed.get("uniform_tp"):
             Us = [U for U in Us if U % n == 0]
         if not Us:
-            return _infeasible(spec, skeleton, batches, zero_stage, f"stage {s} has {n} devices but no unit count U >= {n} divides the heads")
+            raise _Infeasible(f"stage {s} has {n} devices but no unit count U >= {n} divides the heads")
         equal = [U for U in Us if U % n == 0]
         if n == 1:  # one device holds every unit: any U gives share 1 and the same numbers
             share_options.append([(Us[0], Us[0])])
@@ -248,7 +277,7 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
             tied.append(homog)
         elif (homog and equal) or (allowed is not None and allowed.get("uniform_tp")):
             if not equal:
-                return _infeasible(spec, skeleton, batches, zero_stage, f"stage {s}: no equal split of {n} devices")
+                raise _Infeasible(f"stage {s}: no equal split of {n} devices")
             U0 = equal[0]
             share_options.append([(U0, U0 // n)])
             unit_counts.append([U0])
@@ -257,74 +286,95 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
             share_options.append([(U, u) for U in Us for u in range(1, U - n + 2)])
             unit_counts.append(Us)
             tied.append(False)
+    return share_options, unit_counts, tied
 
-    # Peer groups: one per (stage, rank) position, its sync line and the parameters it holds per share.
-    positions = []
-    for s in range(p):
-        row = []
-        for k in range(len(skeleton.pipelines[0][s])):
-            peers = [pipe[s][k] for pipe in skeleton.pipelines]
-            zero = group_sync_ms(cluster, spec, peers, 0.0, 0.0, zero_stage)
-            slope = group_sync_ms(cluster, spec, peers, GB, GB, zero_stage) - zero
-            params = {(U, u): (layer_param_count(spec, u / U) / GB, edge_param_count(spec, u / U, first=s == 0, last=s == p - 1) / GB)
-                      for (U, u) in share_options[s]}
-            row.append(Position(peers=peers, sync_ms_per_gparam=slope, sync_fixed_ms=zero, params=params))
-        positions.append(row)
 
-    owned = ratios.values
-    levels = np.array(ratios.levels)
-    stages = []
-    for rep in representatives:
-        pipe = skeleton.pipelines[rep]
-        b, m = batches[rep]
-        row = []
-        for s, ids in enumerate(pipe):
-            ids = list(ids)
-            slots = [device_slot(cluster, profiles, spec, b, i, stage=s, num_stages=p, num_microbatches=m) for i in ids]
-            const = stage_constants(cluster, spec, b, ids, first=s == 0, last=s == p - 1)
-            sf, sb = pipeline_transfers(cluster, spec, b, ids, pipe[s + 1] if s + 1 < p else None)
-            members = [list(range(len(ids)))] if tied[s] else [[k] for k in range(len(ids))]
-            groups = []
-            for k, member in enumerate(members):
-                slot = slots[member[0]]
-                choices, buffer_limits = {}, {}
-                for (U, u) in share_options[s]:
-                    found = device_choices(slot, spec, b, u / U, space, min_layers=min_layers[s], cap=max_layers[s], prune=prune,
-                                           owned_fractions=owned)
-                    if allowed is not None and allowed.get("recompute") is not None:
-                        found = [f for f in found if f[0] in allowed["recompute"]]
-                    if not found:
-                        continue
-                    edge = edge_cost(slot, spec, b, u / U)
-                    per_layer, fixed = (x * GB for x in positions[s][member[0]].params[(U, u)])
-                    if ratios.mode == "equal":  # the sync buffer (eq. 14) at the one owned fraction 1/r
-                        buf = int(max_layers_with_sync_buffer(slot, spec, found[0][1].param_bytes, edge, max_layers[s],
-                                                              owned_fraction=owned[0], group_size=r,
-                                                              shard_params_per_layer=owned[0] * per_layer,
-                                                              shard_params_fixed=owned[0] * fixed))
-                        found = [(rset, lc, (min(L[0], buf),)) for rset, lc, L in found]
-                    elif ratios.mode == "choose":
-                        buffer_limits[(U, u)] = max_layers_with_sync_buffer(
-                            slot, spec, found[0][1].param_bytes, edge, max_layers[s], owned_fraction=np.array(owned)[:, None],
-                            group_size=r, shard_params_per_layer=levels[None, :] * per_layer, shard_params_fixed=levels[None, :] * fixed)
-                    choices[(U, u)] = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
-                                              max_layers=L, param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms,
-                                              edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes) for rset, lc, L in found]
-                groups.append(Group(ids=[ids[j] for j in member], rank=None if tied[s] else k, choices=choices,
-                                    slots=[slots[j] for j in member], buffer_limits=buffer_limits))
-            if any(not g.choices for g in groups):
-                bad = next(g for g in groups if not g.choices)
-                return _infeasible(spec, skeleton, batches, zero_stage,
-                                   f"device {bad.ids[0]} cannot hold stage {s} under any share and recompute set")
-            row.append(StageData(replica=rep, index=s, ids=ids, allreduce_ms=const.allreduce_ms,
-                                 edge_fwd_comm_ms=const.edge_fwd_comm_ms, edge_bwd_comm_ms=const.edge_bwd_comm_ms,
-                                 send_fwd_ms=sf, send_bwd_ms=sb, groups=groups, tied=tied[s]))
-        stages.append(row)
+def _positions(spec, cluster, skeleton, s: int, zero_stage: int, share_options: list) -> list[Position]:
+    """Stage s's peer groups, one per TP rank: the sync line and the parameters held at every share."""
+    p, row = skeleton.num_stages, []
+    for k in range(len(skeleton.pipelines[0][s])):
+        peers = [pipe[s][k] for pipe in skeleton.pipelines]
+        zero = group_sync_ms(cluster, spec, peers, 0.0, 0.0, zero_stage)
+        slope = group_sync_ms(cluster, spec, peers, GB, GB, zero_stage) - zero
+        params = {(U, u): (layer_param_count(spec, u / U) / GB, edge_param_count(spec, u / U, first=s == 0, last=s == p - 1) / GB)
+                  for (U, u) in share_options}
+        row.append(Position(peers=peers, sync_ms_per_gparam=slope, sync_fixed_ms=zero, params=params))
+    return row
 
-    return Instance(spec=spec, skeleton=skeleton, batches=batches, zero_stage=zero_stage, ratios=ratios, stages=stages,
-                    modelled_replicas=modelled, replica_class=replica_class, representatives=representatives, share_options=share_options, unit_counts=unit_counts,
-                    min_layers=min_layers, max_layers=max_layers, embedding_sync_ms=embedding_sync_ms(cluster, spec, skeleton.pipelines),
-                    positions=positions, replica_time_cv=cluster.replica_time_cv)
+
+@dataclass(frozen=True, kw_only=True)
+class _ChoiceRules:
+    """What every device's choices of one candidate follow, whatever its stage."""
+
+    spec: ModelSpec
+    space: RecomputeSpace
+    ratios: Ratios
+    min_layers: list
+    """Fewest layers of each stage (``costmodel.layer_limits``)."""
+    max_layers: list
+    """Most layers of each stage."""
+    prune: bool
+    """Drop dominated recompute sets (rule 2); the oracle keeps them all."""
+    allowed: dict | None
+    """The baselines' restrictions ('recompute': the sets allowed)."""
+    replicas: int
+    """r: the peers of every position."""
+
+
+def _stage_data(cluster, profiles, rules: _ChoiceRules, skeleton, batches, rep: int, s: int, share_options: list,
+                tied: bool, positions: list) -> StageData:
+    """Stage s of modelled replica ``rep``: its constants, and its devices' choices (one group for a tied stage)."""
+    spec, p = rules.spec, skeleton.num_stages
+    pipe = skeleton.pipelines[rep]
+    b, m = batches[rep]
+    ids = list(pipe[s])
+    slots = [device_slot(cluster, profiles, spec, b, i, stage=s, num_stages=p, num_microbatches=m) for i in ids]
+    const = stage_constants(cluster, spec, b, ids, first=s == 0, last=s == p - 1)
+    sf, sb = pipeline_transfers(cluster, spec, b, ids, pipe[s + 1] if s + 1 < p else None)
+    members = [list(range(len(ids)))] if tied else [[k] for k in range(len(ids))]
+    groups = []
+    for k, member in enumerate(members):
+        choices, buffer_limits = _device_choices(rules, slots[member[0]], b, s, share_options, positions[member[0]].params)
+        groups.append(Group(ids=[ids[j] for j in member], rank=None if tied else k, choices=choices,
+                            slots=[slots[j] for j in member], buffer_limits=buffer_limits))
+    if any(not g.choices for g in groups):
+        bad = next(g for g in groups if not g.choices)
+        raise _Infeasible(f"device {bad.ids[0]} cannot hold stage {s} under any share and recompute set")
+    return StageData(replica=rep, index=s, ids=ids, allreduce_ms=const.allreduce_ms,
+                     edge_fwd_comm_ms=const.edge_fwd_comm_ms, edge_bwd_comm_ms=const.edge_bwd_comm_ms,
+                     send_fwd_ms=sf, send_bwd_ms=sb, groups=groups, tied=tied)
+
+
+def _device_choices(rules: _ChoiceRules, slot, b: int, s: int, share_options: list, params: dict) -> tuple[dict, dict]:
+    """(choices, buffer limits) of a device at ``slot``: for every share, its recompute sets worth keeping with
+    the most layers that fit, the sync buffer of eq. 14 included ('equal': folded into the limit; 'choose': per own
+    option and largest-ratio level, ``Group.buffer_limits``)."""
+    spec, ratios, r = rules.spec, rules.ratios, rules.replicas
+    owned, levels = ratios.values, np.array(ratios.levels)
+    choices, buffer_limits = {}, {}
+    for (U, u) in share_options:
+        found = device_choices(slot, spec, b, u / U, rules.space, min_layers=rules.min_layers[s], cap=rules.max_layers[s],
+                               prune=rules.prune, owned_fractions=owned)
+        if rules.allowed is not None and rules.allowed.get("recompute") is not None:
+            found = [f for f in found if f[0] in rules.allowed["recompute"]]
+        if not found:
+            continue
+        edge = edge_cost(slot, spec, b, u / U)
+        per_layer, fixed = (x * GB for x in params[(U, u)])
+        if ratios.mode == "equal":  # the sync buffer (eq. 14) at the one owned fraction 1/r
+            buf = int(max_layers_with_sync_buffer(slot, spec, found[0][1].param_bytes, edge, rules.max_layers[s],
+                                                  owned_fraction=owned[0], group_size=r,
+                                                  shard_params_per_layer=owned[0] * per_layer,
+                                                  shard_params_fixed=owned[0] * fixed))
+            found = [(rset, lc, (min(L[0], buf),)) for rset, lc, L in found]
+        elif ratios.mode == "choose":
+            buffer_limits[(U, u)] = max_layers_with_sync_buffer(
+                slot, spec, found[0][1].param_bytes, edge, rules.max_layers[s], owned_fraction=np.array(owned)[:, None],
+                group_size=r, shard_params_per_layer=levels[None, :] * per_layer, shard_params_fixed=levels[None, :] * fixed)
+        choices[(U, u)] = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
+                                  max_layers=L, param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms,
+                                  edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes) for rset, lc, L in found]
+    return choices, buffer_limits
 
 
 def _infeasible(spec, skeleton, batches, zero_stage, reason) -> Instance:

@@ -22,7 +22,7 @@ import pyomo.environ as pyo
 from pyomo.contrib.solver.common.factory import SolverFactory
 from pyomo.contrib.solver.common.results import TerminationCondition
 
-from baton.pipeline import schedule_1f1b
+from baton.schedules import one_f_one_b, pass_dependencies
 from baton.plan import DeviceShare, Plan, Stage, plan_of_replicas
 from baton.waits import arrival_planes
 
@@ -303,32 +303,26 @@ class InnerModel:
                                  + (N + 1) * (2 - m.y[rho, s, g, j] - m.u[s, g, t]))
 
     def pipeline_follows_1f1b(self) -> None:
-        """Eq. 1: finish(pass) >= finish(previous pass on the stage) + duration, and
-        >= finish(its dependency) + link + duration; the last backward of stage 0 ends the pipeline."""
+        """Eq. 1 over the schedule as data (``baton.schedules.one_f_one_b``, the list the evaluator's recurrence and
+        the runtime's interpreter read): one ``>=`` per pair of ``baton.schedules.pass_dependencies``, finish(pass)
+        >= finish(the pass its stage ran before) + duration, and >= finish(the pass whose tensor it receives) +
+        link + duration (a first pass: >= duration); the last backward of stage 0 ends the pipeline. Every finish
+        only bounds the objective from below, so the optimum sits on the longest path, which is
+        ``baton.pipeline.iteration_time`` of the same schedule (tests/test_schedules.py)."""
         inst, m = self.inst, self.m
         p = self.p
         m.flow = pyo.ConstraintList()
         for rho in range(self.R):
             st = inst.stages[rho]
             mb = inst.batch(rho)[1]
-            for s in range(p):
-                prev = None
-                for kind, i in schedule_1f1b(p, mb, s):
-                    dur = m.F[rho, s] if kind == "F" else m.B[rho, s]
-                    me = m.fin[rho, kind, s, i]
-                    if prev is not None:
-                        m.flow.add(me >= prev + dur)
-                    if kind == "F":
-                        if s > 0:
-                            m.flow.add(me >= m.fin[rho, "F", s - 1, i] + st[s - 1].send_fwd_ms + dur)
-                        elif prev is None:
-                            m.flow.add(me >= dur)
-                    else:
-                        if s < p - 1:
-                            m.flow.add(me >= m.fin[rho, "B", s + 1, i] + st[s].send_bwd_ms + dur)
-                        else:
-                            m.flow.add(me >= m.fin[rho, "F", s, i] + dur)
-                    prev = me
+            links = {"fwd": [st[s].send_fwd_ms for s in range(p - 1)], "bwd": [st[s].send_bwd_ms for s in range(p - 1)]}
+            for (kind, s, i), deps in pass_dependencies(one_f_one_b(p, mb)):
+                me = m.fin[rho, kind, s, i]
+                dur = m.F[rho, s] if kind == "F" else m.B[rho, s]
+                for (dk, ds, di), link in deps:
+                    m.flow.add(me >= m.fin[rho, dk, ds, di] + (links[link[0]][link[1]] if link else 0.0) + dur)
+                if not deps:
+                    m.flow.add(me >= dur)
             m.flow.add(m.T >= m.fin[rho, "B", 0, mb - 1])
 
     def last_replica_arrival(self) -> None:

@@ -18,6 +18,12 @@ skipped. In the exact family the non-uniform splits of a skeleton wait in the he
 listed, in windows of their bounds, only when that entry reaches the front. The proven bound of the whole
 search is the smallest bound of any candidate not known to be worse: the MILP bound for solved ones, the
 cheap bound for skipped ones.
+
+In the code: ``search`` fills a ``_Frontier`` (the heap, the incumbent, the bound bookkeeping) skeleton by
+skeleton (``_seed_skeleton``, ``_seed_candidate``, ``_try_constructive``), then ``_visit_candidates`` takes its
+entries in bound order and hands each to the step its kind needs (``_expand_group``, ``_requeued_at_sync_bound``,
+``_expand_structures``, ``_solve_structure``, ``_solve_milp``); ``_result`` re-checks the winner. What was asked,
+and the bounds' memos, are one frozen ``_Inputs`` every step reads.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import Iterable, Iterator, NamedTuple
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import device_slot, edge_cost, edge_param_count, layer_cost, layer_param_count
@@ -207,10 +213,203 @@ class _Skeleton:
 
     sk: Skeleton
     patterns: list
+    """``space.replica_pattern`` of each replica."""
     classes: list
+    """Class of each replica: replicas of one class are interchangeable (``splits.replica_classes``)."""
     sizes: list
+    """Micro-batch sizes each replica may use (``replica_micro_batches``)."""
     pushed: set = field(default_factory=set)
     """(zero stage, canonical batches) already pushed as candidates."""
+
+
+class _Entry(NamedTuple):
+    """One heap entry. Entries compare as tuples: by bound, then by push order (``seq`` is unique), so candidates
+    of equal bounds are taken in the order they were pushed."""
+
+    bound_ms: float
+    """Lower bound of every plan the entry stands for."""
+    seq: int
+    """Push order."""
+    kind: str
+    """'cand' (one candidate), 'group' (the exact family's splits of a (skeleton, stage) not listed yet) or 'struct'
+    (one structure of an unlike or stage-2/3 candidate)."""
+    skeleton: int
+    """Index into ``_Frontier.skeletons``."""
+    zero_stage: int
+    data: object
+    """'cand': the canonical batches; 'group': the start of its window (ms); 'struct': (tables, structure, sync)."""
+    refined: bool
+    """The bound already holds what is only computed at the front (the sync bound, the collectives' bound)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Incumbent:
+    """The best plan found so far."""
+
+    objective_ms: float
+    """Its iteration time (the evaluator's, for a constructive plan; the MILP's or the structure's otherwise)."""
+    plan: Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Inputs:
+    """What one search was asked, with the memos its bounds share. Frozen: every function of the search reads it,
+    none changes it (the memos only fill up)."""
+
+    spec: ModelSpec
+    cluster: ClusterSpec
+    profiles: ProfileSet
+    space: RecomputeSpace
+    """The recompute sets a device chooses among."""
+    global_batch: int
+    """Samples per iteration."""
+    micro_batch: int | None
+    """The micro-batch size asked for; None: every size the tables of a replica's GPUs hold."""
+    monotone: dict
+    """GPU type -> its table is non-decreasing in the share (``check_profiles``; rule 3 of solver/README.md)."""
+    reduce_symmetry: bool
+    allowed: dict | None
+    """Restrictions of the choices (the baselines'), for ``build_instance``."""
+    shard_grid: int
+    """K: owned fractions are multiples of 1/K."""
+    exact: bool
+    """Every batch split is searched (the exact family with splits 'auto'): groups of splits, the stage-1 grid, and
+    the sync bound from the start."""
+    strategy: str
+    gap: float
+    """Relative optimality gap at which a candidate cannot beat the incumbent."""
+    threads: int
+    """HiGHS threads per MILP."""
+    deadline_s: float
+    """``time.perf_counter()`` at which the search stops."""
+    cache: BoundCache = field(default_factory=BoundCache)
+    collectives_ms: dict = field(default_factory=dict)
+    """(skeleton, stage 2 or 3) -> least collectives of eq. 17 over its units (filled when one reaches the front)."""
+
+    def time_left(self) -> bool:
+        return time.perf_counter() < self.deadline_s
+
+    def skeleton_info(self, sk: Skeleton) -> _Skeleton:
+        patterns = [replica_pattern(self.cluster, pipe) for pipe in sk.pipelines]
+        return _Skeleton(sk=sk, patterns=patterns, classes=replica_classes(patterns),
+                         sizes=replica_micro_batches(self.cluster, self.profiles, patterns, self.global_batch, self.micro_batch))
+
+    def even(self, info: _Skeleton) -> bool:
+        """Stage 1 with equal parts only: the structured family (a heuristic restriction), except Cephalo's layout,
+        every device its own replica, on a cluster of several kinds of devices."""
+        if self.exact:
+            return False
+        single = all(len(pipe) == 1 and len(pipe[0]) == 1 for pipe in info.sk.pipelines)
+        return not single or len(set(info.classes)) == 1
+
+    def bound(self, info: _Skeleton, batches, z: int, sync: bool | None = None) -> float:
+        """A candidate's cheap bound; ``sync`` adds what is computed only at the front (default: in the exact family)."""
+        if z in LAYERED_STAGES:  # the collectives' bound when the candidate reaches the front (``sync``)
+            coll = None
+            if sync:
+                if (info.sk, z) not in self.collectives_ms:
+                    self.collectives_ms[info.sk, z] = collectives_lower_bound(self.spec, self.cluster, info.sk.pipelines, z,
+                                                                             info.patterns, even=not self.exact)
+                coll = self.collectives_ms[info.sk, z]
+            return layered_lower_bound(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, self.cache,
+                                       zero_stage=z, collectives=coll)
+        return candidate_lower_bound(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, self.cache,
+                                     self.monotone if self.reduce_symmetry else None, zero_stage=z, patterns=info.patterns,
+                                     sync=self.exact if sync is None else sync, even_shards=self.even(info))
+
+    def phi(self, info: _Skeleton, z: int, owned: float | None = None):
+        """Replica i's cheap bound on m micro-batches of b (owning ``owned`` of its optimizer state at stage 1;
+        None: anything)."""
+        spec, cluster, profiles, space, cache = self.spec, self.cluster, self.profiles, self.space, self.cache
+        mono = self.monotone if self.reduce_symmetry else None
+        if z in LAYERED_STAGES:
+            return lambda i, b, m: layered_replica_bound(spec, cluster, profiles, info.sk.pipelines[i][0], b, m, space, cache, z)
+        return lambda i, b, m: replica_bound(spec, cluster, profiles, info.sk.pipelines[i], b, m, space, cache, mono,
+                                             zero_stage=z, pattern=info.patterns[i], owned=owned)[0]
+
+    def instance(self, info: _Skeleton, batches, z: int, even_shards: bool = False):
+        return build_instance(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, zero_stage=z,
+                              shard_grid=self.shard_grid, monotone=self.monotone, reduce_symmetry=self.reduce_symmetry,
+                              allowed=self.allowed, even_shards=even_shards or self.even(info))
+
+    def constant(self, info: _Skeleton, z: int) -> float:
+        """What a candidate's bound adds to its slowest replica's before it reaches the front (the splits of a group
+        are listed against it): at stages 2 and 3 no sync bound (``bounds.layered_lower_bound``)."""
+        return skeleton_constant(self.spec, self.cluster, info.sk, self.cache, sync=z not in LAYERED_STAGES)
+
+    def group_range(self, info: _Skeleton, z: int) -> tuple[float, float]:
+        """Bounds of the skeleton's splits: below, each replica runs at least one micro-batch; above, the largest
+        finite bound a replica can reach (no split with a finite bound lies beyond it)."""
+        f, r = self.phi(info, z), info.sk.num_replicas
+        const = self.constant(info, z)
+        floor = const + max(min(f(i, b, 1) for b in info.sizes[i]) for i in range(r))
+        top = [f(i, b, _largest_m(lambda m, i=i, b=b: math.isfinite(f(i, b, m)), self.global_batch // b))
+               for i in range(r) for b in info.sizes[i] if math.isfinite(f(i, b, 1))]
+        return floor, const + max(top, default=math.inf)
+
+
+@dataclass(kw_only=True)
+class _Frontier:
+    """What the search changes as it goes: the candidates waiting in bound order, the incumbent, and what the
+    proven bound and the result's counts are made of."""
+
+    progress: Progress
+    skeletons: list = field(default_factory=list)
+    """_Skeleton of every skeleton with candidates; heap entries name theirs by index."""
+    heap: list = field(default_factory=list)
+    """_Entry heap, smallest bound first."""
+    seq: Iterator[int] = field(default_factory=itertools.count)
+    group_ceiling_ms: dict = field(default_factory=dict)
+    """(skeleton index, stage) -> the largest finite bound of its splits: a window beyond it takes all the rest."""
+    best: _Incumbent | None = None
+    greedy_bound_ms: float = math.inf
+    """Smallest bound of a candidate the constructive plan has been tried on."""
+    bounds_ms: list = field(default_factory=list)
+    """Bounds of everything not shown worse than the incumbent; with the incumbent, their least is the proven bound."""
+    notes: list = field(default_factory=list)
+    candidates: int = 0
+    """Candidates and structures pushed."""
+    solved: int = 0
+    """MILPs and structures solved."""
+    pruned: int = 0
+    """Entries left in the heap when the search stopped at the bound."""
+    unbounded: bool = False
+    """The time limit stopped the enumeration of skeletons: those not reached could hold anything."""
+    timed_out: bool = False
+    build_s: float = 0.0
+    solve_s: float = 0.0
+
+    @property
+    def incumbent_ms(self) -> float:
+        return self.best.objective_ms if self.best else math.inf
+
+    def threshold_ms(self, gap: float) -> float:
+        """A bound at or above this cannot beat the incumbent by more than the gap. With no incumbent it is nan,
+        which no bound reaches (an infinite bound included)."""
+        inc = self.incumbent_ms
+        return inc * (1 - gap) - 1e-9 * inc
+
+    def push(self, bound_ms: float, kind: str, k: int, z: int, data, refined: bool) -> None:
+        heapq.heappush(self.heap, _Entry(bound_ms, next(self.seq), kind, k, z, data, refined))
+
+    def push_candidate(self, info: _Skeleton, k: int, batches, z: int, bound_ms: float, refined: bool) -> None:
+        """Once per (stage, canonical batches): swapping interchangeable replicas' batches gives the same candidate."""
+        key = (z, canonical(batches, info.classes))
+        if key in info.pushed:
+            return
+        info.pushed.add(key)
+        self.push(bound_ms, "cand", k, z, key[1], refined)
+        self.candidates += 1
+
+    def proven_bound_ms(self) -> float:
+        """The least bound of everything not shown worse, the heap's front included."""
+        rest = [self.heap[0].bound_ms] if self.heap else []
+        return min(self.bounds_ms + rest + ([0.0] if self.unbounded else []))
+
+    def improve(self, objective_ms: float, plan: Plan, how: str, bound_ms: float | None) -> None:
+        """A better plan, and its progress line (``bound_ms`` None: candidates are still being bounded)."""
+        self.best = _Incumbent(objective_ms=objective_ms, plan=plan)
+        self.progress.improved(objective_ms, bound_ms, how, left=len(self.heap), bounded=str(self.candidates))
 
 
 def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, global_batch: int, micro_batch: int | None = None,
@@ -230,259 +429,249 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     ``time_limit`` covers the whole search: bounding candidates, constructive plans and MILPs.
     """
     t_start = time.perf_counter()
-    deadline = t_start + time_limit
     monotone = check_profiles(spec, cluster, profiles)
     space = space or recompute_space(spec)
     micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)  # one clear error when no size fits
     dominated = stage_one_dominates(spec, cluster, profiles)
     if skeletons is None:
         family, skeletons = skeleton_family(spec, cluster, family)
-    exact = family == "exact" and splits == "auto"
-    cache = BoundCache()
-    heap: list = []
-    seq = itertools.count()
-    infos: list[_Skeleton] = []
-    ceilings: dict = {}  # (skeleton, stage) -> largest finite bound of its splits
-    collectives: dict = {}  # (skeleton, stage 2 or 3) -> least collectives of eq. 17 over its units
+    inputs = _Inputs(spec=spec, cluster=cluster, profiles=profiles, space=space, global_batch=global_batch,
+                     micro_batch=micro_batch, monotone=monotone, reduce_symmetry=reduce_symmetry, allowed=allowed,
+                     shard_grid=shard_grid, exact=family == "exact" and splits == "auto", strategy=strategy, gap=gap,
+                     threads=threads, deadline_s=t_start + time_limit)
+    frontier = _Frontier(progress=Progress(log, t_start, detail_log))
     t0 = time.perf_counter()
-    best = None  # (objective, plan, instance or None)
-    progress = Progress(log, t_start, detail_log)
-    greedy_lb = math.inf  # smallest bound of a candidate the constructive plan has been tried on
-    unbounded = False
-    timed_out = False
-    pushed = 0
-
-    def even(info: _Skeleton) -> bool:
-        """Stage 1 with equal parts only: the structured family (a heuristic restriction), except Cephalo's layout,
-        every device its own replica, on a cluster of several kinds of devices."""
-        if exact:
-            return False
-        single = all(len(pipe) == 1 and len(pipe[0]) == 1 for pipe in info.sk.pipelines)
-        return not single or len(set(info.classes)) == 1
-
-    def bound(info: _Skeleton, batches, z: int, sync: bool | None = None) -> float:
-        if z in LAYERED_STAGES:  # the collectives' bound when the candidate reaches the front (``sync``)
-            coll = None
-            if sync:
-                if (info.sk, z) not in collectives:
-                    collectives[info.sk, z] = collectives_lower_bound(spec, cluster, info.sk.pipelines, z, info.patterns,
-                                                                      even=not exact)
-                coll = collectives[info.sk, z]
-            return layered_lower_bound(spec, cluster, profiles, info.sk, batches, space, cache, zero_stage=z, collectives=coll)
-        return candidate_lower_bound(spec, cluster, profiles, info.sk, batches, space, cache, monotone if reduce_symmetry else None,
-                                     zero_stage=z, patterns=info.patterns, sync=exact if sync is None else sync,
-                                     even_shards=even(info))
-
-    def phi(info: _Skeleton, z: int, owned: float | None = None):
-        """Replica i's cheap bound on m micro-batches of b (owning ``owned`` of its optimizer state at stage 1;
-        None: anything)."""
-        mono = monotone if reduce_symmetry else None
-        if z in LAYERED_STAGES:
-            return lambda i, b, m: layered_replica_bound(spec, cluster, profiles, info.sk.pipelines[i][0], b, m, space, cache, z)
-        return lambda i, b, m: replica_bound(spec, cluster, profiles, info.sk.pipelines[i], b, m, space, cache, mono,
-                                             zero_stage=z, pattern=info.patterns[i], owned=owned)[0]
-
-    def instance(info: _Skeleton, batches, z: int, even_shards: bool = False):
-        return build_instance(spec, cluster, profiles, info.sk, batches, space, zero_stage=z, shard_grid=shard_grid,
-                              monotone=monotone, reduce_symmetry=reduce_symmetry, allowed=allowed,
-                              even_shards=even_shards or even(info))
-
-    def try_greedy(info, batches, z):
-        """A constructive plan for a promising candidate: an incumbent within seconds (solver/greedy.py)."""
-        nonlocal best
-        if not info.sk.one_shape or z in LAYERED_STAGES:  # its rules cut every replica one way, at stage 0 or 1
-            return
-        inst = instance(info, batches, z, even_shards=True)  # it splits every peer group evenly anyway
-        if inst.infeasible_reason is not None:
-            return
-        found = greedy_incumbent(inst, cluster, profiles)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = (found[0], found[1], None)
-            progress.improved(best[0], None, "constructive", bounded=str(pushed))
-
-    def push_candidate(info, k, batches, z, lb, refined):
-        nonlocal pushed
-        key = (z, canonical(batches, info.classes))
-        if key in info.pushed:
-            return
-        info.pushed.add(key)
-        heapq.heappush(heap, (lb, next(seq), "cand", k, z, key[1], refined))
-        pushed += 1
-
-    def constant(info: _Skeleton, z: int) -> float:
-        """What a candidate's bound adds to its slowest replica's before it reaches the front (the splits of a group
-        are listed against it): at stages 2 and 3 no sync bound (``bounds.layered_lower_bound``)."""
-        return skeleton_constant(spec, cluster, info.sk, cache, sync=z not in LAYERED_STAGES)
-
-    def group_range(info: _Skeleton, z: int) -> tuple[float, float]:
-        """Bounds of the skeleton's splits: below, each replica runs at least one micro-batch; above, the largest
-        finite bound a replica can reach (no split with a finite bound lies beyond it)."""
-        f, r = phi(info, z), info.sk.num_replicas
-        const = constant(info, z)
-        floor = const + max(min(f(i, b, 1) for b in info.sizes[i]) for i in range(r))
-        top = [f(i, b, _largest_m(lambda m, i=i, b=b: math.isfinite(f(i, b, m)), global_batch // b))
-               for i in range(r) for b in info.sizes[i] if math.isfinite(f(i, b, 1))]
-        return floor, const + max(top, default=math.inf)
-
-    # Candidate construction: bound every (skeleton, split, stage); the time limit covers it too.
-    for sk in skeletons:
-        if time.perf_counter() >= deadline:
-            unbounded = timed_out = True  # the rest were never even enumerated
+    for sk in skeletons:  # the structured family is a generator: enumerating it is inside the time limit too
+        if not inputs.time_left():
+            frontier.unbounded = frontier.timed_out = True  # the rest were never even enumerated
             break
-        patterns = [replica_pattern(cluster, pipe) for pipe in sk.pipelines]
-        info = _Skeleton(sk=sk, patterns=patterns, classes=replica_classes(patterns),
-                         sizes=replica_micro_batches(cluster, profiles, patterns, global_batch, micro_batch))
-        if any(not x for x in info.sizes):
-            continue
-        k = len(infos)
-        infos.append(info)
-        zs = [z for z in zero_stages if z == 0 or (sk.num_replicas > 1 and (z == 1 or layered_skeleton(sk)))]
-        if sk.num_replicas > 1 and 1 in zs and dominated:
-            zs = [z for z in zs if z != 0]  # stage 0 can only tie with stage 1 (rule 8)
-        pipelined = [z for z in zs if z not in LAYERED_STAGES]
-        extras = None
-        for z in zs:
-            if splits == "uniform" or exact:
-                cands = uniform_splits(info.sizes, global_batch)
-            else:
-                # Speeds from the bound the candidates get (its stage bounds are then shared with theirs).
-                zb = z if z in LAYERED_STAGES or not pipelined else pipelined[-1]
-                owned = bound_owned(sk.num_replicas, zb, even(info))
-                cands = structured_splits(phi(info, zb, owned), info.sizes, info.classes, global_batch)
-                if extra_splits is not None:
-                    if extras is None:  # once per skeleton, for every stage
-                        extras = [x for x in extra_splits(sk) if sum(b * m for b, m in x) == global_batch]
-                    cands += extras
-            for batches in cands:
-                lb = bound(info, batches, z)
-                if not math.isfinite(lb):
-                    continue
-                push_candidate(info, k, batches, z, lb, refined=exact and z not in LAYERED_STAGES)
-                if strategy == "baton" and lb < greedy_lb * 0.97 and time.perf_counter() < deadline:
-                    greedy_lb = lb
-                    try_greedy(info, batches, z)
-            if exact and sk.num_replicas > 1:  # every other split, expanded lazily in bound order
-                floor, ceilings[k, z] = group_range(info, z)
-                if math.isfinite(floor):
-                    heapq.heappush(heap, (floor, next(seq), "group", k, z, 0.0, True))
-    build_s = time.perf_counter() - t0
-    solve_s = 0.0
-    bounds: list[float] = [0.0] if unbounded else []  # candidates never bounded could hold anything
-    notes: list[str] = []
-    solved = pruned = 0
+        _seed_skeleton(inputs, frontier, sk, zero_stages=zero_stages, dominated=dominated, splits=splits,
+                       extra_splits=extra_splits)
+    frontier.build_s = time.perf_counter() - t0
+    if frontier.unbounded:
+        frontier.bounds_ms.append(0.0)  # candidates never bounded could hold anything
+    _visit_candidates(inputs, frontier)
+    return _result(inputs, frontier, t_start=t_start, time_limit=time_limit, family=family)
+
+
+def _stages_searched(sk: Skeleton, zero_stages, dominated: bool) -> list[int]:
+    """The sharding stages a skeleton's candidates take: 1 needs replicas, 2 and 3 replicas of one stage each;
+    0 is left out where stage 1 dominates it (rule 8)."""
+    zs = [z for z in zero_stages if z == 0 or (sk.num_replicas > 1 and (z == 1 or layered_skeleton(sk)))]
+    if sk.num_replicas > 1 and 1 in zs and dominated:
+        zs = [z for z in zs if z != 0]  # stage 0 can only tie with stage 1 (rule 8)
+    return zs
+
+
+def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_stages, dominated: bool, splits: str,
+                   extra_splits) -> None:
+    """Push one skeleton's candidates at their cheap bounds: at every stage its uniform splits (exact family) or
+    structured ones, and in the exact family one group entry standing for all its other splits."""
+    info = inputs.skeleton_info(sk)
+    if any(not x for x in info.sizes):
+        return
+    k = len(frontier.skeletons)
+    frontier.skeletons.append(info)
+    zs = _stages_searched(sk, zero_stages, dominated)
+    pipelined = [z for z in zs if z not in LAYERED_STAGES]
+    extras = None
+    for z in zs:
+        if splits == "uniform" or inputs.exact:
+            cands = uniform_splits(info.sizes, inputs.global_batch)
+        else:
+            # Speeds from the bound the candidates get (its stage bounds are then shared with theirs).
+            zb = z if z in LAYERED_STAGES or not pipelined else pipelined[-1]
+            owned = bound_owned(sk.num_replicas, zb, inputs.even(info))
+            cands = structured_splits(inputs.phi(info, zb, owned), info.sizes, info.classes, inputs.global_batch)
+            if extra_splits is not None:
+                if extras is None:  # once per skeleton, for every stage
+                    extras = [x for x in extra_splits(sk) if sum(b * m for b, m in x) == inputs.global_batch]
+                cands += extras
+        for batches in cands:
+            _seed_candidate(inputs, frontier, k, batches, z)
+        if inputs.exact and sk.num_replicas > 1:  # every other split, expanded lazily in bound order
+            floor, frontier.group_ceiling_ms[k, z] = inputs.group_range(info, z)
+            if math.isfinite(floor):
+                frontier.push(floor, "group", k, z, 0.0, True)
+
+
+def _seed_candidate(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: int) -> None:
+    """Push a candidate at its cheap bound (none that cannot fit), and try the constructive plan on it when its
+    bound is at least 3% below every one tried so far: an incumbent, and a cutoff, long before the MILPs."""
+    info = frontier.skeletons[k]
+    lb = inputs.bound(info, batches, z)
+    if not math.isfinite(lb):
+        return
+    frontier.push_candidate(info, k, batches, z, lb, refined=inputs.exact and z not in LAYERED_STAGES)
+    if inputs.strategy == "baton" and lb < frontier.greedy_bound_ms * 0.97 and inputs.time_left():
+        frontier.greedy_bound_ms = lb
+        _try_constructive(inputs, frontier, info, batches, z)
+
+
+def _try_constructive(inputs: _Inputs, frontier: _Frontier, info: _Skeleton, batches, z: int) -> None:
+    """A constructive plan for a promising candidate: an incumbent within seconds (solver/greedy.py)."""
+    if not info.sk.one_shape or z in LAYERED_STAGES:  # its rules cut every replica one way, at stage 0 or 1
+        return
+    inst = inputs.instance(info, batches, z, even_shards=True)  # it splits every peer group evenly anyway
+    if inst.infeasible_reason is not None:
+        return
+    found = greedy_incumbent(inst, inputs.cluster, inputs.profiles)
+    if found is not None and (frontier.best is None or found[0] < frontier.best.objective_ms):
+        frontier.improve(found[0], found[1], "constructive", None)
+
+
+def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
+    """Take heap entries in bound order until the front cannot beat the incumbent (then its bound bounds every
+    entry left) or the time is up."""
+    heap = frontier.heap
     while heap:
-        lb, _, kind, k, z, data, refined = heap[0]
-        inc = best[0] if best else math.inf
-        threshold = inc * (1 - gap) - 1e-9 * inc
-        if lb >= threshold:
-            pruned += len(heap)
-            bounds.append(lb)  # the smallest bound of everything skipped
+        entry = heap[0]
+        if entry.bound_ms >= frontier.threshold_ms(inputs.gap):
+            frontier.pruned += len(heap)
+            frontier.bounds_ms.append(entry.bound_ms)  # the smallest bound of everything skipped
             break
-        if time.perf_counter() >= deadline:
-            timed_out = True
-            bounds.append(lb)
+        if not inputs.time_left():
+            frontier.timed_out = True
+            frontier.bounds_ms.append(entry.bound_ms)
             break
         heapq.heappop(heap)
-        info = infos[k]
-        if kind == "group":  # push the splits whose bound lies in [data, upto)
-            tg = time.perf_counter()
-            upto = min(inc * (1 - gap), lb * 1.05 + 1e-9) if math.isfinite(inc) else lb * 1.25 + 1e-9
-            const = constant(info, z)
-            last = upto > ceilings[k, z]  # beyond every finite replica bound: this window takes all the rest
-            for batches in exact_splits_below(phi(info, z), info.sizes, info.classes, global_batch,
-                                              math.inf if last else upto - const):
-                x = bound(info, batches, z)
-                if data <= x and (last or x < upto) and math.isfinite(x):
-                    push_candidate(info, k, batches, z, x, refined=z not in LAYERED_STAGES)
-            if not last:  # every split not pushed yet has a bound of at least upto
-                heapq.heappush(heap, (upto, next(seq), "group", k, z, upto, True))
-            build_s += time.perf_counter() - tg
-            continue
-        if not refined:  # the data-parallel sync bound, computed for the candidates that reach the front
-            x = bound_refined = bound(info, data, z, sync=True)
-            if x > lb * (1 + 1e-12):
-                heapq.heappush(heap, (bound_refined, next(seq), kind, k, z, data, True))
-                continue
-        if kind == "struct":  # one layout of every unlike replica: solved exactly, no MILP (solver/unlike.py)
-            tables, struct, sync = data
-            tb = time.perf_counter()
-            got = solve_layered(tables, struct, sync) if z in LAYERED_STAGES else solve_structure(tables, struct, sync,
-                                                                                                  tables.emb_ms, z)
-            solve_s += time.perf_counter() - tb
-            solved += 1
-            if got is None:
-                continue
-            bounds.append(got[0])
-            if got[0] < inc:
-                best = (got[0], got[1], None)
-                rest = [heap[0][0]] if heap else []
-                progress.improved(best[0], min(bounds + rest + ([0.0] if unbounded else [])), "layout", left=len(heap))
-            continue
-        batches = data
-        if not info.sk.one_shape or z in LAYERED_STAGES:  # list the structures that may beat the incumbent
-            tb = time.perf_counter()
-            limit = threshold if math.isfinite(inc) else math.inf
-            try:
-                if z in LAYERED_STAGES:
-                    entries, dropped = expand_layered(spec, cluster, profiles, space, info.sk.pipelines, batches, z,
-                                                      info.patterns, limit, grid=shard_grid, even=not exact,
-                                                      collectives_ms=collectives.get((info.sk, z), 0.0))
-                else:
-                    entries, dropped = expand(spec, cluster, profiles, space, info.sk.pipelines, batches, z, info.patterns, limit)
-            except OverflowError as exc:
-                bounds.append(lb)  # not searched: its cheap bound stays in the proven bound
-                notes.append(f"{info.sk.describe()} ({_describe(batches)}, stage {z}): {exc.args[0]} layouts, not searched")
-                build_s += time.perf_counter() - tb
-                continue
-            if math.isfinite(dropped):
-                bounds.append(dropped)
-            for entry in entries:
-                heapq.heappush(heap, (max(lb, entry[0]), next(seq), "struct", k, z, entry[1:], True))
-                pushed += 1
-            build_s += time.perf_counter() - tb
-            continue
-        tb = time.perf_counter()
-        inst = instance(info, batches, z)
-        if inst.infeasible_reason is not None:
-            build_s += time.perf_counter() - tb
-            continue
-        model = InnerModel(inst)
-        build_s += time.perf_counter() - tb
-        left = deadline - time.perf_counter()
-        res = model.solve(time_limit=left, rel_gap=gap, threads=threads, cutoff=inc if math.isfinite(inc) else None)
-        solve_s += res.solve_s
-        solved += 1
-        progress.detail(f"{_describe(batches)} z={z} {info.sk.describe()}: lb {lb:.1f} -> {res.status} {res.objective_ms} "
-                        f"(bound {res.bound_ms:.1f}) [{model.build_s:.2f}s build, {res.solve_s:.2f}s solve]")
-        if res.status in ("infeasible", "cutoff"):
-            continue
-        if res.status == "no_solution":  # time ran out before any incumbent
-            bounds.append(max(lb, res.bound_ms))
-            timed_out = True
-            continue
-        if res.status == "time_limit":
-            timed_out = True
-        bounds.append(max(lb, res.bound_ms))
-        if res.objective_ms < inc:
-            best = (res.objective_ms, res.plan, inst)
-            rest = [heap[0][0]] if heap else []
-            progress.improved(best[0], min(bounds + rest + ([0.0] if unbounded else [])), "MILP", left=len(heap))
+        info = frontier.skeletons[entry.skeleton]
+        if entry.kind == "group":
+            _expand_group(inputs, frontier, entry)
+        elif not entry.refined and _requeued_at_sync_bound(inputs, frontier, entry):
+            pass  # back in the heap at its higher bound: other entries may now come first
+        elif entry.kind == "struct":
+            _solve_structure(frontier, entry)
+        elif not info.sk.one_shape or entry.zero_stage in LAYERED_STAGES:
+            _expand_structures(inputs, frontier, entry)
+        else:
+            _solve_milp(inputs, frontier, entry)
+
+
+def _expand_group(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
+    """List the group's splits whose bounds lie in its window [start, upto) as candidates and push the group back
+    at upto: every split not listed yet has a bound of at least that. The window ends at the incumbent times
+    (1 - gap), or 5% above the start, so no split is bounded before it has to be."""
+    tg = time.perf_counter()
+    lb, k, z, info = entry.bound_ms, entry.skeleton, entry.zero_stage, frontier.skeletons[entry.skeleton]
+    inc = frontier.incumbent_ms
+    upto = min(inc * (1 - inputs.gap), lb * 1.05 + 1e-9) if math.isfinite(inc) else lb * 1.25 + 1e-9
+    const = inputs.constant(info, z)
+    last = upto > frontier.group_ceiling_ms[k, z]  # beyond every finite replica bound: this window takes all the rest
+    for batches in exact_splits_below(inputs.phi(info, z), info.sizes, info.classes, inputs.global_batch,
+                                      math.inf if last else upto - const):
+        x = inputs.bound(info, batches, z)
+        if entry.data <= x and (last or x < upto) and math.isfinite(x):
+            frontier.push_candidate(info, k, batches, z, x, refined=z not in LAYERED_STAGES)
+    if not last:  # every split not pushed yet has a bound of at least upto
+        frontier.push(upto, "group", k, z, upto, True)
+    frontier.build_s += time.perf_counter() - tg
+
+
+def _requeued_at_sync_bound(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> bool:
+    """Add the bound computed only at the front (the data-parallel sync, or the collectives at stages 2 and 3:
+    too costly for every one of 10^5 candidates). True when that raised the bound and the entry went back."""
+    bound_ms = inputs.bound(frontier.skeletons[entry.skeleton], entry.data, entry.zero_stage, sync=True)
+    if bound_ms > entry.bound_ms * (1 + 1e-12):
+        frontier.push(bound_ms, entry.kind, entry.skeleton, entry.zero_stage, entry.data, True)
+        return True
+    return False
+
+
+def _expand_structures(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
+    """A candidate of unlike replicas, or at stage 2 or 3, is no MILP: push every structure of it (layer splits,
+    units, ratios) that may beat the incumbent; the least bound of those dropped stays in the proven bound."""
+    tb = time.perf_counter()
+    info, z, batches, lb = frontier.skeletons[entry.skeleton], entry.zero_stage, entry.data, entry.bound_ms
+    limit = frontier.threshold_ms(inputs.gap) if math.isfinite(frontier.incumbent_ms) else math.inf
+    args = (inputs.spec, inputs.cluster, inputs.profiles, inputs.space, info.sk.pipelines, batches, z, info.patterns, limit)
+    try:
+        if z in LAYERED_STAGES:
+            entries, dropped = expand_layered(*args, grid=inputs.shard_grid, even=not inputs.exact,
+                                              collectives_ms=inputs.collectives_ms.get((info.sk, z), 0.0))
+        else:
+            entries, dropped = expand(*args)
+    except OverflowError as exc:
+        frontier.bounds_ms.append(lb)  # not searched: its cheap bound stays in the proven bound
+        frontier.notes.append(f"{info.sk.describe()} ({_describe(batches)}, stage {z}): {exc.args[0]} layouts, not searched")
+        frontier.build_s += time.perf_counter() - tb
+        return
+    if math.isfinite(dropped):
+        frontier.bounds_ms.append(dropped)
+    for found in entries:
+        frontier.push(max(lb, found[0]), "struct", entry.skeleton, z, found[1:], True)
+        frontier.candidates += 1
+    frontier.build_s += time.perf_counter() - tb
+
+
+def _solve_structure(frontier: _Frontier, entry: _Entry) -> None:
+    """One layout of every replica, solved exactly in closed form (solver/unlike.py, solver/layered.py)."""
+    tables, struct, sync = entry.data
+    z = entry.zero_stage
+    tb = time.perf_counter()
+    got = solve_layered(tables, struct, sync) if z in LAYERED_STAGES else solve_structure(tables, struct, sync,
+                                                                                          tables.emb_ms, z)
+    frontier.solve_s += time.perf_counter() - tb
+    frontier.solved += 1
+    if got is None:
+        return
+    frontier.bounds_ms.append(got[0])
+    if got[0] < frontier.incumbent_ms:
+        frontier.improve(got[0], got[1], "layout", frontier.proven_bound_ms())
+
+
+def _solve_milp(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
+    """One candidate's MILP, with the incumbent as its cutoff and the time left as its limit."""
+    tb = time.perf_counter()
+    info, z, batches, lb = frontier.skeletons[entry.skeleton], entry.zero_stage, entry.data, entry.bound_ms
+    inc = frontier.incumbent_ms
+    inst = inputs.instance(info, batches, z)
+    if inst.infeasible_reason is not None:
+        frontier.build_s += time.perf_counter() - tb
+        return
+    model = InnerModel(inst)
+    frontier.build_s += time.perf_counter() - tb
+    left = inputs.deadline_s - time.perf_counter()
+    res = model.solve(time_limit=left, rel_gap=inputs.gap, threads=inputs.threads, cutoff=inc if math.isfinite(inc) else None)
+    frontier.solve_s += res.solve_s
+    frontier.solved += 1
+    frontier.progress.detail(f"{_describe(batches)} z={z} {info.sk.describe()}: lb {lb:.1f} -> {res.status} {res.objective_ms} "
+                             f"(bound {res.bound_ms:.1f}) [{model.build_s:.2f}s build, {res.solve_s:.2f}s solve]")
+    if res.status in ("infeasible", "cutoff"):
+        return
+    if res.status == "no_solution":  # time ran out before any incumbent
+        frontier.bounds_ms.append(max(lb, res.bound_ms))
+        frontier.timed_out = True
+        return
+    if res.status == "time_limit":
+        frontier.timed_out = True
+    frontier.bounds_ms.append(max(lb, res.bound_ms))
+    if res.objective_ms < inc:
+        frontier.improve(res.objective_ms, res.plan, "MILP", frontier.proven_bound_ms())
+
+
+def _result(inputs: _Inputs, frontier: _Frontier, *, t_start: float, time_limit: float, family: str) -> SolveResult:
+    """The incumbent, re-checked by the evaluator, with its proven bound and gap; NoPlanFits (saying why) without one."""
     total_s = time.perf_counter() - t_start
-    if best is None:
-        if timed_out:
-            raise NoPlanFits(f"no plan found within the time limit of {time_limit:g} s ({solved} of {pushed} candidates tried)")
-        mbs = micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
-        raise NoPlanFits("no plan fits in memory: " + least_memory_explanation(spec, cluster, profiles, global_batch, mbs, space))
-    objective, plan, inst = best
-    bound_ms = min([objective] + [x for x in bounds])
+    spec, cluster, profiles = inputs.spec, inputs.cluster, inputs.profiles
+    if frontier.best is None:
+        if frontier.timed_out:
+            raise NoPlanFits(f"no plan found within the time limit of {time_limit:g} s "
+                             f"({frontier.solved} of {frontier.candidates} candidates tried)")
+        mbs = micro_batch_candidates(spec, cluster, profiles, inputs.global_batch, inputs.micro_batch)
+        raise NoPlanFits("no plan fits in memory: "
+                         + least_memory_explanation(spec, cluster, profiles, inputs.global_batch, mbs, inputs.space))
+    objective = frontier.best.objective_ms
+    bound_ms = min([objective] + frontier.bounds_ms)
     achieved_gap = max(0.0, (objective - bound_ms) / objective)
-    status = "optimal" if not timed_out and achieved_gap <= gap + 1e-9 else "time_limit"
-    plan = validate(replace(plan, cluster=cluster.name, info={}))
+    status = "optimal" if not frontier.timed_out and achieved_gap <= inputs.gap + 1e-9 else "time_limit"
+    plan = validate(replace(frontier.best.plan, cluster=cluster.name, info={}))
     report = recheck(plan, cluster, profiles, objective)
-    result = SolveResult(plan=plan, report=report, strategy=strategy, status=status, objective_ms=objective, bound_ms=bound_ms,
-                         gap=achieved_gap, build_s=build_s, solve_s=solve_s, total_s=total_s, family=family,
-                         candidates=pushed, solved=solved, pruned=pruned, first_plan_s=progress.first_s,
-                         unbounded=unbounded, notes=notes)
+    result = SolveResult(plan=plan, report=report, strategy=inputs.strategy, status=status, objective_ms=objective,
+                         bound_ms=bound_ms, gap=achieved_gap, build_s=frontier.build_s, solve_s=frontier.solve_s,
+                         total_s=total_s, family=family, candidates=frontier.candidates, solved=frontier.solved,
+                         pruned=frontier.pruned, first_plan_s=frontier.progress.first_s, unbounded=frontier.unbounded,
+                         notes=frontier.notes)
     result.plan = plan.with_info(**result.info())
     return result
 

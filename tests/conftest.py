@@ -1,4 +1,26 @@
-"""Shared fixtures: paths of the shipped files and a CLI runner that captures stderr separately."""
+"""Shared fixtures: paths of the shipped files and a CLI runner that captures stderr separately.
+
+What is marked ``long`` (``@pytest.mark.long``; ``python3 -m pytest tests`` skips it through pyproject.toml's
+addopts, ``python3 -m pytest tests -m long`` runs only it, ``-m ''`` runs everything, and .ci/run runs both):
+
+* sweeps: of a test run over many seeds, instances or values, one or a few representative parameters stay in
+  the default run (the exhaustive-search oracle on one random instance, the first seeds of each sweep); the
+  other parameters are long;
+* many-plan parity: each capability keeps one quick plan (pipeline, stages without layers, uneven TP,
+  recomputation, replicas of different shapes, ZeRO 1/2/3, bf16, fp16, fused vocabulary-parallel, a checkpoint
+  under another split, resume under another plan); further plans checking the same capability are long;
+* resume chains (a checkpoint resumed under plan after plan) and further resumes are long; one resume under
+  another plan stays quick (test_runtime_train.py);
+* tests of real runs (training processes, signals, measurements, reports) whose capability a quicker test
+  covers are long; every operational capability keeps one quick test (SIGTERM saves, SIGKILL cleans up, a
+  stopped peer is named, a damaged checkpoint falls back, workers die with their parent, a stalled
+  measurement is given up);
+* runs across namespaced machines and long trainings.
+
+A long test says beside its marker which quick test covers its capability. A quick test is never made quick
+by weakening its assertions: its set-up is made cheaper instead (a smaller instance or solve that asserts the
+same, a module fixture shared by its tests, the CLI in this process where no process boundary is tested).
+"""
 from __future__ import annotations
 
 from pathlib import Path

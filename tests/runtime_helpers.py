@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from baton.model_spec import PRESETS
 from baton.plan import Plan, simple_plan, validate
-from runtime.processes import die_with_parent, pid_alive, stop_processes
+from runtime.launch.processes import die_with_parent, pid_alive, stop_processes
 
 RANK_TIMEOUT_S = 60
 
@@ -74,7 +74,7 @@ def _rank_context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "runtime.engine", "runtime.model", "tests.runtime_helpers"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "runtime.train.engine", "runtime.model.gpt", "tests.runtime_helpers"])
     return ctx
 
 
@@ -117,10 +117,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 150.0) -> list:
 
 def parallel_worker(rank, world, plan, steps, seed, lr):
     """One step's loss and local gradients, then the losses of ``steps`` optimizer steps."""
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
 
-    from runtime.tensor_parallel import gather_uneven
+    from runtime.parallel.tensor_parallel import gather_uneven
 
     engine = Engine(plan, rank, seed=seed, lr=lr)
     gathered = None
@@ -128,7 +128,8 @@ def parallel_worker(rank, world, plan, steps, seed, lr):
         block = next(iter(engine.model.h.values()))
         stage = engine.topo.stage(engine.pos)
         sizes = [d.units * plan.model.ffn_dim // stage.units_per_layer for d in stage.devices]
-        gathered = (block.layer, gather_uneven(block.mlp.c_fc.weight.detach(), sizes, 0, engine.groups.tp))
+        weight = block.mlp.gate_proj.weight if plan.model.llama else block.mlp.c_fc.weight
+        gathered = (block.layer, gather_uneven(weight.detach(), sizes, 0, engine.groups.tp))
     data = TokenSource(plan.model, seed=seed, global_batch=plan.global_batch)
     stats = engine.forward_backward(0, data)
     grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
@@ -145,11 +146,11 @@ def parallel_worker(rank, world, plan, steps, seed, lr):
 
 def reference_run(spec, *, global_batch, steps, seed, lr):
     """The single-device model on the same data: step-0 gradients and the loss of every step."""
-    from runtime.data import TokenSource
-    from runtime.engine import ADAM_BETAS, ADAM_EPS
-    from runtime.model import GPT
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import ADAM_BETAS, ADAM_EPS
+    from runtime.model.family import reference_model
 
-    model = GPT(spec, seed=seed)
+    model = reference_model(spec, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)
     data = TokenSource(spec, seed=seed, global_batch=global_batch)
     losses, grads = [], None
@@ -171,15 +172,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def assert_parity(plan, *, steps=3, seed=0, lr=1e-3, tol=1e-5):
     """Run ``plan`` on spawned ranks and the reference; compare losses and every gradient slice."""
-    from runtime.model import init_parameter
-    from runtime.slicing import take_slice
+    from runtime.model.family import init_parameter
+    from runtime.parallel.slicing import take_slice
 
     results = run_ranks(parallel_worker, len(plan.device_ids()), plan, steps, seed, lr)
     ref_losses, ref_grads = reference_run(plan.model, global_batch=plan.global_batch, steps=steps, seed=seed, lr=lr)
     for res in results:
         if res["gathered"] is not None:
             layer, full = res["gathered"]
-            want = init_parameter(plan.model, f"h.{layer}.mlp.c_fc.weight", seed)
+            want = init_parameter(plan.model, f"h.{layer}.mlp.{'gate_proj' if plan.model.llama else 'c_fc'}.weight", seed)
             assert torch.equal(full, want), "uneven all-gather did not reassemble the full weight"
         pos = res["position"]
         stage = plan.pipelines[pos.pipeline].stages[pos.stage]
@@ -228,9 +229,9 @@ def replicas_plan(spec, replicas: list[dict], *, zero_stage: int = 0, ratios=Non
 
 def reference_adamw(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """The single-device reference optimizer: torch's AdamW with the runtime's betas and epsilon, no weight
-    decay for biases and LayerNorms (``runtime.schedule.decays``)."""
-    from runtime.engine import ADAM_BETAS, ADAM_EPS
-    from runtime.schedule import decays
+    decay for biases and LayerNorms (``runtime.train.optim_settings.decays``)."""
+    from runtime.train.engine import ADAM_BETAS, ADAM_EPS
+    from runtime.train.optim_settings import decays
 
     named = list(model.named_parameters())
     return torch.optim.AdamW([{"params": [p for n, p in named if decays(n)]},
@@ -243,10 +244,10 @@ def reference_training(spec, global_batch: int, steps: int, *, seed: int, lr: fl
     """The single-device model trained on the whole global batch: ``reference_adamw``, torch's
     clip_grad_norm_ at ``clip``, the learning rate of ``schedule`` (an ``LRSchedule``) at every step. Returns
     the model, its optimizer, the losses, the norms before clipping and the step-0 gradients by name."""
-    from runtime.data import TokenSource
-    from runtime.model import GPT
+    from runtime.data.source import TokenSource
+    from runtime.model.family import reference_model
 
-    model = GPT(spec, seed=seed)
+    model = reference_model(spec, seed=seed)
     named = list(model.named_parameters())
     opt = reference_adamw(model, lr=lr, weight_decay=weight_decay)
     data = TokenSource(spec, seed=seed, global_batch=global_batch)

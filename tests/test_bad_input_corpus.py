@@ -130,6 +130,17 @@ CASES = {
     "--out in a missing parent that is a file": lambda t: (
         ["solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--out", _write(t, "afile", "x") / "out.json"], ["--out", "afile"]),
     "--out is a directory": lambda t: (["solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--out", t], ["--out", "directory"]),
+    "--out in missing directories under a file": lambda t: (
+        ["solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--out", _write(t, "afile", "x") / "new" / "out.json"],
+        ["afile/new/out.json: field '--out'", "afile is not a directory"]),
+    # --- a file of one kind read as another, a preset's name on other sizes ----------------------------------
+    "cluster file with 'node:' shown": lambda t: (["show", _write(t, "c.yaml", "name: c\nnode: []\n")],
+                                                 ["c.yaml: field 'node'", "a cluster file has", "did you mean 'nodes'?"]),
+    "a preset's name on other sizes": lambda t: (["solve", "--cluster", CLUSTER, "--model",
+                                                  _write(t, "m.yaml", "name: gpt3-1.3b\nbase: gpt3-1.3b\nnum_layers: 10\n"),
+                                                  "--out", t / "out.json"],
+                                                 ["m.yaml: field 'name'", "preset with other sizes (num_layers 24 vs 10)",
+                                                  "a name of its own"]),
     "not a number": lambda t: (["solve", "--cluster", CLUSTER, "--model", "tiny", "--global-batch", "lots"], ["--global-batch"]),
     "unknown option": lambda t: (["evaluate", PLAN, "--cluster", CLUSTER, "--jsn"], ["--jsn"]),
     # --- plans -------------------------------------------------------------------------------------------------

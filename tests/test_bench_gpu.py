@@ -30,7 +30,7 @@ def _h100():
 def test_plans_that_fit_one_h100():
     """The candidates are valid one-GPU plans of the bf16 fused-attention model; those kept fit by the
     evaluator's eq. 8 against the GPU's real memory, and recomputation makes more of them fit."""
-    from runtime.devices import prediction_profiles
+    from runtime.launch.devices import prediction_profiles
 
     # 2.7B: at micro-batch 8 only full recomputation fits in 80 GB (1.3B fits at every size here).
     spec = bench_gpu.bench_model("gpt3-2.7b", 2048)
@@ -51,8 +51,8 @@ def test_plans_that_fit_one_h100():
 def test_result_rows_and_table_from_a_report():
     """A report of a one-GPU run (synthetic steps) becomes a row and a Markdown line."""
     from baton.profile import Profile, ProfileSet, derive_table
-    from runtime.engine import StepStats
-    from runtime.report import build_report
+    from runtime.train.engine import StepStats
+    from runtime.measure.report import build_report
 
     spec = bench_gpu.bench_model("gpt3-125m", 512)
     cluster = _h100()

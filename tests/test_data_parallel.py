@@ -1,9 +1,9 @@
 """Heterogeneous data parallelism: replicas of different shapes and batches, gradients summed over peer
-groups, and ZeRO stage 1 with uneven shards (runtime/replica_sync.py, runtime/sharded_optimizer.py),
+groups, and ZeRO stage 1 with uneven shards (runtime/train/replica_sync.py, runtime/train/sharded_optimizer.py),
 over real gloo processes against the single-device model on the whole global batch.
 
 Every parallel run returns, from rank 0, the full model state gathered the way checkpoints gather it
-(``runtime.checkpoint._gather_full_state``: master weights and both AdamW moments, from each piece's first
+(``runtime.train.checkpoint._gather_full_state``: master weights and both AdamW moments, from each piece's first
 group and, with zero_stage 1, from each shard's owner), so a misplaced shard shows in the comparison.
 
 Tolerances (fp32, tiny GPT, dropout on):
@@ -32,7 +32,7 @@ import shutil
 import pytest
 import torch
 
-from runtime.schedule import LRSchedule, clip_coefficient
+from runtime.train.optim_settings import LRSchedule, clip_coefficient
 from tests.runtime_helpers import reference_training, rel_err, replicas_plan, run_ranks, tiny
 
 STEPS, SEED, LR, WD = 3, 0, 3e-3, 0.1
@@ -80,11 +80,11 @@ def test_peer_group_layouts_cover_every_local_element_once_and_count_every_param
     the head's rows) counted twice."""
     from baton.operators import padded_vocab
     from baton.peers import peer_groups
-    from runtime.model import parameter_shapes
-    from runtime.replica_sync import group_layouts
-    from runtime.slicing import local_region, parameter_slice, put_slice, take_slice
-    from runtime.stage import StageModel
-    from runtime.topology import Topology
+    from runtime.model.gpt import parameter_shapes
+    from runtime.train.replica_sync import group_layouts
+    from runtime.parallel.slicing import local_region, parameter_slice, put_slice, take_slice
+    from runtime.parallel.stage import StageModel
+    from runtime.parallel.topology import Topology
 
     plan = replicas_plan(tiny(0.1), replicas)
     spec, topo = plan.model, Topology(plan)
@@ -122,9 +122,9 @@ def test_peer_group_layouts_cover_every_local_element_once_and_count_every_param
 
 
 def _worker(rank, world, plan, steps):
-    from runtime.checkpoint import _gather_full_state
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
+    from runtime.train.checkpoint import _gather_full_state
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
 
     engine = Engine(plan, rank, seed=SEED, lr=LR, weight_decay=WD, schedule=schedule(), clip_grad=CLIP)
     data = TokenSource(plan.model, seed=SEED, global_batch=plan.global_batch)
@@ -182,7 +182,7 @@ def run_plan(plan):
 
 def assert_follows_reference(plan, results):
     """Losses, norms, step-0 gradients (zero_stage 0) and the gathered final state against the reference."""
-    from runtime.slicing import take_slice
+    from runtime.parallel.slicing import take_slice
 
     ref = reference(plan.model, plan.global_batch)
     for res in results:
@@ -209,7 +209,8 @@ def assert_follows_reference(plan, results):
 # --- (a, b) replicas of different shapes and batches ------------------------------------------------------
 
 
-@pytest.mark.parametrize("replicas", [PP_AND_SINGLE, TP_AND_PP, TP_MISMATCHED],
+@pytest.mark.parametrize("replicas", [pytest.param(PP_AND_SINGLE, marks=pytest.mark.long), TP_AND_PP,
+                                      pytest.param(TP_MISMATCHED, marks=pytest.mark.long)],
                          ids=["pp2+single", "tp3:1+pp2", "tp1:1+tp1:3"])
 def test_replicas_of_different_shapes_and_batches_follow_the_single_device_run(replicas):
     """Replicas that differ in stages, layers, TP splits and batches (3 x 2 next to 1 x 2; 5 x 1 next to
@@ -237,7 +238,8 @@ ZERO_CASES = {
     "same-shape tp equal": (SAME_SHAPE_TP, None),
     "same-shape 0.3/0.7": (SAME_SHAPE_SINGLE, [0.3, 0.7]),
 }
-@pytest.mark.parametrize("case", list(ZERO_CASES))
+@pytest.mark.parametrize("case", [c if c in ("pp2+single 0.7/0.3", "same-shape 0.3/0.7") else pytest.param(c, marks=pytest.mark.long)
+                                  for c in ZERO_CASES])  # default: replicas of different shapes, and of one shape
 def test_zero_stage_1_gives_stage_0_update_and_predicted_state_bytes(case):
     """Optimizer state sharded by shard ratios 0.7/0.3, 0/1 (one replica owns nothing) and equal parts,
     over replicas of different shapes and of one shape, with clipping on every step, warm-up, cosine decay
@@ -252,7 +254,7 @@ def test_zero_stage_1_gives_stage_0_update_and_predicted_state_bytes(case):
     from baton.cluster import load_cluster
     from baton.evaluate import evaluate
     from baton.peers import group_shard_sizes, peer_groups
-    from runtime.devices import prediction_profiles
+    from runtime.launch.devices import prediction_profiles
     from tests.conftest import ROOT
 
     replicas, ratios = ZERO_CASES[case]
@@ -291,6 +293,7 @@ def test_zero_stage_1_gives_stage_0_update_and_predicted_state_bytes(case):
 # --- (d) resume across sharding stages, replica shapes and batch splits -----------------------------------
 
 
+@pytest.mark.long  # a resume chain; tests/test_runtime_train.py resumes under another plan in the default run
 def test_resume_across_sharding_stages_and_plan_shapes_keeps_the_loss_curve(tmp_path):
     """Six steps under zero_stage 1 (0.7/0.3, a two-stage replica beside a single device, 3 x 2 and 1 x 2
     samples), saved at step 2; resumed to step 4 under zero_stage 0 with another shape (TP 3:1 beside two
@@ -317,7 +320,7 @@ def resume_chain(tmp_path, x, y, z) -> list[float]:
     """Train plan ``x`` 6 steps saving every 2 (in ``tmp_path/x``); resume its step-2 checkpoint under ``y`` to
     step 4 and that one's step-4 checkpoint under ``z`` to step 6 (in ``tmp_path/y``, ``/z``). The resumed
     steps' losses follow the uninterrupted run's within 1e-5. Returns the uninterrupted run's losses."""
-    from runtime.launch import TrainConfig, train
+    from runtime.launch.launcher import TrainConfig, train
 
     full = train(TrainConfig(plan=x, steps=6, save_dir=str(tmp_path / "x"), save_every=2, **RESUME_OPTS))
     losses = [s.loss for s in full]
@@ -347,9 +350,10 @@ def assert_same_checkpoint(want_dir, got_dir) -> None:
 # --- (e) bf16 ------------------------------------------------------------------------------------------
 
 
+# Long: bf16 runs quick in tests/test_mixed_precision.py, stage 1 in fp32 above (bf16 on a CPU is mostly emulated, slow).
 @pytest.mark.parametrize("replicas,ratios", [
-    (TP_MISMATCHED, [0.7, 0.7, 0.3, 0.3]),
-    (PP_AND_SINGLE, [0.7, 0.7, 0.3]),
+    pytest.param(TP_MISMATCHED, [0.7, 0.7, 0.3, 0.3], marks=pytest.mark.long),
+    pytest.param(PP_AND_SINGLE, [0.7, 0.7, 0.3], marks=pytest.mark.long),
 ], ids=["tp1:1+tp1:3 0.7/0.3", "pp2+single 0.7/0.3"])
 def test_bf16_zero_stage_1_keeps_fp32_master_shards(replicas, ratios):
     """bf16 over replicas of different shapes, shard ratios 0.7/0.3: the module, its gradients and the
@@ -417,21 +421,22 @@ def _key_bias_apart(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def _validation_worker(rank, world, plan, val_dir):
-    from runtime.data import ValidationSource
-    from runtime.engine import Engine
+    from runtime.data.source import ValidationSource
+    from runtime.train.engine import Engine
 
     engine = Engine(plan, rank, seed=SEED)
     return engine.evaluate(ValidationSource(plan.model, val_dir, global_batch=plan.global_batch, max_windows=14))
 
 
+@pytest.mark.long  # validation runs quick in test_train_metrics.py; this is its split over uneven replicas
 def test_validation_splits_each_batch_like_a_training_step(tmp_path):
     """14 validation windows in batches of 8 over replicas of 5 x 1 and 1 x 3 samples: of the second batch's 6
     windows replica 0 runs five and replica 1 the first row of its micro-batch of 3. The loss equals the
     single-device model's over the same windows (1e-5). Catches a replica reading the plan's batch instead
     of its own, or a window counted twice or never."""
-    from runtime.data import ValidationSource, model_validation_loss
-    from runtime.model import GPT
-    from runtime.tokens import TokenizerChoice, prepare
+    from runtime.data.source import ValidationSource, model_validation_loss
+    from runtime.model.gpt import GPT
+    from runtime.data.tokens import TokenizerChoice, prepare
 
     (tmp_path / "a.txt").write_text("uneven replicas read their own part of every global batch. " * 40)
     prepare([tmp_path / "a.txt"], tmp_path / "ds", TokenizerChoice(bytes=True), val_fraction=0.5)
@@ -444,10 +449,10 @@ def test_validation_splits_each_batch_like_a_training_step(tmp_path):
 
 
 def _fp16_worker(rank, world, plan, ckpt_dir):
-    from runtime.checkpoint import CheckpointReader, _gather_full_state, save_checkpoint
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
-    from runtime.precision import LossScaleSettings
+    from runtime.train.checkpoint import CheckpointReader, _gather_full_state, save_checkpoint
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
+    from runtime.train.precision import LossScaleSettings
 
     settings = LossScaleSettings(initial_scale=2.0**10, growth_interval_steps=2)
     engine = Engine(plan, rank, seed=SEED, lr=1e-3, loss_scale=settings)

@@ -18,11 +18,12 @@ from baton.memory import is_held, layer_order, tensor_roles
 from baton.model_spec import unit_counts
 from baton.operators import operator_names, padded_vocab, tensor_sizes, vocab_rows
 from baton.profile import analytic_edge_cost
-from runtime.meters import SavedBytes
-from runtime.model import GPT, init_parameter
-from runtime.slicing import put_slice, take_slice, vocab_range
-from runtime.stage import StageModel
-from runtime.tp_layer import MicroBatch
+from runtime.measure.meters import SavedBytes
+from runtime.model.family import init_parameter
+from runtime.model.gpt import GPT
+from runtime.parallel.slicing import put_slice, take_slice, vocab_range
+from runtime.parallel.stage import StageModel
+from runtime.parallel.tp_layer import MicroBatch
 from tests.runtime_helpers import assert_parity, plan_of, rel_err, run_ranks, tiny
 
 ODD_VOCAB = 250  # tiny allows U in {1, 2, 4}: padded to 252 rows, the last 2 padding
@@ -110,8 +111,13 @@ def test_embedding_and_head_keep_and_hold_what_the_cost_model_says(vocab):
 
     Catches: a full-vocabulary head or softmax on every rank, a gathered logits tensor, an index or mask
     the model does not count, a lookup of the positions that keeps an index tensor."""
-    spec = tiny(0.0, vocab_size=vocab)
-    B = 2
+    assert_edges_keep_and_hold_what_the_cost_model_says(tiny(0.0, vocab_size=vocab))
+
+
+def assert_edges_keep_and_hold_what_the_cost_model_says(spec, B=2):
+    """The embedding's and the head's saved and held bytes against ``analytic_edge_cost`` at every valid
+    (U, units before, units) of ``spec``: the head holds what is not the embedding's (``wte``) rows."""
+    vocab = spec.vocab_size
     tokens = torch.randint(vocab, (B, spec.seq_len), generator=torch.Generator().manual_seed(2))
     for U in unit_counts(spec):
         hpu = spec.num_heads // U
@@ -140,7 +146,7 @@ def test_measured_table_has_both_attentions_and_the_derived_bytes(attention):
     Catches: a measured table without attn_core (no measured tables for fused models), edge rows only at
     share 1, and any tensor the runtime keeps that the derivation does not count."""
     from baton.profile import derive_table
-    from runtime.op_profiler import profile_table
+    from runtime.measure.op_profiler import profile_table
 
     spec = tiny(0.1, attention=attention, vocab_size=ODD_VOCAB)
     shares = (0.25, 0.75, 1.0)
@@ -213,6 +219,7 @@ def test_fused_tensor_parallel_one_stage_with_padded_vocabulary():
     assert_parity(plan)
 
 
+@pytest.mark.long  # the same ends (1:1 and 3:1, fused) train a step against one device in the checkpoint test below
 def test_fused_pipeline_first_and_last_stage_split_differently():
     """PP=2: the first stage split 1:1 (U=2, rows 0-125 and 126-251), the last 3:1 (U=4, rows 0-188 and
     189-251), fused attention, vocabulary padded.
@@ -224,6 +231,7 @@ def test_fused_pipeline_first_and_last_stage_split_differently():
     assert_parity(plan)
 
 
+@pytest.mark.long  # vocabulary-parallel ends run quick in the fused tests around it, three stages in test_runtime_parity.py
 def test_eager_pipeline_with_vocabulary_parallel_ends_and_a_middle_stage():
     """PP=3, eager attention with dropout: the first stage split 1:3, a single-rank middle stage, the last
     stage split 1:1; the vocabulary padded. Catches the same mistakes for eager models and ends that
@@ -233,9 +241,9 @@ def test_eager_pipeline_with_vocabulary_parallel_ends_and_a_middle_stage():
 
 
 def _hf_worker(rank, world, plan, hf_dir):
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
-    from runtime.hf import load_gpt2
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
+    from runtime.model.hf_import import load_gpt2
 
     full = load_gpt2(hf_dir, plan.model)
     engine = Engine(plan, rank, seed=0, full=full.__getitem__)
@@ -243,12 +251,13 @@ def _hf_worker(rank, world, plan, hf_dir):
     return engine.forward_backward(0, data).loss
 
 
+@pytest.mark.long  # GPT-2 import runs quick in test_runtime_train.py, into split plans in test_llama_hf.py; padding rows above
 def test_hugging_face_gpt2_with_odd_vocabulary_in_a_vocabulary_parallel_plan(tmp_path):
     """A GPT2LMHeadModel with 250 tokens loaded into a plan whose last stage is split 3:1 (its padded rows
     are zeros): the loss of the first batch is Hugging Face's. Catches an import that does not pad, or
     a padding row that enters the softmax."""
     transformers = pytest.importorskip("transformers")
-    from runtime.data import TokenSource
+    from runtime.data.source import TokenSource
 
     spec = tiny(0.0, vocab_size=ODD_VOCAB, attention="fused")
     config = transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, n_positions=32, vocab_size=ODD_VOCAB,
@@ -265,9 +274,9 @@ def test_hugging_face_gpt2_with_odd_vocabulary_in_a_vocabulary_parallel_plan(tmp
 
 
 def _checkpoint_worker(rank, world, plan_a, plan_b, ckpt_dir):
-    from runtime.checkpoint import CheckpointReader, save_checkpoint
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
+    from runtime.train.checkpoint import CheckpointReader, save_checkpoint
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
 
     engine = Engine(plan_a, rank, seed=0, lr=1e-3)
     data = TokenSource(plan_a.model, seed=0, global_batch=plan_a.global_batch)
@@ -295,8 +304,8 @@ def test_checkpoint_stores_the_full_unpadded_embedding_and_loads_under_another_s
     saved = load_file(f"{results[0]['path']}/model.safetensors")
     assert tuple(saved["wte.weight"].shape) == (ODD_VOCAB, spec.hidden_dim)
 
-    from runtime.data import TokenSource
-    from runtime.engine import ADAM_BETAS, ADAM_EPS
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import ADAM_BETAS, ADAM_EPS
 
     ref = GPT(spec, seed=0)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0)

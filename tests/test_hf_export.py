@@ -1,4 +1,4 @@
-"""Models out of Baton (``baton export --to hf``, ``baton generate``) and into it (runtime/hf.py's importer).
+"""Models out of Baton (``baton export --to hf``, ``baton generate``) and into it (runtime/model/hf_import.py's importer).
 
 One tiny model is trained for two steps on the bytes of a small corpus (about 10 s, shared by the
 module); the Hugging Face models are random tiny GPT2LMHeadModels."""
@@ -34,8 +34,8 @@ def trained(tmp_path_factory):
 
 
 def _model_of(ckpt):
-    from runtime.hf_export import full_tensors, open_checkpoint
-    from runtime.model import GPT
+    from runtime.model.hf_export import full_tensors, open_checkpoint
+    from runtime.model.gpt import GPT
 
     reader, spec = open_checkpoint(ckpt)
     model = GPT(spec).eval()
@@ -61,7 +61,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_the_byte_tokenizer(t
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok("héllo\n").input_ids == list("héllo\n".encode()) and tok.decode(list(b"caf\xc3\xa9")) == "café"
     # and back in: the importer reads what the exporter wrote
-    from runtime.hf import load_gpt2
+    from runtime.model.hf_import import load_gpt2
 
     back = load_gpt2(tmp_path / "hf", spec)
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items() if k in back)
@@ -70,7 +70,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_the_byte_tokenizer(t
 def test_export_ships_a_given_tokenizer_and_refuses_bad_targets(trained, tmp_path):
     """--tokenizer is copied and read back by AutoTokenizer; a tokenizer too large for the model, an
     unknown format, a target holding other files and a path that is no checkpoint are one-line errors."""
-    from runtime.tokens import TokenizerChoice, prepare
+    from runtime.data.tokens import TokenizerChoice, prepare
 
     prepare([trained / "text.txt"], tmp_path / "ds", TokenizerChoice(train_vocab_size=257))
     prepare([trained / "text.txt"], tmp_path / "big", TokenizerChoice(train_vocab_size=300))
@@ -114,8 +114,8 @@ def test_generate_is_seeded_and_greedy_matches_transformers(trained, tmp_path):
 
 
 def test_top_k_one_is_greedy():
-    from runtime.generate import sample
-    from runtime.model import GPT
+    from runtime.model.generate import sample
+    from runtime.model.gpt import GPT
 
     spec = PRESETS["tiny"].with_overrides(dropout=0.0)
     model = GPT(spec, seed=5)
@@ -143,8 +143,8 @@ SPEC = PRESETS["tiny"].with_overrides(dropout=0.0, num_layers=2, hidden_dim=32, 
 
 
 def _logits_match(hf, path):
-    from runtime.hf import load_gpt2
-    from runtime.model import GPT
+    from runtime.model.hf_import import load_gpt2
+    from runtime.model.gpt import GPT
 
     model = GPT(SPEC).eval()
     model.load_full(load_gpt2(path, SPEC).__getitem__)
@@ -163,7 +163,7 @@ def test_importer_takes_gelu_pytorch_tanh_sharded_weights_and_dropout_settings(t
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
     assert _logits_match(hf, tmp_path / "sharded")
-    from runtime.hf import load_gpt2
+    from runtime.model.hf_import import load_gpt2
 
     shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[-1]
     shard.unlink()
@@ -177,7 +177,7 @@ def test_importer_takes_gelu_pytorch_tanh_sharded_weights_and_dropout_settings(t
 
 def test_importer_refuses_an_untied_head(tmp_path):
     """An lm_head.weight of its own gave logits off by up to 4.5 when silently dropped: now refused."""
-    from runtime.hf import load_gpt2
+    from runtime.model.hf_import import load_gpt2
 
     hf, _ = _hf_dir(tmp_path, "untied", tie_word_embeddings=False)
     assert not torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)

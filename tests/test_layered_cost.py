@@ -214,7 +214,7 @@ def test_ring_pass_fit_recovers_the_link_it_was_made_from():
     (n - 1) (latency + X/n / bandwidth): points made from known figures give them back, and the link block
     carries them to ``Link.ring_pass_figures``."""
     from baton.cluster import Link
-    from runtime.comm_profiler import link_fit
+    from runtime.measure.comm_profiler import link_fit
 
     n, sizes = 4, [2**k for k in range(16, 25, 2)]
 

@@ -43,9 +43,9 @@ def _modules():
 
 def test_the_scan_sees_imports_inside_functions():
     """Catches a scan that reads only module-level imports (the old ``profile --device`` imported lazily)."""
-    tree = ast.parse("def f():\n    from runtime.op_profiler import x\n    import runtime.comm_profiler\n"
-                     "    importlib.import_module('runtime.stage')\nimport runtimes\n")
-    assert [m for _, m in _upper_imports(tree)] == ["runtime.op_profiler", "runtime.comm_profiler", "runtime.stage"]
+    tree = ast.parse("def f():\n    from runtime.measure.op_profiler import x\n    import runtime.measure.comm_profiler\n"
+                     "    importlib.import_module('runtime.parallel.stage')\nimport runtimes\n")
+    assert [m for _, m in _upper_imports(tree)] == ["runtime.measure.op_profiler", "runtime.measure.comm_profiler", "runtime.parallel.stage"]
 
 
 @pytest.mark.parametrize("path", list(_modules()), ids=lambda p: str(p.relative_to(ROOT)))

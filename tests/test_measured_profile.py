@@ -13,10 +13,10 @@ from baton.costmodel import allreduce_ms, optimizer_step_ms, tp_allreduce_ms
 from baton.model_spec import PRESETS
 from baton.operators import layer_operators, operator_param_count, tensor_sizes
 from baton.profile import Profile, calibrate, derive_table, validate_table
-from runtime import op_profiler
-from runtime.comm_profiler import fit_line, link_fit, measure_links
-from runtime.host_memory import keep_freed_memory
-from runtime.op_profiler import measure, median_of_tables, profile_table
+from runtime.measure import op_profiler
+from runtime.measure.comm_profiler import fit_line, link_fit, measure_links
+from runtime.launch.host_memory import keep_freed_memory
+from runtime.measure.op_profiler import measure, median_of_tables, profile_table
 from tests.conftest import run_cli
 
 TINY = PRESETS["tiny"]
@@ -197,7 +197,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
     """A training step frees its activations and allocates them again in the next one. With glibc's
     defaults the freed top of the heap goes back to the kernel and every page faults in again next
     time (this loop: all 16,384 pages, every cycle); catches the allocator settings the runtime and the
-    profiler share (runtime.host_memory) being lost or rejected."""
+    profiler share (runtime.launch.host_memory) being lost or rejected."""
     if not keep_freed_memory():
         pytest.skip("the C library is not glibc: nothing to set")
     assert keep_freed_memory()  # idempotent
@@ -221,7 +221,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
 
 
 def test_profiler_keeps_freed_host_memory_as_training_does(monkeypatch):
-    """The table is measured in the allocator state the engine trains in (runtime.host_memory)."""
+    """The table is measured in the allocator state the engine trains in (runtime.launch.host_memory)."""
     calls = []
     monkeypatch.setattr(op_profiler, "keep_freed_memory", lambda: calls.append(1) or True)
     profile_table(TINY, micro_batches=(1,), shares=(1.0,), warmup=0, reps=1)

@@ -1,6 +1,6 @@
 """The memory-bound case's small twin, trained on CPU processes.
 
-``baton solve --cluster clusters/a100x2_t4x2.yaml --model gpt3-2.7b`` (README, "Data parallelism") proves
+``baton solve --cluster clusters/a100x2_t4x2.yaml --model gpt3-2.7b`` (docs/data-parallel.md) proves
 optimal two replicas, each an A100 with layers 0-28 followed by a T4 with layers 29-31, 32 micro-batches of
 1 sample each, with the optimizer state sharded between the two replicas (``zero_stage`` 1, no shard ratios:
 equal parts, each device owning half of its peer group's state). tests/test_solver_cli.py checks that the
@@ -87,8 +87,8 @@ TWIN_SPEC = tiny(0.1).with_overrides(name="tiny-twin", num_layers=10)
 def _twin_worker(rank, world, plan, plan16):
     """test_data_parallel's run (three clipped AdamW steps, the full state gathered), then one step of the fp16
     twin on fresh groups: what each rank keeps at each precision."""
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
 
     out = _worker(rank, world, plan, STEPS)
     engine = Engine(plan16, rank, seed=0, lr=1e-3)
@@ -155,6 +155,7 @@ def test_twin_has_the_full_plans_structure():
     assert shares and all(s == [0.5, 0.5] for s in shares)
 
 
+@pytest.mark.long  # four ranks, 32 micro-batches each; the twin's plan is checked quick above, its machinery in test_data_parallel.py
 def test_twin_trains_as_one_device_and_keeps_the_predicted_state():
     """The twin on 4 gloo processes (two pipelines of two stages, 32 micro-batches of 1 each, state sharded in
     halves): losses, gradient norms and, gathered from the owners, the weights and both moments after three
@@ -168,7 +169,7 @@ def test_twin_trains_as_one_device_and_keeps_the_predicted_state():
     from baton.cluster import load_cluster
     from baton.evaluate import evaluate
     from baton.peers import group_shard_sizes, peer_groups
-    from runtime.devices import prediction_profiles
+    from runtime.launch.devices import prediction_profiles
     from tests.conftest import ROOT
 
     twin = twin_of(full_plan(), TWIN_SPEC)

@@ -1,4 +1,4 @@
-"""Mixed precision as docs/cost-model.md eq. 7/8 counts it (runtime/precision.py), on CPU.
+"""Mixed precision as docs/cost-model.md eq. 7/8 counts it (runtime/train/precision.py), on CPU.
 
 bf16 weights, activations and gradients; fp32 master weights and Adam moments; fp16 adds a dynamic loss
 scale. Checked: the bytes every part takes, parity of split bf16 runs with the single-device bf16 run
@@ -32,10 +32,10 @@ def test_master_weights_take_the_bytes_of_eq7(dtype):
 
     Catches: moments or masters kept in the compute dtype, gradients promoted to fp32 (a second copy),
     masters copied after the cast (initial values already rounded), weights not refreshed after a step."""
-    from runtime.model import init_parameter
-    from runtime.precision import MasterWeights, compute_dtype
-    from runtime.stage import StageModel
-    from runtime.tp_layer import MicroBatch
+    from runtime.model.gpt import init_parameter
+    from runtime.train.precision import MasterWeights, compute_dtype
+    from runtime.parallel.stage import StageModel
+    from runtime.parallel.tp_layer import MicroBatch
 
     spec = tiny(0.0, dtype=dtype)
     model = StageModel(spec, layers=range(2), heads=range(spec.num_heads), ffn_cols=range(spec.ffn_dim), first=True, last=True)
@@ -72,7 +72,7 @@ def test_chunked_master_step_equals_one_adamw_step_over_all_masters(dtype):
     bit, one AdamW step over every master with every gradient unscaled: weight-decay groups split across
     chunks, a parameter without a gradient, gradient clipping's factor and fp16's loss scale included; and
     the optimizer's groups are whole again afterwards (checkpoints and the learning rate read them)."""
-    from runtime.precision import MasterWeights, compute_dtype
+    from runtime.train.precision import MasterWeights, compute_dtype
 
     g = torch.Generator().manual_seed(0)
     shapes = [(48,), (96, 48), (96,), (48, 48), (48,), (192, 48), (48, 192), (300, 48)] * 3
@@ -104,7 +104,7 @@ def test_chunked_master_step_equals_one_adamw_step_over_all_masters(dtype):
 def test_loss_scaler_backs_off_grows_and_round_trips():
     """Catches a scale that does not halve on overflow, grows too early (or never), forgets its clean
     steps across a restore, or accepts a non-finite scale from a checkpoint."""
-    from runtime.precision import LossScaler, LossScaleSettings
+    from runtime.train.precision import LossScaler, LossScaleSettings
 
     s = LossScaler(LossScaleSettings(initial_scale=1024.0, growth_interval_steps=3))
     s.update(True)
@@ -130,8 +130,8 @@ def test_loss_scaler_backs_off_grows_and_round_trips():
 
 def bf16_worker(rank, world, plan, steps, lr):
     """Step 0's gradients (as fp32), the losses of ``steps`` steps, and the dtypes held."""
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
 
     engine = Engine(plan, rank, seed=0, lr=lr)
     data = TokenSource(plan.model, seed=0, global_batch=plan.global_batch)
@@ -159,11 +159,14 @@ def bf16_reference():
     return get
 
 
+# TP 3:1 with recomputation (two processes) runs by default; the others under -m long.
 @pytest.mark.parametrize("attention,stages,layers,units,recompute", [
     ("eager", [[3, 1]], [4], 4, {1: ["fc1", "gelu"]}),  # TP 3:1, 2 processes
-    ("eager", [[1], [1]], [3, 1], 1, {0: ["attn_scores", "softmax", "attn_dropout"]}),  # PP 2, 2 processes
-    ("eager", [[1, 1], [2, 2]], [2, 2], [2, 4], {1: ["qkv", "gelu"], 2: ["ln2"]}),  # PP 2 x TP 2, 4 processes
-    ("fused", [[2, 2], [1, 3]], [2, 2], [4, 4], {0: ["attn_core"], 3: ["qkv", "attn_core", "out_proj"]}),  # 4 processes
+    pytest.param("eager", [[1], [1]], [3, 1], 1, {0: ["attn_scores", "softmax", "attn_dropout"]}, marks=pytest.mark.long),  # PP 2, 2 processes
+    pytest.param("eager", [[1, 1], [2, 2]], [2, 2], [2, 4], {1: ["qkv", "gelu"], 2: ["ln2"]},
+                 marks=pytest.mark.long),  # PP 2 x TP 2, 4 processes
+    pytest.param("fused", [[2, 2], [1, 3]], [2, 2], [4, 4], {0: ["attn_core"], 3: ["qkv", "attn_core", "out_proj"]},
+                 marks=pytest.mark.long),  # 4 processes
 ], ids=["tp3:1", "pp2", "pp2xtp2", "fused-pp2xtp2"])
 def test_bf16_plans_follow_the_single_device_bf16_run(bf16_reference, attention, stages, layers, units, recompute):
     """A bf16 plan split over 2-4 processes (TP, PP, recomputation, dropout 0.1) follows the single-device
@@ -179,7 +182,7 @@ def test_bf16_plans_follow_the_single_device_bf16_run(bf16_reference, attention,
     so it moves far less (measured: at most 3.2e-4 over four steps); we allow 2e-3, which one missed or
     doubled update (a loss change of about 4e-2 per step here) or a wrongly scaled gradient exceeds. The
     same plans in fp32 agree to 1e-6 (test_runtime_parity.py)."""
-    from runtime.slicing import take_slice
+    from runtime.parallel.slicing import take_slice
 
     plan = plan_of(tiny(0.1, dtype="bf16", attention=attention), stages, layers, units, m=2, recompute=recompute)
     results = run_ranks(bf16_worker, len(plan.device_ids()), plan, STEPS, LR)
@@ -202,9 +205,9 @@ def test_bf16_plans_follow_the_single_device_bf16_run(bf16_reference, attention,
 def test_bf16_with_dropout_keeps_activations_in_bf16():
     """Catches dropout masks that change the activations' dtype (an fp32 mask times a bf16 tensor is fp32,
     and the next layer's bf16 weights then refuse it)."""
-    from runtime.model import init_parameter
-    from runtime.stage import StageModel
-    from runtime.tp_layer import MicroBatch
+    from runtime.model.gpt import init_parameter
+    from runtime.parallel.stage import StageModel
+    from runtime.parallel.tp_layer import MicroBatch
 
     spec = tiny(0.1, dtype="bf16")
     model = StageModel(spec, layers=range(1), heads=range(spec.num_heads), ffn_cols=range(spec.ffn_dim), first=False, last=False)
@@ -220,10 +223,10 @@ def test_bf16_with_dropout_keeps_activations_in_bf16():
 def fp16_worker(rank, world, plan, ckpt_dir):
     """Step 0 overflows on the last stage only; steps 1 and 2 are clean (growth after 2); then a
     checkpoint is written and read into a fresh engine."""
-    from runtime.checkpoint import CheckpointReader, save_checkpoint
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
-    from runtime.precision import LossScaleSettings
+    from runtime.train.checkpoint import CheckpointReader, save_checkpoint
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
+    from runtime.train.precision import LossScaleSettings
 
     settings = LossScaleSettings(initial_scale=2.0**10, growth_interval_steps=2)
     engine = Engine(plan, rank, seed=0, lr=LR, loss_scale=settings)
@@ -250,6 +253,7 @@ def fp16_worker(rank, world, plan, ckpt_dir):
             "meta_scale": json.loads((path / "meta.json").read_text()).get("loss_scale") if rank == 0 else None}
 
 
+@pytest.mark.long  # fp16 overflow, skip everywhere and the checkpointed scale run quick in test_data_parallel.py (with shards)
 def test_fp16_overflow_skips_the_step_on_every_rank_and_the_scale_is_checkpointed(tmp_path):
     """Two pipeline stages in fp16; the last stage's gradient of ln_f overflows in step 0, the first
     stage's gradients stay finite.
@@ -273,6 +277,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_the_scale_is_checkpointe
 # --- baton profile + train --report in bf16 -------------------------------------------------------
 
 
+@pytest.mark.long  # a profile and a four-process run; tests/test_report.py checks the report's bytes in fp32 by default
 def test_bf16_report_measures_what_the_bf16_table_predicts(tmp_path):
     """``baton profile --device cpu`` on a bf16 model writes a bf16 table; a bf16 plan trained over four
     gloo processes (pipeline of three stages, the middle one split 3:1, recomputation on three ranks)
@@ -299,12 +304,12 @@ def test_bf16_report_measures_what_the_bf16_table_predicts(tmp_path):
     res = baton("profile", "--device", "cpu", "--model", model, "--micro-batch", "2", "--tp-shares", "0.25,0.75,1",
                 "--reps", "1", "--warmup", "0", "--threads", "1", "--out", table)
     assert res.returncode == 0, res.stderr
-    from runtime.precision import cpu_runs_natively
+    from runtime.train.precision import cpu_runs_natively
 
     # A CPU without bf16 instructions runs the model in an emulation: both commands say so, once.
     emulated = cpu_runs_natively("bf16") is False
     assert res.stderr.count("no bf16 instructions") == int(emulated), res.stderr
-    from baton.model_spec import load_model
+    from baton.model_files import load_model
     from baton.profile import read_table
 
     spec = load_model(model)
@@ -342,7 +347,7 @@ def test_bf16_report_measures_what_the_bf16_table_predicts(tmp_path):
 def test_emulation_note_only_for_low_precision_on_a_cpu_without_its_instructions():
     """The note names the dtype on a CPU that lacks it; fp32, a GPU, a CPU that has the instructions and a
     torch that cannot tell stay silent."""
-    from runtime.precision import emulation_note
+    from runtime.train.precision import emulation_note
 
     for dtype in ("bf16", "fp16"):
         note = emulation_note(dtype, "cpu", native=False)

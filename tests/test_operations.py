@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from baton.plan import save_plan
-from runtime.processes import process_state, sweep_stale_run_directories
+from runtime.launch.processes import process_state, sweep_stale_run_directories
+from tests.conftest import run_cli
 from tests.runtime_helpers import plan_of, tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,6 +109,7 @@ def _kill_all(pids) -> None:
             pass
 
 
+@pytest.mark.long  # test_sigterm_with_a_save_dir_saves_the_current_step sends the same signal (exit 143, ranks gone)
 def test_sigterm_stops_the_run_and_its_ranks(tmp_path):
     """SIGTERM to the launcher stops it like Ctrl-C (exit 143, one line) and no rank keeps running."""
     launcher = _start("--plan", _plan(tmp_path), "--steps", 10**6, "--timeout", 30)
@@ -168,6 +170,7 @@ def test_a_stopped_peer_is_noticed_within_the_timeout_and_named(tmp_path):
         _kill_all(ranks)
 
 
+@pytest.mark.long  # test_a_stopped_peer_is_noticed_within_the_timeout_and_named names the failing rank too
 def test_a_killed_rank_is_named_not_the_peer_that_lost_it(tmp_path):
     """SIGKILL on rank 1: rank 0 reports 'connection closed'; the line must blame rank 1."""
     launcher = _start("--plan", _plan(tmp_path), "--steps", 10**6, "--timeout", 30)
@@ -205,8 +208,8 @@ def test_sigterm_with_a_save_dir_saves_the_current_step(tmp_path):
     meta = json.loads((ck / saved[0] / "meta.json").read_text())
     assert set(meta["files"]) == {"model.safetensors", "optimizer.safetensors"}
 
-    # Resuming a run that is already there says so.
-    code, out, err = _finish(_start("--plan", _plan(tmp_path), "--steps", step, "--save-dir", ck, "--resume"), 60)
+    # Resuming a run that is already there says so (refused before any rank starts: run in this process).
+    code, out, err = run_cli("train", "--plan", _plan(tmp_path), "--steps", step, "--save-dir", ck, "--resume")
     assert code == 2 and "already trained" in err and "--steps" in err, err
 
 
@@ -233,7 +236,8 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path):
         f = ck / step / "optimizer.safetensors"
         f.write_bytes(f.read_bytes()[:-10])
     (ck / "step-000004").rename(ck / "step-000001")  # still corrupt, and older
-    code, out, err = _finish(_start("--plan", plan, "--steps", 8, "--save-dir", ck, "--resume", "--timeout", 30), 60)
+    # Refused before any rank starts: run in this process.
+    code, out, err = run_cli("train", "--plan", plan, "--steps", 8, "--save-dir", ck, "--resume", "--timeout", 30)
     assert code == 2, (code, out, err)
     assert "no intact checkpoint" in err and "optimizer.safetensors" in err, err
     assert len([x for x in err.splitlines() if x.strip()]) == 1, err
@@ -241,9 +245,9 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path):
 
 # --- the profilers' worker processes and the test helpers' temporary files ------------------------------
 
-_CONCURRENT_PROFILE = ("from baton.model_spec import PRESETS; from runtime.op_profiler import profile_table; "
+_CONCURRENT_PROFILE = ("from baton.model_spec import PRESETS; from runtime.measure.op_profiler import profile_table; "
                        "profile_table(PRESETS['small'], micro_batches=(1,), warmup=0, reps=100000, concurrent=2)")
-_COMM_PROFILE = ("from runtime.comm_profiler import measure_links; "
+_COMM_PROFILE = ("from runtime.measure.comm_profiler import measure_links; "
                  "measure_links(world_size=2, sizes=(4096, 65536), reps=10**7, timeout_s=600)")
 
 _EXHAUSTIVE = ("from tests.test_solver_exact import CASES, _instance; from solver.baselines import exhaustive; "
@@ -253,7 +257,7 @@ _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else o
 
 
 @pytest.mark.parametrize("script", [
-    _CONCURRENT_PROFILE, _COMM_PROFILE,
+    pytest.param(_CONCURRENT_PROFILE, marks=pytest.mark.long), pytest.param(_COMM_PROFILE, marks=pytest.mark.long),
     pytest.param(_EXHAUSTIVE, marks=pytest.mark.skipif(_CORES < 2, reason="one core: the search starts no workers")),
 ], ids=["concurrent op profiler", "comm profiler", "exhaustive search"])
 def test_profiler_workers_die_with_their_parent(script):
@@ -291,7 +295,7 @@ def test_run_ranks_removes_its_temporary_directory(tmp_path, monkeypatch):
 def test_a_link_fit_without_a_bandwidth_term_writes_the_fastest_measured_rate():
     """Times that do not grow with the message size (flat, or falling within noise) used to give a
     bandwidth of 10^9 GB/s, which the planner then took for a free link."""
-    from runtime.comm_profiler import fit_line, link_fit
+    from runtime.measure.comm_profiler import fit_line, link_fit
 
     flat = [(4096.0, 0.5), (65536.0, 0.49), (1048576.0, 0.51)]  # ms: latency-bound messages over a ~2 GB/s link
     latency, slope = fit_line(flat)
@@ -309,7 +313,7 @@ def test_a_link_measurement_with_a_stopped_rank_is_given_up_in_one_line():
     """SIGSTOP on a measuring rank: its heartbeat stops (and its peer's, waiting on it in a transfer), and the
     run ends with the no-progress error after ``timeout_s``, its ranks gone. Ten million repetitions per
     size: without the heartbeat's watch the measurement would run for hours, so it cannot end otherwise."""
-    script = ("from baton.errors import BatonError; from runtime.comm_profiler import measure_links\n"
+    script = ("from baton.errors import BatonError; from runtime.measure.comm_profiler import measure_links\n"
               "try:\n    measure_links(world_size=2, sizes=(4096,), reps=10**7, timeout_s=10)\n"
               "except BatonError as e:\n    print(e); raise SystemExit(2)")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from runtime.schedule import LRSchedule, clip_coefficient, decays
+from runtime.train.optim_settings import LRSchedule, clip_coefficient, decays
 from tests.runtime_helpers import plan_of, reference_training, rel_err, run_ranks, tiny
 
 STEPS, SEED, LR, CLIP, WD = 3, 1, 3e-3, 0.05, 0.1
@@ -57,8 +57,8 @@ def test_clip_coefficient_is_torchs():
 
 
 def _worker(rank, world, plan, val_dir):
-    from runtime.data import TokenSource, ValidationSource
-    from runtime.engine import Engine
+    from runtime.data.source import TokenSource, ValidationSource
+    from runtime.train.engine import Engine
 
     engine = Engine(plan, rank, seed=SEED, lr=LR, weight_decay=WD, schedule=schedule(), clip_grad=CLIP)
     data = TokenSource(plan.model, seed=SEED, global_batch=plan.global_batch)
@@ -73,7 +73,7 @@ def _worker(rank, world, plan, val_dir):
 
 def _reference(spec, global_batch, val_dir):
     """The single-device model: AdamW with the decay rule, torch's clip_grad_norm_, the same schedule."""
-    from runtime.data import ValidationSource, model_validation_loss
+    from runtime.data.source import ValidationSource, model_validation_loss
 
     ref = reference_training(spec, global_batch, STEPS, seed=SEED, lr=LR, weight_decay=WD, clip=CLIP, schedule=schedule())
     model, losses, norms = ref["model"], ref["losses"], ref["norms"]
@@ -84,7 +84,7 @@ def _reference(spec, global_batch, val_dir):
 
 
 def _assert_same_update(plan, val_dir=None):
-    from runtime.slicing import take_slice
+    from runtime.parallel.slicing import take_slice
 
     results = run_ranks(_worker, len(plan.device_ids()), plan, val_dir)
     losses, norms, params, val = _reference(plan.model, plan.global_batch, val_dir)
@@ -111,7 +111,7 @@ def _assert_same_update(plan, val_dir=None):
 
 @pytest.fixture(scope="module")
 def val_dir(tmp_path_factory):
-    from runtime.tokens import TokenizerChoice, prepare
+    from runtime.data.tokens import TokenizerChoice, prepare
 
     root = tmp_path_factory.mktemp("val")
     (root / "a.txt").write_text("baton plans uneven pipelines on mixed gpus, then trains them exactly. " * 60)
@@ -119,6 +119,7 @@ def val_dir(tmp_path_factory):
     return str(root / "ds")
 
 
+@pytest.mark.long  # clipping on every step over TP 3:1 and two stages runs quick in test_data_parallel.py (tp3:1+pp2)
 def test_clipped_update_tensor_and_pipeline_parallel_matches_single_device(val_dir):
     """PP=2 (3 + 1 layers), stage 0 split 3:1 over two TP ranks, dropout on, three micro-batches.
 
@@ -130,6 +131,7 @@ def test_clipped_update_tensor_and_pipeline_parallel_matches_single_device(val_d
     _assert_same_update(plan, val_dir)
 
 
+@pytest.mark.long  # replicas clipped on every step run quick in test_data_parallel.py (the global norm against one device)
 def test_clipped_update_with_data_parallel_tensor_parallel_replicas_matches_single_device():
     """Two replicas of a one-stage TP 1:1 pipeline (4 ranks): replicas must not add to the norm twice."""
     plan = plan_of(tiny(0.0), [[1, 1]], [4], 2, m=2, replicas=2)

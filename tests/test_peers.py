@@ -13,7 +13,8 @@ from baton.cluster import load_cluster
 from baton.costmodel import allreduce_ms, edge_param_count, group_sync_ms, layer_param_count, sync_schedule_ms
 from baton.errors import BatonError
 from baton.evaluate import evaluate
-from baton.model_spec import PRESETS, load_model
+from baton.model_files import load_model
+from baton.model_spec import PRESETS
 from baton.operators import padded_vocab
 from baton.peers import (held_params, owned_fractions, owned_params, peer_groups, replicated_param_count, shard_sizes,
                          split_param_count)

@@ -205,7 +205,7 @@ def _fix_milp_to(model: InnerModel, plan: Plan) -> None:
         m.u[s, k, t].fix(int(largest[s, k] >= inst.ratios.levels[t]))
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", [s if s < 4 else pytest.param(s, marks=pytest.mark.long) for s in range(12)])
 def test_milp_and_evaluator_agree_term_by_term(seed):
     rng = random.Random(seed)
     inst = random_instance(seed, num_devices=rng.choice([2, 3, 4]), num_layers=rng.choice([2, 3, 5]), heads=4,
@@ -213,7 +213,8 @@ def test_milp_and_evaluator_agree_term_by_term(seed):
     _agree_term_by_term(inst, _random_plan(inst, rng))
 
 
-@pytest.mark.parametrize("seed", range(16))
+# Seeds 0-3 (the default run) take both memory branches and stages 0 and 1; the rest run under -m long.
+@pytest.mark.parametrize("seed", [s if s < 4 else pytest.param(s, marks=pytest.mark.long) for s in range(16)])
 def test_milp_and_evaluator_agree_on_data_parallel_plans(seed):
     """Two or three replicas, each with its own batch; stage 0, or stage 1 with equal or grid shard ratios per
     position; every other seed with memory tight enough that some devices do not fit, one branch or the other."""
@@ -300,7 +301,8 @@ def _agree_term_by_term(inst, plan: Plan) -> None:
         assert math.isclose(pyo.value(model.m.obj), rep.iteration_time_ms, rel_tol=1e-6), plan.to_json()
 
 
-@pytest.mark.parametrize("seed,between", [(1, 0.15), (4, 0.4), (9, 0.7)])
+@pytest.mark.parametrize("seed,between", [pytest.param(1, 0.15, marks=pytest.mark.long), (4, 0.4),
+                                          pytest.param(9, 0.7, marks=pytest.mark.long)])
 def test_full_power_set_oracle_single_device(seed, between):
     """One device, every one of the 2^12 recompute sets (no dropout): the planner with all its pruning
     equals the exhaustive search over the whole power set. Memory lies ``between`` of the way from
@@ -373,7 +375,7 @@ def _neighbours(plan: Plan, micro_batches=()):
             yield rebuild(pipes, micro_batch_size=mb, num_microbatches=gb // (mb * len(pipes)))
 
 
-@pytest.mark.parametrize("seed", [3, 11, 18, 25])
+@pytest.mark.parametrize("seed", [3, pytest.param(11, marks=pytest.mark.long), 18, pytest.param(25, marks=pytest.mark.long)])
 def test_local_moves_never_improve_a_returned_plan(seed):
     inst = random_instance(seed, num_devices=3, num_layers=4, heads=4, universe_size=2, global_batch=4,
                            memory_scale=(0.25, 0.8))

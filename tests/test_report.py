@@ -46,7 +46,9 @@ def train_with_report(plan, tmp_path, steps: int, profiles):
 
 
 @pytest.mark.parametrize("name,stages,layers,units,recompute", [
-    ("pipeline with recompute", [[("local:0", 1)], [("local:1", 1)]], [3, 1], 1, {"local:0": ["attn_scores", "softmax", "attn_dropout", "attn_v"]}),
+    # Long: the uneven TP case keeps a recomputation segment too, and the timeline test below runs this plan.
+    pytest.param("pipeline with recompute", [[("local:0", 1)], [("local:1", 1)]], [3, 1], 1,
+                 {"local:0": ["attn_scores", "softmax", "attn_dropout", "attn_v"]}, marks=pytest.mark.long),
     ("uneven TP, one rank recomputes all", [[("local:0", 3), ("local:1", 1)]], [4], 4, {"local:1": ALL_OPS, "local:0": ["gelu", "fc2"]}),
 ])
 def test_report_predicts_activation_memory_exactly(tmp_path, measured_profiles, name, stages, layers, units, recompute):
@@ -77,20 +79,25 @@ def test_report_predicts_activation_memory_exactly(tmp_path, measured_profiles, 
 
 @pytest.mark.parametrize("flag, name", [("--report", "r.json"), ("--report-timeline", "t.png")])
 def test_report_needs_a_cluster(tmp_path, flag, name):
+    from tests.conftest import run_cli  # in this process: refused before any rank starts, no interpreter to start
+
     plan = simple_plan(TINY, cluster="cpu2", stages=[[("local:0", 1)]], layers=[4], units_per_layer=1)
     save_plan(plan, tmp_path / "plan.json")
-    res = baton("train", "--plan", tmp_path / "plan.json", "--steps", "1", flag, tmp_path / name)
-    assert res.returncode == 2 and f"{flag} needs --cluster" in res.stderr and "Traceback" not in res.stderr
+    code, _, stderr = run_cli("train", "--plan", tmp_path / "plan.json", "--steps", "1", flag, tmp_path / name)
+    assert code == 2 and f"{flag} needs --cluster" in stderr and "Traceback" not in stderr
     assert not (tmp_path / name).exists()
 
 
+@pytest.mark.long  # each step runs quick on its own: the table (fixture), solving, train --report (tests above and below)
 def test_profile_solve_train_report_end_to_end(tmp_path, measured_profiles):
     """The loop the fidelity benchmark runs, at test size: a table measured here, a plan solved from
     it, that plan trained over gloo, and the report comparing the two."""
+    from tests.conftest import run_cli  # the solve in this process: one interpreter start less
+
     plan_path = tmp_path / "plan.json"
-    res = baton("solve", "--cluster", ROOT / "clusters" / "cpu2.yaml", "--model", "tiny", "--global-batch", "4",
-                "--profiles", measured_profiles, "--out", plan_path, "--time-limit", "60")
-    assert res.returncode == 0, res.stderr
+    code, _, stderr = run_cli("solve", "--cluster", ROOT / "clusters" / "cpu2.yaml", "--model", "tiny", "--global-batch", "4",
+                              "--profiles", measured_profiles, "--out", plan_path, "--time-limit", "60")
+    assert code == 0, stderr
     report = tmp_path / "report.json"
     res = baton("train", "--plan", plan_path, "--steps", "2", "--report", report, "--cluster", ROOT / "clusters" / "cpu2.yaml",
                 "--profiles", measured_profiles, "--timeout", "120")
@@ -103,7 +110,7 @@ def test_profile_solve_train_report_end_to_end(tmp_path, measured_profiles):
 
 def test_gradient_sync_sets_join_tied_stages_and_replicas():
     """The report's gradient-sync phase is taken per set of ranks joined by those all-reduces."""
-    from runtime.report import _gradient_sync_sets
+    from runtime.measure.report import _gradient_sync_sets
 
     three = simple_plan(TINY, cluster="cpu4", stages=[[("local:0", 1)], [("local:1", 1)], [("local:2", 1)]], layers=[2, 1, 1],
                         units_per_layer=1)
@@ -189,8 +196,8 @@ def test_report_timeline_draws_every_ranks_measured_step_beside_the_prediction(t
 
 
 def test_timeline_step_is_the_median_step_after_the_first_without_validation():
-    from runtime.engine import StepStats
-    from runtime.report import timeline_step
+    from runtime.train.engine import StepStats
+    from runtime.measure.report import timeline_step
 
     def steps(*ms, val=()):
         return [StepStats(step=i, loss=1.0, iteration_ms=t, val_loss=1.0 if i in val else None) for i, t in enumerate(ms)]
@@ -202,6 +209,7 @@ def test_timeline_step_is_the_median_step_after_the_first_without_validation():
     assert timeline_step(steps(100.0, 9.0, val=(1,))) == 1  # unless every later step ran one
 
 
+@pytest.mark.long  # the report of uneven replicas with sharded state runs quick in test_zero_stages.py (stage 3, gathers)
 def test_report_of_uneven_replicas_with_sharded_state(tmp_path, measured_profiles):
     """Two single-device replicas with their own batches (2 x 2 and 1 x 2) and the optimizer state split
     0.7/0.3: the report has a row per replica, the stages of both, the reduce-scatter and all-gather phases

@@ -6,6 +6,8 @@ operator) and that an uneven all-gather reassembles a weight split 3:1 or 1:2:1.
 """
 from __future__ import annotations
 
+import pytest
+
 from tests.runtime_helpers import assert_parity, plan_of, tiny
 
 ATTN_CORE = ["attn_scores", "softmax", "attn_dropout"]
@@ -23,6 +25,7 @@ def test_tensor_parallel_3_to_1_one_stage():
     assert_parity(plan)
 
 
+@pytest.mark.long  # a TP stage inside a pipeline, recomputing across out_proj's all-reduce: test_embedding_only_and_head_only_stages
 def test_two_stages_1_2_1_split_recompute_across_allreduce():
     """PP=2: stage 0 split 1:2:1 over three ranks (3 layers), stage 1 one rank (1 layer), m=3.
 
@@ -36,6 +39,7 @@ def test_two_stages_1_2_1_split_recompute_across_allreduce():
     assert_parity(plan)
 
 
+@pytest.mark.long  # three stages (1F1B warm-up and cool-down), one split, run quick in test_embedding_only_and_head_only_stages
 def test_three_stages_uneven_layers_no_dropout():
     """PP=3 with 1/2/1 layers, the middle stage split 3:1, four micro-batches, dropout off.
 
@@ -58,6 +62,7 @@ def test_embedding_only_and_head_only_stages():
     assert_parity(plan)
 
 
+@pytest.mark.long  # replicas (with dropout) run quick in test_data_parallel.py (tp3:1+pp2)
 def test_data_parallel_replicas():
     """Two pipelines of two single-rank stages (3 + 1 layers).
 

@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from baton.errors import BatonError
 from baton.plan import save_plan
-from runtime.launch import TrainConfig, train
+from runtime.launch.launcher import TrainConfig, train
 from tests.runtime_helpers import plan_of, tiny
 
 
 def _app() -> typer.Typer:
-    from runtime.commands import register
+    from runtime.commands.train import register
 
     app = typer.Typer(pretty_exceptions_enable=False)
 
@@ -131,8 +131,8 @@ def test_init_from_hugging_face_gpt2_gives_the_same_logits(tmp_path):
     Catches Conv1D weights not transposed, a wrong q/k/v order, a GELU other than gelu_new, a
     missing attention scale or bias, and an untied head."""
     transformers = pytest.importorskip("transformers")
-    from runtime.hf import load_gpt2
-    from runtime.model import GPT
+    from runtime.model.hf_import import load_gpt2
+    from runtime.model.gpt import GPT
 
     spec = tiny(0.0, num_layers=2, hidden_dim=32, num_heads=4, ffn_dim=128, seq_len=16)
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=24, vocab_size=256,

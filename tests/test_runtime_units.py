@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from baton.operators import operator_names
-from runtime.model import GPT, init_parameter
-from runtime.rng import DropoutKey, attention_mask, residual_mask
-from runtime.stage import StageModel
-from runtime.tp_layer import MicroBatch, _Segment
+from runtime.model.gpt import GPT, init_parameter
+from runtime.model.rng import DropoutKey, attention_mask, residual_mask
+from runtime.parallel.stage import StageModel
+from runtime.parallel.tp_layer import MicroBatch, _Segment
 from tests.runtime_helpers import tiny
 
 
@@ -31,12 +31,12 @@ def test_head_slice_of_attention_mask_equals_full_mask():
 
 def test_one_f_one_b_order_matches_the_planner():
     """Catches a schedule that differs from the one the cost model times (baton.pipeline)."""
-    from baton import pipeline
-    from runtime import engine
+    from baton import pipeline, schedules
+    from runtime.train import engine
 
-    assert engine.schedule_1f1b(3, 4, 0) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
-    assert engine.schedule_1f1b(4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
-    assert engine.schedule_1f1b is pipeline.schedule_1f1b
+    assert pipeline.schedule_1f1b(3, 4, 0) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert pipeline.schedule_1f1b(4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert engine.interleaved_one_f_one_b is schedules.interleaved_one_f_one_b and engine.layer_by_layer is schedules.layer_by_layer
 
 
 def _blocks(spec, recompute):
@@ -48,7 +48,7 @@ def _blocks(spec, recompute):
 
 
 def _run(model, spec, B=2):
-    from runtime.meters import SavedBytes
+    from runtime.measure.meters import SavedBytes
 
     x = torch.randn(B, spec.seq_len, spec.hidden_dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
     saved = SavedBytes(model.parameters())
@@ -112,7 +112,7 @@ def test_reference_model_is_deterministic_and_learns_nothing_from_global_rng():
 
 def test_token_source_is_a_function_of_sample_position(tmp_path):
     """Catches data that depends on the plan's micro-batching (resume under another plan would diverge)."""
-    from runtime.data import TokenSource
+    from runtime.data.source import TokenSource
 
     spec = tiny()
     one = TokenSource(spec, seed=1, global_batch=4)
@@ -129,7 +129,7 @@ def test_token_source_is_a_function_of_sample_position(tmp_path):
 
 def test_checkpoint_directory_appears_whole_or_not_at_all(tmp_path):
     """Catches a failure while writing that leaves a partial checkpoint under its final name."""
-    from runtime.checkpoint import latest_checkpoint, write_dir_atomically
+    from runtime.train.checkpoint import latest_checkpoint, write_dir_atomically
 
     def broken(tmp):
         (tmp / "model.safetensors").write_bytes(b"partial")
@@ -146,11 +146,11 @@ def _inbox(device_type: str, count: int):
     """An ``_Inbox`` over a topology that logs what it is asked to do (no process group)."""
     from types import SimpleNamespace
 
-    from runtime.engine import _Inbox
+    from runtime.train.engine import _Inbox
 
     log = []
 
-    def post_recv(buf, src):
+    def post_recv(buf, src, tag=0):
         log.append(("post", src))
         return len(log)
 
@@ -161,7 +161,7 @@ def _inbox(device_type: str, count: int):
     engine = SimpleNamespace(device=torch.device(device_type), timeout_s=7.0, tracer=None,
                              topo=SimpleNamespace(post_recv=post_recv, wait_recv=wait_recv),
                              _boundary_buffer=lambda: torch.empty(1))
-    return _Inbox(engine, 3, count, step=0), log
+    return _Inbox(engine, 3, [(i, 1) for i in range(count)], step=0), log
 
 
 def test_inbox_posts_each_receive_one_micro_batch_ahead_on_cpu():
@@ -171,20 +171,20 @@ def test_inbox_posts_each_receive_one_micro_batch_ahead_on_cpu():
     would take the next step's first tensor)."""
     inbox, log = _inbox("cpu", 3)
     assert log == [("post", 3)]
-    got = [inbox.take(i).item() for i in range(3)]
+    got = [inbox.take((i, 1)).item() for i in range(3)]
     assert log == [("post", 3), ("wait", 1), ("post", 3), ("wait", 3), ("post", 3), ("wait", 5)]
     assert got == [1.0, 3.0, 5.0]
     with pytest.raises(RuntimeError, match="out of order"):
-        inbox.take(0)
+        inbox.take((0, 1))
 
 
 def test_inbox_posts_each_receive_when_needed_on_cuda():
     """Under NCCL a receive posted early would hold up this rank's own sends to that peer: post at take."""
     inbox, log = _inbox("cuda", 2)
     assert log == []
-    inbox.take(0)
+    inbox.take((0, 1))
     assert log == [("post", 3), ("wait", 1)]
-    inbox.take(1)
+    inbox.take((1, 1))
     assert log[2:] == [("post", 3), ("wait", 3)]
 
 
@@ -196,7 +196,7 @@ def test_interrupts_wait_until_the_loop_takes_them():
     import os
     import signal
 
-    from runtime.processes import Terminated, interrupts_as_flags
+    from runtime.launch.processes import Terminated, interrupts_as_flags
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with interrupts_as_flags() as interrupted:

@@ -72,6 +72,8 @@ def test_planner_equals_oracle_when_replicas_of_different_shapes_win():
     assert same.objective_ms > got.objective_ms * (1 + 1e-3)
 
 
+# Long: about 24,000 plans for the oracle each; unlike replicas against the oracle run quick in the test above.
+@pytest.mark.long
 @pytest.mark.parametrize("seed", [7, 25])
 def test_planner_equals_oracle_with_tensor_parallel_unlike_replicas(seed):
     """Three GPUs, two heads: unlike replicas include a TP group next to a single device, whose unit boundaries cut

@@ -1,4 +1,4 @@
-"""``baton data prepare`` and the token dataset the runtime reads (runtime/tokens.py, runtime/data.py).
+"""``baton data prepare`` and the token dataset the runtime reads (runtime/data/tokens.py, runtime/data/source.py).
 
 Corpora are a few kilobytes of seeded random words written by the tests."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 from baton.errors import BatonError
 from baton.model_spec import PRESETS
-from runtime.data import (TokenDataset, TokenSource, ValidationSource, check_data_file, data_fingerprint, model_validation_loss,
+from runtime.data.source import (TokenDataset, TokenSource, ValidationSource, check_data_file, data_fingerprint, model_validation_loss,
                           open_dataset, validation_loss)
-from runtime.tokens import TokenizerChoice, load_tokenizer, prepare, token_dtype
+from runtime.data.tokens import TokenizerChoice, load_tokenizer, prepare, token_dtype
 from tests.conftest import run_cli
 
 WORDS = "the quick brown fox jumps over a lazy dog while baton plans uneven pipeline stages on mixed gpus".split()
@@ -136,6 +136,24 @@ def test_vocabulary_and_size_checks_against_the_model(tmp_path):
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
 
 
+def test_token_id_files_are_not_read_as_text(tmp_path):
+    """Catches --data silently training on the bytes of token ids: nanoGPT's uint16 train.bin, and one split
+    of a prepared dataset given in place of its directory, are refused in one line naming the file; text
+    with any non-NUL bytes (Latin-1 included) still trains as bytes."""
+    nano = tmp_path / "train.bin"
+    np.array([50256, 464, 13, 262, 1110] * 100, dtype=np.uint16).tofile(nano)
+    with pytest.raises(BatonError, match="binary.*nanoGPT") as err:
+        check_data_file(nano, small())
+    assert err.value.source == str(nano)
+    corpus(tmp_path)
+    prepare([tmp_path / "a.txt"], tmp_path / "ds", TokenizerChoice(train_vocab_size=300))
+    with pytest.raises(BatonError, match="give its directory"):
+        check_data_file(tmp_path / "ds" / "train.bin", small(vocab_size=320))
+    text = tmp_path / "latin.txt"
+    text.write_bytes(("caf\xe9 " * 200).encode("latin-1"))
+    check_data_file(text, small())
+
+
 def test_batches_depend_on_seed_and_sample_only_so_a_resumed_run_sees_the_same_ones(tmp_path):
     """A run resumed at step 3 (under a plan with another global batch, as the checkpoint's sample count
     says) reads exactly the windows the uninterrupted run would have read from there on; every window
@@ -177,7 +195,7 @@ def test_validation_windows_and_loss(tmp_path):
     assert 0 <= span - 6 * source.stride < 6 and all(len(w) == spec.seq_len + 1 for w in windows)  # spread to the end
     x, y = source.batch(2, torch.arange(3))  # the last batch wraps to window 0
     assert torch.equal(x[0], torch.from_numpy(windows[6][:-1])) and torch.equal(x[1], torch.from_numpy(windows[0][:-1]))
-    from runtime.model import GPT
+    from runtime.model.gpt import GPT
 
     model = GPT(spec, seed=3)
     got = model_validation_loss(model, source)
@@ -205,6 +223,7 @@ def test_fingerprint_of_a_dataset_is_its_content_hash(tmp_path):
     assert data_fingerprint(tmp_path / "a.txt")["bytes"] == (tmp_path / "a.txt").stat().st_size
 
 
+@pytest.mark.long  # three runs; resuming under another plan and a dataset's batches per sample are checked quick elsewhere
 def test_train_reads_a_dataset_directory_and_resumes_under_another_plan(tmp_path):
     """End to end through `baton train --data DIR`: the resumed run (another plan) continues with the
     uninterrupted run's losses and weights, so it saw the same batches."""

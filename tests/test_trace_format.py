@@ -27,8 +27,8 @@ import sys
 
 import pytest
 
-from runtime.launch import TrainConfig, train
-from runtime.trace import pid_of
+from runtime.launch.launcher import TrainConfig, train
+from runtime.measure.trace import pid_of
 from tests.runtime_helpers import plan_of, tiny
 
 UINT32 = 2**32
@@ -130,7 +130,7 @@ def slices_per_thread(trace) -> dict[tuple[int, int], list[str]]:
 @pytest.fixture(scope="module")
 def real_trace(tmp_path_factory):
     """A trace written by a real run: 2 ranks, 2 stages, rank 0 recomputing, validation at the end."""
-    from runtime.tokens import TokenizerChoice, prepare
+    from runtime.data.tokens import TokenizerChoice, prepare
 
     root = tmp_path_factory.mktemp("trace")
     (root / "a.txt").write_text("spans of every rank, nested or disjoint, on one clock. " * 60)
@@ -140,6 +140,7 @@ def real_trace(tmp_path_factory):
     return plan, root / "trace.json"
 
 
+@pytest.mark.long  # a real run; test_train_metrics.py's trace test checks a real trace against these rules by default
 def test_trace_keeps_the_rules_of_perfettos_json_importer(real_trace):
     """Catches: a rank on pid 0, spans of one rank that overlap partly (Perfetto would drop them), negative
     durations, timestamps too coarse to keep a child inside its parent, threads without names, and
@@ -214,6 +215,7 @@ def _trace_processor_shell() -> tuple[str | None, str]:
                   "set BATON_TRACE_PROCESSOR to a local trace_processor_shell to run this test")
 
 
+@pytest.mark.long  # the real run of real_trace (and perfetto's importer, where there is one)
 def test_trace_loads_in_perfettos_trace_processor(real_trace):
     """The same trace in the real importer: every span becomes a slice on its rank's thread, in its rank's
     named process, and the importer counts no error and no data loss."""

@@ -11,15 +11,15 @@ import pytest
 import yaml
 
 from baton.plan import save_plan
-from runtime.launch import TrainConfig, train
-from runtime.schedule import LRSchedule
+from runtime.launch.launcher import TrainConfig, train
+from runtime.train.optim_settings import LRSchedule
 from tests.conftest import run_cli
 from tests.runtime_helpers import plan_of, tiny
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from runtime.tokens import TokenizerChoice, prepare
+    from runtime.data.tokens import TokenizerChoice, prepare
 
     root = tmp_path_factory.mktemp("train")
     (root / "a.txt").write_text("baton plans uneven pipelines on mixed gpus, then trains them exactly. " * 80)
@@ -71,6 +71,7 @@ def test_config_file_schedule_validation_and_metrics_log(setup, tmp_path):
            {k: v for k, v in resolved.items() if k not in ("run-dir", "steps", "eval-every")}
 
 
+@pytest.mark.long  # two runs; tests/test_runtime_train.py resumes in the default run, and the schedule and clipping are checked above
 def test_schedule_and_clipping_resume_exactly(setup, tmp_path):
     """Four steps straight, or two then a resume to four, give the same losses and grad norms: the
     schedule and clipping depend on the step only, and the checkpoint records their settings."""
@@ -118,7 +119,7 @@ def test_trace_holds_every_ranks_measured_spans_on_one_clock(setup, tmp_path):
     all-reduces not recorded, and per-rank clocks that do not line up (a stage's forward of micro-batch
     0 must start after the previous stage's has ended: it waits for its activation). The file also keeps
     the rules Perfetto's JSON importer applies (tests/test_trace_format.py)."""
-    from runtime.trace import pid_of
+    from runtime.measure.trace import pid_of
     from tests.test_trace_format import perfetto_json_problems
 
     root, _ = setup
@@ -153,8 +154,8 @@ def test_metrics_log_writes_null_for_non_finite_counts_skips_and_feeds_tensorboa
     importable, gets the same scalars (a stand-in writer here: tensorboard is an optional dependency)."""
     import math
 
-    import runtime.metrics as metrics
-    from runtime.engine import StepStats
+    import runtime.measure.metrics as metrics
+    from runtime.train.engine import StepStats
 
     _, plan = setup
     scalars = []
@@ -183,6 +184,7 @@ def test_metrics_log_writes_null_for_non_finite_counts_skips_and_feeds_tensorboa
     assert not any(tag == "train/loss" and step == 1 for tag, _, step in scalars)  # NaN is not plotted
 
 
+@pytest.mark.long  # a real run; the scalars handed to TensorBoard are checked by default in the test above
 def test_tensorboard_event_files_hold_the_metrics_log_step_by_step(setup, tmp_path):
     """A real run with tensorboard installed, read back by TensorBoard's own reader: every scalar of every
     step equals the metrics.jsonl line of that step (float32, as TensorBoard stores it). Catches: event

@@ -39,7 +39,8 @@ def test_expected_maxima_of_normals():
     assert expected_max_of_normals(8) == pytest.approx(1.423600, abs=1e-6)
 
 
-@pytest.mark.parametrize("cv", [0.005, 0.03, 0.1, 0.3])
+@pytest.mark.parametrize("cv", [pytest.param(0.005, marks=pytest.mark.long), pytest.param(0.03, marks=pytest.mark.long), 0.1,
+                                pytest.param(0.3, marks=pytest.mark.long)])
 def test_two_replicas_follow_clark_from_below(cv):
     """Equal at every grid point and at t = 1, never above, at most 0.004 theta below (the ALPHAS note)."""
     for t in np.linspace(0.0, 1.0, 4001):
@@ -129,8 +130,10 @@ def _noisy(inst, cv):
 
 
 @pytest.mark.parametrize("case", [
-    # (instance, cv): several replicas of equal and unequal speed, stage 0 and 1, pipelines and replicas mixed
-    ("equal-pair", 0.08), ("fast-slow", 0.15), ("seed5-4gpu", 0.05), ("seed7-3gpu", 0.1)])
+    # (instance, cv): several replicas of equal and unequal speed, stage 0 and 1, pipelines and replicas mixed;
+    # the two random instances (seconds each) under -m long
+    ("equal-pair", 0.08), ("fast-slow", 0.15), pytest.param(("seed5-4gpu", 0.05), marks=pytest.mark.long),
+    pytest.param(("seed7-3gpu", 0.1), marks=pytest.mark.long)])
 def test_planner_equals_oracle_with_noisy_replicas(case):
     name, cv = case
     if name == "equal-pair":
@@ -207,7 +210,7 @@ def test_milp_prices_classes_of_interchangeable_replicas_exactly(types, zero_sta
 def test_measured_cv_keeps_only_what_the_ranks_do_not_share():
     """The profiler's estimate from rounds started together: a 10% slowdown common to every rank in a round
     drops out, each rank's own 3% stays, whatever the ranks' own speeds."""
-    from runtime.comm_profiler import replica_time_cv
+    from runtime.measure.comm_profiler import replica_time_cv
 
     rng = np.random.default_rng(3)
     for n in (2, 4):

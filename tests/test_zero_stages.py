@@ -1,4 +1,4 @@
-"""ZeRO stages 2 and 3 with layered gradient accumulation (runtime/layered.py; docs/cost-model.md, section 9,
+"""ZeRO stages 2 and 3 with layered gradient accumulation (runtime/train/layered.py; docs/cost-model.md, section 9,
 eq. 16-18), over real gloo processes against the single-device model on the whole global batch.
 
 Every replica is one stage (tensor parallelism inside allowed) and runs its micro-batches layer by layer;
@@ -37,10 +37,10 @@ TP_AND_SINGLE = [dict(stages=[[3, 1]], layers=[4], units=4, m=3, mbs=2,
 
 
 def _worker(rank, world, plan, steps):
-    from runtime.checkpoint import _gather_full_state
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
-    from runtime.precision import _storage_bytes
+    from runtime.train.checkpoint import _gather_full_state
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
+    from runtime.train.precision import _storage_bytes
 
     engine = Engine(plan, rank, seed=SEED, lr=LR, weight_decay=WD, schedule=schedule(), clip_grad=CLIP)
     data = TokenSource(plan.model, seed=SEED, global_batch=plan.global_batch)
@@ -72,7 +72,7 @@ def run(plan):
 def _prediction(plan):
     from baton.cluster import load_cluster
     from baton.evaluate import evaluate
-    from runtime.devices import prediction_profiles
+    from runtime.launch.devices import prediction_profiles
     from tests.conftest import ROOT
 
     cluster = load_cluster(ROOT / "clusters" / "cpu4.yaml")
@@ -103,7 +103,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# One case per stage runs by default (stage 3 with TP and recomputation, whose run the report test below reuses);
+# the other two under -m long.
+@pytest.mark.parametrize("case", [c if c in ("stage 2, 3x2 beside 1x2, 0.7/0.3", "stage 3, tp3:1 beside single, 0.7/0.3, recompute")
+                                  else pytest.param(c, marks=pytest.mark.long) for c in CASES])
 def test_layered_runs_follow_the_reference_and_hold_the_predicted_state(case):
     """Stage 2 or 3 over uneven shards and batches (and TP with per-operator recomputation inside a replica)
     trains as one device on the whole global batch: losses, global gradient norms (clipping on every step),
@@ -171,7 +174,7 @@ def test_report_shows_units_phases_and_state_bytes():
     gathers, optimizer), one row per unit with its reduce-scatter and gathers next to eq. 16's ring pass (a
     layer gathered twice, the edges once), and the devices' measured weights, gradients and optimizer bytes
     next to the evaluator's."""
-    from runtime.report import build_report, summary_rows
+    from runtime.measure.report import build_report, summary_rows
 
     stage, replicas, ratios = CASES["stage 3, tp3:1 beside single, 0.7/0.3, recompute"]
     plan = replicas_plan(tiny(0.1), replicas, zero_stage=stage, ratios=ratios)
@@ -196,6 +199,7 @@ def test_report_shows_units_phases_and_state_bytes():
 # --- bf16 and fp16 --------------------------------------------------------------------------------------
 
 
+@pytest.mark.long  # bf16 (emulated on most CPUs) at three stages: bf16 runs quick in test_mixed_precision.py, sharding here in fp32
 def test_bf16_stage_3_keeps_fp32_master_shards_and_follows_stages_2_and_1():
     """bf16 at stage 3 (TP 3:1 beside one device, 0.7/0.3): parameters, gradients and collectives in bf16,
     fp32 master weights and moments of the owned shards only (4 + 8 bytes per owned parameter), the weight
@@ -234,10 +238,10 @@ def test_bf16_stage_3_keeps_fp32_master_shards_and_follows_stages_2_and_1():
 
 
 def _fp16_worker(rank, world, plan):
-    from runtime.checkpoint import _gather_full_state
-    from runtime.data import TokenSource
-    from runtime.engine import Engine
-    from runtime.precision import LossScaleSettings
+    from runtime.train.checkpoint import _gather_full_state
+    from runtime.data.source import TokenSource
+    from runtime.train.engine import Engine
+    from runtime.train.precision import LossScaleSettings
 
     settings = LossScaleSettings(initial_scale=2.0**10, growth_interval_steps=2)
     engine = Engine(plan, rank, seed=SEED, lr=1e-3, loss_scale=settings)
@@ -254,7 +258,7 @@ def _fp16_worker(rank, world, plan):
             "before": before, "after0": after0, "end": _gather_full_state(engine)}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_fp16_layered_skips_overflowing_steps_everywhere(stage):
     """fp16 at stage 2 and 3 (0.7/0.3, 3 micro-batches beside 1); step 0 overflows on one rank only, in a
     piece the other rank owns most of. Every rank skips it (state unchanged, scale halved), then steps 1 and 2
@@ -273,6 +277,7 @@ def test_fp16_layered_skips_overflowing_steps_everywhere(stage):
 # --- checkpoints across stages ----------------------------------------------------------------------------
 
 
+@pytest.mark.long  # a resume chain; tests/test_runtime_train.py resumes under another plan in the default run
 def test_resume_across_stages_3_0_2_keeps_the_loss_curve(tmp_path):
     """Six steps at stage 3 (0.7/0.3, 3 micro-batches beside 1), saved at step 2; resumed to step 4 at stage 0
     as a two-stage pipeline beside one device; its step-4 checkpoint resumed to 6 at stage 2 with TP 3:1 beside
@@ -282,7 +287,7 @@ def test_resume_across_stages_3_0_2_keeps_the_loss_curve(tmp_path):
 
     Catches: a stage 3 checkpoint that reads released parameters (zeros) instead of the weight shards, shards
     loaded into the wrong ranges, and a stage 3 load that writes into released storage."""
-    from runtime.launch import TrainConfig, train
+    from runtime.launch.launcher import TrainConfig, train
     from tests.test_data_parallel import PP_AND_SINGLE, RESUME_OPTS, assert_same_checkpoint, resume_chain
 
     spec = tiny(0.1)

@@ -1,0 +1,93 @@
+"""``baton profile --device``: measured operator tables (and with ``--comm`` a link fit) on this machine.
+
+Tables are measured in the model's dtype, as ``baton train`` runs it (``runtime.train.precision``): bf16 runs on
+CPUs and GPUs, fp16 on GPUs only (CPUs do not train in it), and the optimizer row times the runtime's
+own step (fp32 master weights for fp16/bf16).
+
+The ``profile`` command itself belongs to the planning core, which derives tables from the catalog
+(``--analytic``); measuring runs the runtime's own layer, so the runtime hands the core this branch
+when it registers its commands (``register``), and ``baton/`` never imports the runtime.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from baton.catalog import gpu_type
+from baton.cli_support import console, say
+from baton.commands import MeasureRequest, set_profile_measurer
+from baton.errors import BatonError
+from baton.model_files import load_model
+from baton.profile import profiles_dir, table_filename, write_table
+
+
+def register() -> None:
+    """Install ``measure`` as the ``--device`` branch of ``baton profile``."""
+    set_profile_measurer(measure)
+
+
+def measure(req: MeasureRequest) -> None:
+    """Check the options only measuring uses, write the measured table, then the link fit if asked."""
+    # torch and the profilers load here, not at import: every baton command imports this module.
+    import torch
+    from rich.progress import Progress
+
+    from runtime.measure.op_profiler import profile_table
+    from runtime.train.precision import cpu_runs_natively, emulation_note
+
+    spec = load_model(req.model)
+    if req.seq_len:
+        spec = spec.with_overrides(seq_len=req.seq_len)
+    try:
+        shares = tuple(float(x) for x in req.tp_shares.split(",")) if req.tp_shares else (1.0,)
+    except ValueError:
+        raise BatonError(f"expected comma-separated numbers, got '{req.tp_shares}'", field="--tp-shares") from None
+    if any(not 0 < s <= 1 for s in shares):
+        raise BatonError("shares must be in (0, 1]", field="--tp-shares")
+    if req.warmup < 0 or req.reps < 1:
+        raise BatonError("need --warmup >= 0 and --reps >= 1", field="--reps")
+    dev = req.device.lower()
+    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise BatonError(f"unknown device '{req.device}' (expected cpu, cuda or cuda:N)", field="--device")
+    if req.threads:
+        torch.set_num_threads(req.threads)
+    name = gpu_type(req.gpu, field="--gpu").name if req.gpu else None
+    slow = emulation_note(spec.dtype, dev.partition(":")[0], cpu_runs_natively(spec.dtype))
+    if slow:
+        say(f"note: {slow}", err=True)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"profiling {spec.name} on {req.device}", total=None)
+        df = profile_table(spec, device=dev, micro_batches=req.micro_batches, shares=shares, warmup=req.warmup,
+                           reps=req.reps, gpu_name=name, concurrent=req.concurrent, back_to_back=req.back_to_back,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    gpu_name = str(df["gpu"].iloc[0])
+    path = req.out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)
+    write_table(df, path)
+    say(f"wrote {len(df)} measured rows to {path} "
+                  f"({spec.dtype} as the model trains, torch {torch.__version__}, "
+                  + (f"{req.concurrent} profilers at once, one thread each" if req.concurrent > 1
+                     else f"{torch.get_num_threads()} threads")
+                  + f", median of {req.reps} after {req.warmup} warm-up"
+                  + (", layers, embedding and head back to back in pieces)" if req.back_to_back else ")"))
+    if req.comm:
+        _measure_link(spec, dev, req.micro_batches, req.comm_ranks, path)
+
+
+def _measure_link(spec, dev: str, mbs: tuple[int, ...], comm_ranks: int, table_path: Path) -> None:
+    """Fit the link between ``comm_ranks`` local processes; written next to the table it belongs to."""
+    from baton.atomic import write_atomically
+    from runtime.measure.comm_profiler import measure_links
+
+    backend = "nccl" if dev.startswith("cuda") else "gloo"
+    # Two sizes at least, so the in-layer all-reduces get a line of their own.
+    layer_mbs = tuple(sorted(mbs)) if len(set(mbs)) > 1 else (mbs[0], 2 * mbs[0])
+    fit = measure_links(backend=backend, world_size=comm_ranks, spec=spec, micro_batches=layer_mbs)
+    link_path = Path(str(table_path).removesuffix(".csv") + ".link.yaml")
+    write_atomically(link_path, fit.yaml_block())
+    write_atomically(link_path.with_suffix(".json"), json.dumps(fit.to_dict(), indent=2))
+    say(f"link over {backend}: {fit.bandwidth_gb_per_s:.2f} GB/s, {fit.latency_us:.0f} us per message "
+                  f"(all-reduce implies {fit.allreduce_bandwidth_gb_per_s:.2f} GB/s"
+                  + (f", inside the TP layer {fit.tp_allreduce_bandwidth_gb_per_s:.2f} GB/s and "
+                     f"{fit.tp_allreduce_latency_us:.0f} us per step" if fit.tp_allreduce_bandwidth_gb_per_s is not None else "")
+                  + (f"; replicas' own spread {fit.replica_time_cv:.1%}" if fit.replica_time_cv is not None else "")
+                  + f"); wrote {link_path}")

@@ -1,0 +1,249 @@
+"""The tensor-parallel transformer layer: ``ParallelBlock``, one rank's heads and FFN columns of a layer.
+
+A ``ParallelBlock`` runs the operators of ``baton.operators.layer_operators`` in order (attention as
+the eager operators or one fused ``attn_core``, as the model spec says), holding
+``len(heads)`` attention heads and ``len(ffn_cols)`` FFN columns of the layer (any split, not just even
+ones). Column-parallel qkv/fc1 take their input through ``copy_to_tp`` (all-reduce in backward), the
+row-parallel out_proj/fc2 produce partial sums that one all-reduce completes; the row-parallel biases
+are added after that all-reduce, in resid1/resid2. The communication itself is in ``tensor_parallel.py``.
+
+Recomputation: maximal runs of consecutive recomputed operators form segments, each wrapped in a
+non-reentrant ``torch.utils.checkpoint``. The two forward all-reduces end a segment and are never inside
+one (ranks of a TP group recompute different operators; a collective in a recomputed region would
+deadlock). Early stopping of recomputation is off, so every planned operator is re-executed in full,
+which is what the planner charges for.
+
+Shape legend: B micro-batch, T sequence, C hidden, nl local heads, hs head size, fl local FFN width.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from baton.model_spec import ModelSpec
+from baton.operators import ALLREDUCE_OUTPUTS, LAYER_INPUT, layer_operators
+from runtime.measure.meters import Meter
+from runtime.model.gpt import LN_EPS
+from runtime.model.rng import DropoutKey, attention_keep, dropout, residual_keep
+from runtime.parallel.tensor_parallel import copy_to_tp, reduce_from_tp
+
+
+FUSED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+"""Kernels ``attn_core`` may run: the ones that keep no score matrix."""
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """What a layer's dropout masks depend on besides the layer and operator."""
+
+    seed: int
+    step: int
+    samples: torch.Tensor
+    """Indices of the micro-batch's rows in the step's global batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """A run of consecutive recomputed operators, replayed as one checkpoint."""
+
+    ops: tuple
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+class _Params(nn.Module):
+    """A bag of parameters named like the reference model's modules (``c_attn.weight``, ...)."""
+
+    def __init__(self, **shapes):
+        super().__init__()
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+
+
+class ParallelBlock(nn.Module):
+    """One transformer layer at this rank's heads and FFN columns (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, layer: int, *, heads: range, ffn_cols: range, recompute=frozenset(),
+                 tp_group=None, meter: Meter | None = None):
+        super().__init__()
+        self.spec, self.layer, self.heads, self.tp_group = spec, layer, heads, tp_group
+        self.meter = meter or Meter()
+        self._make_parameters(spec, len(heads), len(ffn_cols))
+        self.program = _program(layer_operators(spec), frozenset(recompute))
+
+    def _make_parameters(self, spec: ModelSpec, nl: int, fl: int) -> None:
+        """The layer's parameters at ``nl`` local heads and ``fl`` local FFN columns."""
+        C, hs = spec.hidden_dim, spec.head_dim
+        self.ln_1 = _Params(weight=(C,), bias=(C,))
+        self.attn = nn.Module()
+        self.attn.c_attn = _Params(weight=(3 * nl * hs, C), bias=(3 * nl * hs,))
+        self.attn.c_proj = _Params(weight=(C, nl * hs), bias=(C,))
+        self.ln_2 = _Params(weight=(C,), bias=(C,))
+        self.mlp = nn.Module()
+        self.mlp.c_fc = _Params(weight=(fl, C), bias=(fl,))
+        self.mlp.c_proj = _Params(weight=(C, fl), bias=(C,))
+
+    # One method per operator of baton.operators, in order: (mb, *inputs) -> outputs.
+    def _ln1(self, mb, x):
+        return (F.layer_norm(x, x.shape[-1:], self.ln_1.weight, self.ln_1.bias, LN_EPS),)
+
+    def _qkv(self, mb, a):
+        B, T, _ = a.shape
+        qkv = F.linear(copy_to_tp(a, self.tp_group), self.attn.c_attn.weight, self.attn.c_attn.bias)
+        qkv = qkv.view(B, T, 3, len(self.heads), self.spec.head_dim)
+        if self.spec.attention == "fused":
+            # Views of the qkv output, each (B, nl, T, hs) laid out as (B, T, nl, hs). Only attn_core reads
+            # them, so q, k and v are always kept or freed together and their one storage is exactly
+            # their bytes; the kernel keeps them as they are and writes its output in the same layout,
+            # so out_proj's (B, T, nl * hs) view of it is not a second copy.
+            return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+        # Eager: three separate tensors, as the planner counts them: attn_scores keeps q and k, attn_v
+        # keeps v, so a view would pin the whole qkv output.
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        return q.contiguous(), k.contiguous(), v.contiguous()  # each (B, nl, T, hs)
+
+    def _attn_scores(self, mb, q, k):
+        return ((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.spec.head_dim)),)  # (B, nl, T, T)
+
+    def _softmax(self, mb, scores):
+        T = scores.size(-1)
+        # The causal mask as an additive -inf bias: an addition keeps nothing for backward, where
+        # masked_fill would keep a (T, T) mask the planner does not count.
+        causal = torch.full((T, T), float("-inf"), dtype=scores.dtype, device=scores.device).triu(1)
+        return (F.softmax(scores + causal, dim=-1),)
+
+    def _attn_dropout(self, mb, probs):
+        if not self.training:  # evaluation (validation loss): no dropout, as the reference model's eval()
+            return (probs,)
+        key = DropoutKey(mb.seed, mb.step, self.layer)
+        keep = attention_keep(key, mb.samples, self.heads, probs.size(-1), self.spec.dropout, probs.device)
+        return (dropout(probs, keep, self.spec.dropout),)
+
+    def _attn_v(self, mb, probs, v):
+        return (probs @ v,)  # (B, nl, T, hs)
+
+    def _attn_core(self, mb, q, k, v):
+        # Fused (flash) attention: the kernel keeps q, k, v as _qkv made them, its (B, nl, T, hs) output
+        # and the (B, nl, T) fp32 log-sum-exp, and recomputes the scores in backward. No dropout on the
+        # probabilities (the flash kernels keep no mask; see baton.operators). The unfused "math"
+        # fallback is excluded: it would silently keep the (B, nl, T, T) matrices the plan does not count.
+        # Under grouped-query attention (Llama) k and v have fewer heads, each serving consecutive query
+        # heads; the kernel reads them as they are, without expanding them.
+        with sdpa_kernel(FUSED_ATTENTION):
+            return (F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.0, enable_gqa=k.size(1) != q.size(1)),)
+
+    def _out_proj(self, mb, ctx):
+        B, nl, T, hs = ctx.shape
+        return (F.linear(ctx.transpose(1, 2).reshape(B, T, nl * hs), self.attn.c_proj.weight),)  # partial (B, T, C)
+
+    def _resid(self, name, bias, mb, branch, x):
+        y = branch if bias is None else branch + bias
+        if self.spec.dropout > 0.0 and self.training:
+            B, T, C = y.shape
+            keep = residual_keep(DropoutKey(mb.seed, mb.step, self.layer), name, mb.samples, T, C, self.spec.dropout, y.device)
+            y = dropout(y, keep, self.spec.dropout)
+        return (x + y,)
+
+    def _resid1(self, mb, attn_out, x):
+        return self._resid("resid1", self.attn.c_proj.bias, mb, attn_out, x)
+
+    def _ln2(self, mb, x):
+        return (F.layer_norm(x, x.shape[-1:], self.ln_2.weight, self.ln_2.bias, LN_EPS),)
+
+    def _fc1(self, mb, a):
+        return (F.linear(copy_to_tp(a, self.tp_group), self.mlp.c_fc.weight, self.mlp.c_fc.bias),)  # (B, T, fl)
+
+    def _gelu(self, mb, h):
+        return (F.gelu(h, approximate="tanh"),)
+
+    def _fc2(self, mb, h):
+        return (F.linear(h, self.mlp.c_proj.weight),)  # partial (B, T, C)
+
+    def _resid2(self, mb, mlp_out, x_mid):
+        return self._resid("resid2", self.mlp.c_proj.bias, mb, mlp_out, x_mid)
+
+    # Execution.
+    def _run_ops(self, ops, mb, env):
+        meter = self.meter
+        for op in ops:
+            meter.calls[op.name] += 1
+            if meter.in_backward:
+                meter.recomputed[op.name] += 1
+            outs = getattr(self, "_" + op.name)(mb, *(env[n] for n in op.inputs))
+            env.update(zip(op.outputs, outs))
+
+    def _replay(self, seg: _Segment, mb, *inputs):
+        start = time.perf_counter()
+        env = dict(zip(seg.inputs, inputs))
+        self._run_ops(seg.ops, mb, env)
+        if self.meter.in_backward:
+            end = time.perf_counter()
+            self.meter.recompute_s += end - start
+            if self.meter.recompute_spans is not None:
+                self.meter.recompute_spans.append((start, end))
+        return tuple(env[n] for n in seg.outputs)
+
+    def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        env = {LAYER_INPUT: x}
+        for item in self.program:
+            if isinstance(item, tuple):  # ("allreduce", partial sum, full tensor)
+                env[item[2]] = reduce_from_tp(env[item[1]], self.tp_group)
+            elif isinstance(item, _Segment):
+                inputs = [env[n] for n in item.inputs]
+                if self.meter.saved is not None:
+                    for t in inputs:
+                        self.meter.saved.add(t)
+                with set_checkpoint_early_stop(False):
+                    outs = checkpoint(partial(self._replay, item, mb), *inputs,
+                                      use_reentrant=False, preserve_rng_state=False)
+                env.update(zip(item.outputs, outs))
+            else:
+                self._run_ops((item,), mb, env)
+        return env["layer_output"]
+
+
+def _program(ops, recompute: frozenset) -> list:
+    """Operators, all-reduces and recomputed segments in execution order."""
+    items: list = []
+    run: list = []
+
+    def flush():
+        if run:
+            items.append(list(run))
+            run.clear()
+
+    for op in ops:
+        if op.name in recompute:
+            run.append(op)
+        else:
+            flush()
+            items.append(op)
+        for out in op.outputs:
+            if out in ALLREDUCE_OUTPUTS:
+                flush()
+                items.append(("allreduce", out, ALLREDUCE_OUTPUTS[out]))
+    flush()
+    # Give each segment its inputs (read, not made inside) and outputs (made inside, read later).
+    program = []
+    for i, item in enumerate(items):
+        if not isinstance(item, list):
+            program.append(item)
+            continue
+        made = [n for op in item for n in op.outputs]
+        inputs = list(dict.fromkeys(n for op in item for n in op.inputs if n not in made))
+        later = {"layer_output"}
+        for nxt in items[i + 1:]:
+            if isinstance(nxt, tuple):
+                later.add(nxt[1])
+            else:
+                later.update(n for op in (nxt if isinstance(nxt, list) else [nxt]) for n in op.inputs)
+        program.append(_Segment(ops=tuple(item), inputs=tuple(inputs), outputs=tuple(n for n in made if n in later)))
+    return program

@@ -1,0 +1,745 @@
+"""One rank's training step: its replica's schedule (``baton.schedules``, the lists of actions the cost model
+prices) run by one interpreter over point-to-point sends, gradient synchronisation (tied embedding,
+data-parallel replicas) and the optimizer.
+
+Replicas may differ in shape and batch: replica r runs its own ``plan.batch(r)`` = (b_r, m_r), m_r
+micro-batches of b_r samples, on samples [sum_{q<r} b_q m_q, + b_r m_r) of each global batch in the
+batch's canonical order, and every micro-batch's loss is divided by the global batch's token count, so
+the summed update is the single-device update on the whole global batch. Gradients are summed across
+replicas over ``baton.peers``' peer groups (``runtime.train.replica_sync``); with ``zero_stage`` 1 the
+optimizer state is sharded over each group's holders (``runtime.train.sharded_optimizer``). With ``zero_stage`` 2
+and 3 every replica is one stage and runs its micro-batches layer by layer instead of 1F1B, the gradients
+(and at 3 the weights) sharded too, unit by unit (``runtime.train.layered``, docs/cost-model.md eq. 16-18).
+
+The model spec's dtype decides the precision (``runtime.train.precision``): the stage's parameters,
+activations, pipeline messages and gradients are in the compute dtype, the stage's cross-entropy works
+in fp32 (the head keeps an fp32 softmax, as docs/cost-model.md counts), and AdamW updates fp32 master
+weights in fp16/bf16. In fp16 the loss is scaled, and a step whose gradients overflow on any rank
+is skipped on every rank.
+
+Optimisation (``runtime.train.optim_settings``): the learning rate of every step comes from an ``LRSchedule``; weight
+decay skips biases and LayerNorms; the global gradient norm is summed over every parameter of the model
+exactly once (each piece in the first peer group that holds it, by the group's first holder, or at
+``zero_stage`` 1 by the element's owner: ``ReplicaSync.norm_views``), rides on the step's one small
+all-reduce, and clips the update when ``clip_grad`` is set: the update of any plan is the
+single-device one.
+
+With a ``tracer`` (``runtime.measure.trace``, ``baton train --trace``) the step also records its spans: forward,
+backward and recompute per micro-batch, receives and sends, tensor-parallel and gradient all-reduces,
+the optimizer.
+
+The step returns a ``StepStats`` with what the planner predicts (per micro-batch forward, backward and
+recompute time, per-stage time, iteration time, peak saved-activation bytes), so a report can put
+measurement next to prediction.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from baton.operators import EMBEDDING, HEAD
+from baton.plan import Plan
+from baton.peers import EDGES
+from baton.schedules import (WHOLE, Backward, Forward, Gather, OptimizerStep, Recv, ReduceScatter, Release, Send,
+                             interleaved_one_f_one_b, layer_by_layer)
+from runtime.launch.host_memory import keep_freed_memory
+from runtime.train.layered import UnitShards
+from runtime.model.family import init_parameter, parameter_shapes
+from runtime.measure.meters import SavedBytes
+from runtime.train.precision import LossScaleSettings, MasterWeights, compute_dtype
+from runtime.train.replica_sync import ReplicaSync
+from runtime.train.optim_settings import LRSchedule, clip_coefficient, decays, grad_square_sum
+from runtime.train.sharded_optimizer import ShardedAdamW
+from runtime.parallel.slicing import parameter_slice, take_slice
+from runtime.parallel.stage import StageModel
+from runtime.parallel.tp_layer import MicroBatch
+from runtime.parallel.tensor_parallel import AllReduceClock
+from runtime.parallel.topology import Topology
+
+ACTIVATION_TAG, GRADIENT_TAG = 0, 1
+"""Message tags of a boundary activation and of a gradient: an interleaved pipeline of two groups receives both
+from the same peer, each kind in its own order."""
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    """Measurements of one step on one rank (``loss`` and ``stage_ms`` are the same on every rank)."""
+
+    step: int
+    """Index of the step (0-based)."""
+    loss: float
+    """Mean cross-entropy over the global batch."""
+    iteration_ms: float
+    """Wall time of the whole step on this rank, optimizer included."""
+    forward_ms: list[float] = field(default_factory=list)
+    """Per micro-batch forward compute on this rank (waits for activations excluded)."""
+    backward_ms: list[float] = field(default_factory=list)
+    """Per micro-batch backward compute on this rank, recomputation included."""
+    recompute_ms: list[float] = field(default_factory=list)
+    """Per micro-batch time re-running recomputed operators (part of backward_ms)."""
+    stage_ms: list[float] = field(default_factory=list)
+    """Compute time (forward + backward) of each stage (interleaved: each device group) of pipeline 0, from its
+    TP rank 0."""
+    tp_allreduce_ms: float | None = 0.0
+    """Time in tensor-parallel all-reduces over the step's passes, waits for peers included (None on
+    CUDA, where the call returns before the GPU runs it)."""
+    grad_sync_ms: float = 0.0
+    """Tied-embedding all-reduce and the data-parallel gradient collectives on this rank (all-reduces, or at
+    ``zero_stage`` 1 the reduce-scatters; waits for peers included)."""
+    optimizer_ms: float = 0.0
+    """The step after the passes on this rank (eq. 10): the gradient norm it counts (``norm_ms``) and the
+    AdamW update (at ``zero_stage`` 1 with the all-gathers of the updated weights)."""
+    norm_ms: float = 0.0
+    """The sum of squares of the gradients this rank counts for the global norm (part of optimizer_ms)."""
+    gather_ms: float = 0.0
+    """At ``zero_stage`` 1 and 2: the all-gathers of the updated weights on this rank (part of optimizer_ms); at
+    3: the all-gathers of the units before their forward and backward (part of the passes' wall time)."""
+    unit_reduce_ms: list[float] = field(default_factory=list)
+    """At ``zero_stage`` 2 and 3, per unit (the edges, then layer 0, 1, ...): its reduce-scatter on this rank,
+    waits for peers included (their sum is grad_sync_ms)."""
+    unit_gather_ms: list[float] = field(default_factory=list)
+    """At ``zero_stage`` 2 and 3, per unit: its all-gathers on this rank (stage 2 the one after the update,
+    stage 3 the ones before its forward and backward), waits included (their sum is gather_ms)."""
+    peak_saved_bytes: int = 0
+    """Peak bytes of activations kept for backward on this rank during the step."""
+    peak_allocated_bytes: int = 0
+    """Peak CUDA memory allocated by this rank during the step (0 on CPU)."""
+    recomputed_ops: dict[str, int] = field(default_factory=dict)
+    """Operator name -> executions during backward (recomputations) on this rank."""
+    tokens: int = 0
+    """Tokens in the global batch."""
+    skipped: bool = False
+    """The optimizer step was skipped because some rank's gradients held inf/NaN (fp16 loss scaling)."""
+    loss_scale: float = 1.0
+    """The loss scale this step's backward ran with (1 outside fp16)."""
+    weights_bytes: int = 0
+    """Measured after the step: this rank's parameters in the compute dtype (eq. 8's W_d); at ``zero_stage`` 2
+    and 3 the peak over the step of its parameters and weight shards (eq. 18's weights)."""
+    grads_bytes: int = 0
+    """Measured after the step: their gradients (eq. 8's second W_d); at ``zero_stage`` 2 and 3 the peak over
+    the step of its full gradients and gradient shards (eq. 18's grads)."""
+    master_bytes: int = 0
+    """Measured after the step: fp32 master weights (fp16/bf16 only; at ``zero_stage`` 1 the owned shards')."""
+    moments_bytes: int = 0
+    """Measured after the step: AdamW's fp32 moments (at ``zero_stage`` 1 the owned shards')."""
+    lr: float = 0.0
+    """Learning rate this step's update used."""
+    grad_norm: float = 0.0
+    """Global L2 norm of the gradients over the whole model, before clipping (unscaled in fp16; inf/NaN on
+    an overflowing step)."""
+    clipped: bool = False
+    """The update was scaled down by ``clip_grad``."""
+    memory_bytes: list[float] = field(default_factory=list)
+    """Peak memory of every rank, in rank order: CUDA memory allocated, or on CPU the process's peak
+    resident set (filled in by ``train_step``)."""
+    val_loss: float | None = None
+    """Validation loss measured after this step (``--eval-every``), else None."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.iteration_ms, 1e-9) * 1e3
+
+
+class Engine:
+    """Everything one rank holds for training under a plan; the process group must already exist."""
+
+    def __init__(self, plan: Plan, rank: int, *, device: torch.device | str = "cpu", seed: int = 0,
+                 lr: float = 3e-4, weight_decay: float = 0.0, full=None, measure: bool = True,
+                 timeout_s: float | None = None, loss_scale: LossScaleSettings | None = None,
+                 schedule: LRSchedule | None = None, clip_grad: float = 0.0):
+        self.plan, self.seed = plan, seed
+        self.schedule = schedule or LRSchedule(lr=lr)  # constant ``lr`` unless a schedule is given
+        self.clip_grad = clip_grad  # 0: no clipping
+        self.weight_decay = weight_decay
+        self.timeout_s = timeout_s  # bounds every receive and every subgroup collective (None: torch's defaults)
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            # Reuse freed host memory instead of faulting fresh pages in every step, as the op profiler
+            # does (runtime.launch.host_memory): otherwise a step's speed depends on its allocation history.
+            keep_freed_memory()
+        self.topo = Topology(plan)
+        self.pos = self.topo.position(rank)
+        # Every group of the run (tensor-parallel, peer, tied), created on every rank in one order.
+        self.groups = self.topo.groups(self.pos, timeout_s=timeout_s)
+        spec = plan.model
+        self.first, self.last = self.pos.first, self.pos.last
+        self.num_stages = self.pos.num_stages
+        """Stages of this rank's pipeline."""
+        self.micro_batch_size, self.num_microbatches = plan.batch(self.pos.pipeline)
+        """This replica's micro-batch size and count."""
+        self.first_sample = sum(plan.samples(r) for r in range(self.pos.pipeline))
+        """Index in the global batch of this replica's first sample."""
+        self.model = StageModel(spec, layers=self.topo.layers(self.pos), heads=self.pos.heads, ffn_cols=self.pos.ffn_cols,
+                                first=self.first, last=self.last, recompute=self.pos.recompute,
+                                tp_group=self.groups.tp)
+        self.model.load_full(full or (lambda name: init_parameter(spec, name, seed)))
+        self.model.to(self.device)
+        self.dtype = compute_dtype(spec.dtype)
+        self.layered = plan.zero_stage >= 2
+        """Stages 2 and 3: the replica runs its micro-batches layer by layer (``runtime.train.layered``)."""
+        if self.layered and self.num_stages != 1:
+            raise ValueError(f"zero_stage {plan.zero_stage} needs every replica to be one stage; replica "
+                             f"{self.pos.pipeline} has {self.num_stages} (baton.plan.validate refuses such plans)")
+        pipe = plan.pipelines[self.pos.pipeline]
+        self.replica_schedule = (layer_by_layer(plan.zero_stage, spec.num_layers, self.num_microbatches) if self.layered
+                                 else interleaved_one_f_one_b(self.num_stages, pipe.chunks, self.num_microbatches))
+        """This replica's schedule (``baton.schedules``), the one the cost model prices; ``_interpret`` runs it."""
+        mine = self.replica_schedule.devices[self.pos.stage]
+        cut = next((k for k, a in enumerate(mine) if isinstance(a, OptimizerStep)), len(mine))
+        self.actions, self.after_step = mine[:cut + 1], mine[cut + 1:]
+        """This rank's actions up to the optimizer step (``forward_backward``), and after it (``train_step``)."""
+        self.stage_layers = [st.layers for st in pipe.stages]
+        """The layers of every (virtual) stage of this rank's pipeline."""
+        self.sync = ReplicaSync(plan, self.topo, self.pos, self.model, self.groups.peers)
+        # Both cast the module to the compute dtype after copying the fp32 masters (fp16/bf16).
+        if plan.zero_stage >= 1:
+            self.precision = ShardedAdamW(self.model, self.sync, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                          weight_decay=weight_decay, loss_scale=loss_scale)
+        else:
+            self.precision = MasterWeights(self.model, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                           weight_decay=weight_decay, loss_scale=loss_scale,
+                                           decays=[decays(n) for n, _ in self.model.named_parameters()])
+        self.optimizer = self.precision.optimizer
+        """The torch AdamW over this rank's (master) parameters; None with sharded state (``zero_stage`` >= 1)."""
+        self.units: UnitShards | None = None
+        """Stages 2 and 3: the owned gradient (and weight) shards of the unit groups and their collectives."""
+        if self.layered:
+            # No flat gradient buffer: a layer's gradients exist from its backward to its reduce-scatter.
+            self.units = UnitShards(self.sync, self.model, zero_stage=plan.zero_stage, measure=measure)
+            self.precision.attach(self.units)
+            self.grad_buffer = None
+            self._norm_views = self.units.norm_views()
+        else:
+            self.grad_buffer = self._contiguous_grads()
+            self.sync.bind_grads(self.grad_buffer, {n: v for (n, _), (_, v) in zip(self.model.named_parameters(), self._grad_views)})
+            self._norm_views = self.sync.norm_views()
+        self.measure = measure
+        self.samples_per_step = plan.global_batch
+        self.tracer = None
+        """A ``runtime.measure.trace.Tracer`` to record this rank's spans into (``--trace``), or None."""
+
+    def load_full(self, full) -> None:
+        """Set this rank's weights (and fp32 master weights) from ``full(name) -> full fp32 tensor``."""
+        if isinstance(self.precision, ShardedAdamW):
+            if self.plan.zero_stage == 3:
+                self.units.load_weights(full)  # the owned weight shards (the parameters hold nothing now)
+            else:
+                self.model.load_full(full)  # the compute-dtype weights, rounded from the full values
+            self.precision.load_masters(full)
+            return
+        if not self.precision.mixed:
+            self.model.load_full(full)
+            return
+        # The masters take the exact values, the module their rounding; each full tensor is read once.
+        spec, pos, shapes = self.plan.model, self.pos, parameter_shapes(self.plan.model)
+        values = []
+        for name, p in self.model.named_parameters():
+            t = full(name)
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(t.shape)}")
+            values.append((p, take_slice(t, parameter_slice(spec, name, pos.heads, pos.ffn_cols)).to(self.device)))
+        self.precision.load_full_values(values)
+
+    def master_parameters(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> the fp32 tensor AdamW updates (the parameter itself in fp32), with its AdamW
+        state in ``self.optimizer.state``. Not at ``zero_stage`` 1, where a rank keeps master weights
+        of its owned shards only (``state_range``)."""
+        masters = self.precision.master_of()
+        return {name: masters[id(p)] for name, p in self.model.named_parameters()}
+
+    @property
+    def sharded(self) -> bool:
+        """The optimizer state is sharded over peer groups (``zero_stage`` >= 1)."""
+        return isinstance(self.precision, ShardedAdamW)
+
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (AdamW's bias-correction step; skipped steps not counted)."""
+        if self.sharded:
+            return self.precision.steps
+        for st in self.optimizer.state.values():
+            if "step" in st:
+                return int(st["step"])
+        return 0
+
+    def optimizer_settings(self) -> dict:
+        """lr (of the last step), betas and eps of the AdamW update."""
+        if self.sharded:
+            return {"lr": self.precision.lr, "betas": list(self.precision.betas), "eps": self.precision.eps}
+        g = self.optimizer.param_groups[0]
+        return {"lr": g["lr"], "betas": list(g["betas"]), "eps": g["eps"]}
+
+    @torch.no_grad()
+    def state_range(self, index: int, lo: int, hi: int) -> torch.Tensor:
+        """(3, hi - lo) fp32: (master) weights, exp_avg and exp_avg_sq of flat elements [lo, hi) of peer
+        group ``index`` (``ReplicaSync.state_owners`` says which rank keeps which range): what checkpoints save."""
+        if self.sharded:
+            return self.precision.state_range(index, lo, hi)
+        sg = self.sync.mine_by_index(index)
+        masters = self.master_parameters()
+        out = torch.zeros((3, hi - lo), dtype=torch.float32, device=self.device)
+        self.sync.copy(sg, masters.__getitem__, lo, hi, out[0], into_buffer=True)
+        for k, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+            def moment(name, key=key):
+                return self.optimizer.state.get(masters[name], {}).get(key, torch.zeros_like(masters[name]))
+            self.sync.copy(sg, moment, lo, hi, out[k], into_buffer=True)
+        return out
+
+    def _contiguous_grads(self) -> torch.Tensor:
+        """One flat buffer whose views are every parameter's ``.grad``: backward accumulates into it in
+        place and data-parallel synchronisation all-reduces it as it is. Flattening the gradients
+        into a fresh tensor and copying them back cost 60% on top of a 25 MB all-reduce over gloo."""
+        params = list(self.model.parameters())
+        dtypes = {p.dtype for p in params}
+        assert len(dtypes) == 1, f"parameters of one dtype expected, got {dtypes}"
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtypes.pop(), device=self.device)
+        self._grad_views, offset = [], 0
+        for p in params:
+            self._grad_views.append((p, buffer[offset:offset + p.numel()].view_as(p)))
+            offset += p.numel()
+        self._bind_grads()
+        return buffer
+
+    def _grad_square_sum(self) -> float:
+        """Sum of squares of the gradients this rank counts (as they are: loss-scaled in fp16)."""
+        return grad_square_sum(self._norm_views)
+
+    def _bind_grads(self) -> None:
+        """Make every ``.grad`` its view of the buffer again (a ``zero_grad()`` elsewhere sets them to
+        None; a later backward would then leave the buffer the all-reduce reads stale)."""
+        for p, view in self._grad_views:
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+    # --- point-to-point ----------------------------------------------------------------------------
+    def _boundary_buffer(self, rows: int | None = None) -> torch.Tensor:
+        """An activation (or its gradient) as it crosses a stage boundary: rows x s x h, compute dtype."""
+        spec = self.plan.model
+        rows = self.micro_batch_size if rows is None else rows
+        return torch.empty(rows, spec.seq_len, spec.hidden_dim, device=self.device, dtype=self.dtype)
+
+    def _recv(self, src: int, rows: int | None = None, **trace_args) -> torch.Tensor:
+        buf = self._boundary_buffer(rows)
+        t0 = time.perf_counter()
+        out = self.topo.wait_recv(self.topo.post_recv(buf, src, ACTIVATION_TAG), timeout_s=self.timeout_s)
+        if self.tracer is not None:
+            self.tracer.add(f"recv from {src}", "p2p", t0, time.perf_counter(), **trace_args)
+        return out
+
+    def _send(self, t: torch.Tensor, targets: list[int], pending: list, tag: int = 0, **trace_args) -> None:
+        t0 = time.perf_counter()
+        t = t.detach().contiguous()
+        for dst in targets:
+            pending.append((dist.isend(t, dst, tag=tag), t))
+        if self.tracer is not None and targets:
+            self.tracer.add(f"send to {','.join(map(str, targets))}", "p2p", t0, time.perf_counter(), **trace_args)
+
+    # --- one step ----------------------------------------------------------------------------------
+    def forward_backward(self, step: int, data) -> StepStats:
+        """Run the schedule of one step and leave the synchronised gradients in ``.grad`` (stages 2 and
+        3: the layered passes, leaving the summed gradients in the owners' shards, ``runtime.train.layered``)."""
+        plan, spec, pos = self.plan, self.plan.model, self.pos
+        m = self.num_microbatches
+        denom = self.samples_per_step * spec.seq_len
+        sync = self.device.type == "cuda"
+        if not self.layered:
+            self._bind_grads()
+        meter = self.model.meter
+        meter.reset()
+        saved = SavedBytes(self.model.parameters()) if self.measure else None
+        meter.saved = saved
+        scale = self.precision.loss_scale
+        stats = StepStats(step=step, loss=0.0, iteration_ms=0.0, forward_ms=[0.0] * m, backward_ms=[0.0] * m,
+                          recompute_ms=[0.0] * m, tokens=self.samples_per_step * spec.seq_len, loss_scale=scale)
+        if sync:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        AllReduceClock.reset()
+        tracer = self.tracer
+        if tracer is not None:
+            AllReduceClock.spans, meter.recompute_spans = [], []
+        start = time.perf_counter()
+        loss_sum = self._interpret(step, data, stats, saved, scale, denom)
+        if tracer is not None:
+            for a, b in meter.recompute_spans:
+                tracer.add("recompute", "recompute", a, b, step=step)
+            for a, b in AllReduceClock.spans:
+                tracer.add("tp all-reduce", "allreduce", a, b, step=step)
+            AllReduceClock.spans, meter.recompute_spans = None, None
+        stats.tp_allreduce_ms = None if sync else AllReduceClock.seconds * 1e3
+        if self.layered:  # the reduce-scatters ran inside the backward pass, unit by unit
+            stats.grad_sync_ms = sum(self.units.reduce_ms.values())
+        else:
+            t0 = time.perf_counter()
+            self._sync_grads()
+            if sync:
+                torch.cuda.synchronize()
+            stats.grad_sync_ms = (time.perf_counter() - t0) * 1e3
+        if tracer is not None and not self.layered:
+            tracer.add("gradient sync (tied, data-parallel)" if not self.sharded else
+                       "gradient sync (tied, data-parallel reduce-scatter)", "allreduce", t0, t0 + stats.grad_sync_ms / 1e3, step=step)
+        t_metrics = time.perf_counter()
+        my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
+        # One small all-reduce carries the global loss, every stage's compute time and (fp16) the count of
+        # ranks whose gradients overflowed to all ranks, so every rank skips an overflowing step together.
+        # The same all-reduce sums the squared gradient norm (each element counted once over all ranks).
+        metrics = torch.zeros(3 + len(plan.pipelines[0].device_stages), dtype=torch.float64)
+        if self.last and pos.tp_rank == 0:
+            metrics[0] = loss_sum
+        if pos.pipeline == 0 and pos.tp_rank == 0:
+            metrics[3 + pos.stage] = my_ms
+        if self.precision.scaler is not None and not (
+                self.units.all_finite() if self.layered else bool(torch.isfinite(self.grad_buffer).all())):
+            metrics[1] = 1.0
+        t_norm = time.perf_counter()
+        metrics[2] = self._grad_square_sum()
+        stats.norm_ms = (time.perf_counter() - t_norm) * 1e3
+        metrics = self._all_reduce_cpu(metrics)
+        if tracer is not None:
+            tracer.add("grad norm, step all-reduce", "allreduce", t_metrics, time.perf_counter(), step=step)
+        stats.loss = float(metrics[0])
+        stats.skipped = bool(metrics[1] > 0)
+        stats.grad_norm = math.sqrt(float(metrics[2])) / scale if math.isfinite(float(metrics[2])) else math.inf
+        stats.stage_ms = [float(v) for v in metrics[3:]]
+        stats.peak_saved_bytes = saved.peak if saved is not None else 0
+        stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device) if sync else 0
+        stats.recomputed_ops = dict(meter.recomputed)
+        stats.iteration_ms = (time.perf_counter() - start) * 1e3
+        meter.saved = None
+        return stats
+
+    def _run_stage(self, stage: int, x: torch.Tensor, mb: MicroBatch, targets: torch.Tensor | None) -> torch.Tensor:
+        """A whole (virtual) stage's forward, as ``StageModel.forward`` runs this rank's: the embedding on the first
+        (``x`` the tokens), its layers, the head on the last (with ``targets`` the summed loss, else the logits)."""
+        model = self.model
+        if stage == 0:
+            x = model.embed(x)
+        for layer in self.stage_layers[stage]:
+            x = model.h[str(layer)](x, mb)
+        return model.head(x, targets) if stage == len(self.stage_layers) - 1 else x
+
+    def _interpret(self, step: int, data, stats: StepStats, saved, scale: float, denom: int) -> float:
+        """The one interpreter of ``baton.schedules``: runs this rank's actions of its replica's schedule (1F1B, or
+        layer by layer at stages 2 and 3) up to the optimizer step; returns the summed loss (where the schedule
+        computes it).
+
+        A forward runs on a detached copy of its input (tokens, a received activation, or this rank's output of
+        the part before), so autograd runs one pass at a time and its backward leaves the input's gradient for
+        the next backward of the micro-batch, or for a send. The part that ends in the loss (the head, or the
+        last stage whole) divides it by the global batch's tokens and scales it (fp16); its backward starts
+        from it. Stage 3's gathers track the parameters' new storages, so the saved-bytes meter does not count
+        them as activations."""
+        pos, model, meter, tracer = self.pos, self.model, self.model.meter, self.tracer
+        mbs, dev, actions = self.micro_batch_size, self.device, self.actions
+        cuda = dev.type == "cuda"
+        last_stage = self.replica_schedule.num_stages - 1
+        recvs = [a for a in actions if isinstance(a, Recv)]
+        sources = {False: self.topo.forward_source(pos), True: self.topo.backward_source(pos)}
+        inbox = {grad: _Inbox(self, sources[grad], [(a.micro, a.stage) for a in recvs if a.grad == grad], step,
+                              GRADIENT_TAG if grad else ACTIVATION_TAG)
+                 for grad in (False, True) if any(a.grad == grad for a in recvs)}
+        targets_of = {False: self.topo.forward_targets(pos), True: self.topo.backward_targets(pos)}
+        params = list(model.parameters())
+        batches: dict = {}
+
+        def batch(i):
+            """(tokens, targets, dropout key) of micro-batch ``i``: samples [first + i b, + b) of the batch."""
+            if i not in batches:
+                samples = torch.arange(mbs) + self.first_sample + i * mbs
+                tokens, targets = data.batch(step, samples) if (self.first or self.last) else (None, None)
+                batches[i] = (tokens.to(dev) if self.first else None, targets.to(dev) if self.last else None,
+                              MicroBatch(self.seed, step, samples.to(dev)))
+            return batches[i]
+
+        def run_part(stage, part, x, mb, targets, loss_end):
+            if part == WHOLE:
+                y = self._run_stage(stage, x, mb, targets if loss_end else None)
+            elif part == EMBEDDING:
+                y = model.embed(x)
+            elif part == HEAD:
+                y = model.head(x, targets)
+            else:
+                y = model.h[str(part)](x, mb)
+            if not loss_end:
+                return y, 0.0
+            # The summed vocabulary-parallel cross-entropy, computed in fp32 (the softmax it keeps is fp32 in
+            # every dtype).
+            y = y / denom
+            return (y * scale if scale != 1.0 else y), y.item()
+
+        def collective(action, fn, what):
+            t0 = time.perf_counter()
+            fn(action.unit)
+            if isinstance(action, Gather) and saved is not None:
+                saved.track_params(params)  # gathered storages have new addresses
+            if tracer is not None:
+                tracer.add(f"{what} {_unit_name(action.unit)}", "allreduce", t0, time.perf_counter(), step=step)
+
+        def ends_in_loss(a) -> bool:
+            return a.part == HEAD or (a.part == WHOLE and a.stage == last_stage)
+
+        def span_name(a) -> str:
+            """'F0', 'B2 layer 3', 'F1 embedding'; interleaved 'F0 stage 2' (the virtual stage)."""
+            where = f" stage {a.stage}" if self.replica_schedule.num_chunks > 1 else _part_name(a.part)
+            return f"{'F' if isinstance(a, Forward) else 'B'}{a.micro}{where}"
+
+        # Per micro-batch, the activation its next forward takes and the gradient its next backward takes; per
+        # pass (stage, part, micro-batch), its (input, output) until its backward.
+        pending, loss_sum = [], 0.0
+        acts, grads, graph = {}, {}, {}
+        for a in actions:
+            if isinstance(a, Forward):
+                i, key = a.micro, (a.stage, a.part, a.micro)
+                tokens, targets, mb = batch(i)
+                loss_end = ends_in_loss(a)
+                takes_tokens = a.part == EMBEDDING or (a.part == WHOLE and a.stage == 0)
+                x = tokens if takes_tokens else acts.pop(i).detach().requires_grad_()
+                (y, loss), t0, t1 = _timed_forward(stats, i, saved, key, cuda,
+                                                   lambda: run_part(a.stage, a.part, x, mb, targets, loss_end))
+                loss_sum += loss
+                if tracer is not None:
+                    tracer.add(span_name(a), "forward", t0, t1, step=step, mb=i)
+                graph[key] = (None if takes_tokens else x, y)
+                if not loss_end:
+                    acts[i] = y
+            elif isinstance(a, Backward):
+                i, key = a.micro, (a.stage, a.part, a.micro)
+                x, y = graph.pop(key)
+                t0, t1 = _timed_backward(meter, stats, i, y, None if ends_in_loss(a) else grads.pop(i), cuda)
+                if tracer is not None:
+                    tracer.add(span_name(a), "backward", t0, t1, step=step, mb=i)
+                if saved is not None:
+                    saved.release(key)
+                if x is not None:
+                    grads[i] = x.grad
+            elif isinstance(a, Send):
+                t = grads.pop(a.micro) if a.grad else acts.pop(a.micro)
+                self._send(t, targets_of[a.grad], pending, GRADIENT_TAG if a.grad else ACTIVATION_TAG,
+                           step=step, mb=a.micro)
+            elif isinstance(a, Recv):
+                (grads if a.grad else acts)[a.micro] = inbox[a.grad].take((a.micro, a.stage))
+            elif isinstance(a, Gather):
+                collective(a, self.units.gather, "gather")
+            elif isinstance(a, Release):
+                self.units.release(a.unit)
+            elif isinstance(a, ReduceScatter):
+                collective(a, self.units.reduce_scatter, "reduce-scatter")
+            elif isinstance(a, OptimizerStep):
+                break  # the step and what follows it: ``train_step``
+        if pending:
+            t0 = time.perf_counter()
+            for work, _ in pending:
+                work.wait()
+            if tracer is not None:
+                tracer.add("wait for sends", "p2p", t0, time.perf_counter(), step=step)
+        return loss_sum
+
+    # --- validation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, source) -> float:
+        """Mean cross-entropy over every window of ``source`` (a ``runtime.data.source.ValidationSource``), without
+        dropout: the same number ``runtime.data.source.validation_loss`` gives for the single-device model.
+        Collective: every rank calls it.
+
+        Each batch of the source is split over pipelines and micro-batches as a training step's is, and
+        run forward only (every stage receives, computes and sends on, in micro-batch order). A batch's
+        samples past the source's last window are not run at all, so every window counts once."""
+        spec, pos, m, mbs = self.plan.model, self.pos, self.num_microbatches, self.micro_batch_size
+        fwd_src, fwd_dst = self.topo.forward_source(pos), self.topo.forward_targets(pos)
+        self.model.eval()
+        pending, loss_sum = [], 0.0
+        # Stage 3: every unit gathered for the validation passes, released again after them.
+        whole = self.units.gathered() if self.plan.zero_stage == 3 else nullcontext()
+        with whole:
+            try:
+                stages = len(self.stage_layers)
+                for index in range(source.num_batches):
+                    windows = min(source.global_batch, source.num_windows - index * source.global_batch)
+                    # This rank's (virtual) stages in model order, every micro-batch through each.
+                    for k in range(pos.stage, stages, self.num_stages):
+                        for i in range(m):
+                            first_sample = self.first_sample + i * mbs
+                            n = min(mbs, windows - first_sample)  # a prefix of the micro-batch: the same on every rank
+                            if n <= 0:
+                                continue
+                            samples = torch.arange(n) + first_sample
+                            tokens, targets = source.batch(index, samples) if (self.first or self.last) else (None, None)
+                            if k == 0:
+                                x = tokens.to(self.device)
+                            else:
+                                x = self._recv(fwd_src, rows=n, validation_batch=index, mb=i)
+                            y = self._run_stage(k, x, MicroBatch(self.seed, 0, samples.to(self.device)),
+                                                targets.to(self.device) if k == stages - 1 else None)
+                            if k == stages - 1:
+                                loss_sum += float(y)
+                            else:
+                                self._send(y, fwd_dst, pending)
+                for work, _ in pending:
+                    work.wait()
+            finally:
+                self.model.train()
+        total = torch.tensor([loss_sum if self.last and pos.tp_rank == 0 else 0.0], dtype=torch.float64)
+        return float(self._all_reduce_cpu(total)[0]) / (source.num_windows * spec.seq_len)
+
+    def _all_reduce_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        dist.all_reduce(t)
+        return t.cpu()
+
+    def _sync_grads(self) -> None:
+        """Sum the tied embedding's two gradients (first and last stage), then sum the replicas'
+        gradients over the peer groups (each micro-batch loss is already divided by the global batch's
+        token count): all-reduces, or at ``zero_stage`` 1 reduce-scatters to the owners."""
+        if self.groups.tied is not None and hasattr(self.model, "wte"):
+            # Each rank holds its own vocabulary rows; the two stages may split them differently.
+            self.model.sum_tied_gradient(self.groups.tied)
+        self.sync.sync_grads()
+
+    def train_step(self, step: int, data) -> StepStats:
+        """Forward, backward, gradient sync, clipping and one AdamW update at the schedule's learning
+        rate (skipped on every rank when fp16 gradients overflowed on any)."""
+        t0 = time.perf_counter()
+        if self.layered:
+            self.units.start_step()  # the gradients were freed unit by unit: nothing to zero
+        else:
+            self.grad_buffer.zero_()  # the gradients are views of it: keep them (no set_to_none)
+        stats = self.forward_backward(step, data)
+        t1 = time.perf_counter()
+        stats.lr = self.schedule.lr_at(step)
+        self.precision.set_lr(stats.lr)
+        # Every rank computes the same coefficient from the same all-reduced norm.
+        factor = clip_coefficient(stats.grad_norm, self.clip_grad) if self.clip_grad > 0 else 1.0
+        stats.clipped = factor < 1.0
+        self.precision.step(overflow=stats.skipped, grad_factor=factor)
+        for action in self.after_step:
+            # Stage 3's release of the edges (their owners' updated shards cut out, the rest freed); stage 2's
+            # gathers of the updated weights are the step's own (``ShardedAdamW.step``, unit by unit in this order).
+            if isinstance(action, Release):
+                self.units.release(action.unit)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)  # the update included
+        t2 = time.perf_counter()
+        stats.optimizer_ms = stats.norm_ms + (t2 - t1) * 1e3
+        stats.gather_ms = getattr(self.precision, "gather_ms", 0.0)
+        if self.layered:
+            gathers = self.units.gather_ms if self.plan.zero_stage == 3 else self.precision.unit_gather_ms
+            stats.unit_reduce_ms = [self.units.reduce_ms[u] for u in self.units.units]
+            stats.unit_gather_ms = [gathers.get(u, 0.0) for u in self.units.units]
+            stats.gather_ms = sum(stats.unit_gather_ms)
+        if self.tracer is not None:
+            self.tracer.add("optimizer", "optimizer", t1, t2, step=step, lr=stats.lr)
+        stats.iteration_ms = (time.perf_counter() - t0) * 1e3
+        held = self.precision.state_bytes()
+        stats.weights_bytes, stats.grads_bytes = held.weights_bytes, held.grads_bytes
+        stats.master_bytes, stats.moments_bytes = held.master_bytes, held.moments_bytes
+        stats.memory_bytes = self._memory_of_ranks(stats.peak_allocated_bytes)
+        return stats
+
+    def _memory_of_ranks(self, cuda_peak: int) -> list[float]:
+        """Every rank's peak memory (one small all-reduce): what the metrics log reports per device."""
+        mine = cuda_peak if self.device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        held = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+        held[dist.get_rank()] = float(mine)
+        return [float(v) for v in self._all_reduce_cpu(held)]
+
+
+class _Inbox:
+    """What one peer sends this rank during a pipeline step (the activations of the stage before, or the gradients
+    of the stage after), in the order the schedule receives them, each receive posted before it is needed.
+
+    Over gloo a send whose receive is not posted yet waits for the receiver's request, and then for the
+    sender's I/O thread, which a sender busy with its next pass serves late: between two CPU processes a
+    256 KiB activation reached a receiver that asked for it after the send 4 ms later (median; 1.2 ms from an
+    idle sender), against 0.02 ms when the receive was posted first, so a pipeline paid milliseconds per
+    micro-batch that eq. 6 does not charge. Posting the next receive as soon as the last one has arrived
+    lets every transfer start when its sender finishes, as eq. 1 has it, at the price of one boundary
+    buffer waiting ahead (docs/cost-model.md, section 6). NCCL runs a pair's sends and receives in order on
+    one stream, where a receive posted early would hold up this rank's own sends to that peer, and the GPU
+    moves the data without the sender's CPU: there each receive is posted when it is needed."""
+
+    def __init__(self, engine: "Engine", src: int, keys: list, step: int, tag: int = 0):
+        self.engine, self.src, self.keys, self.step, self.tag = engine, src, keys, step, tag
+        """``keys``: (micro-batch, virtual stage) of every tensor this peer sends, in the order they are taken
+        (the sender's sends to this rank come in the same order: both follow the schedule)."""
+        self.ahead = engine.device.type == "cpu"
+        self.posted: list = []
+        self.next = 0
+        """How many receives have been posted."""
+        if self.ahead:
+            self._post()
+
+    def _post(self) -> None:
+        if self.next < len(self.keys):
+            self.posted.append(self.engine.topo.post_recv(self.engine._boundary_buffer(), self.src, self.tag))
+            self.next += 1
+
+    def take(self, key: tuple[int, int]) -> torch.Tensor:
+        """The tensor of ``key`` (micro-batch, virtual stage), waiting for it if it has not arrived; tensors
+        are taken in the order of ``keys``."""
+        engine, t0 = self.engine, time.perf_counter()
+        if not self.ahead:
+            self._post()
+        if self.keys[self.next - 1] != key or len(self.posted) != 1:  # one at a time, in the peer's order
+            raise RuntimeError(f"{key} taken from rank {self.src} out of order (next posted: {self.keys[self.next - 1]})")
+        out = engine.topo.wait_recv(self.posted.pop(0), timeout_s=engine.timeout_s)
+        if engine.tracer is not None:
+            engine.tracer.add(f"recv from {self.src}", "p2p", t0, time.perf_counter(), step=self.step, mb=key[0])
+        if self.ahead:
+            self._post()
+        return out
+
+
+def _unit_name(unit) -> str:
+    """'edges' or 'layer 3' for a unit in trace span names."""
+    return "edges" if unit is EDGES else f"layer {unit}"
+
+
+def _part_name(part) -> str:
+    """What a pass span's name adds after 'F0' or 'B0': nothing for a whole stage, else ' embedding', ' layer 3',
+    ' head'."""
+    if part == WHOLE:
+        return ""
+    return f" {part}" if isinstance(part, str) else f" {_unit_name(part)}"
+
+
+def _timed_forward(stats: StepStats, i: int, saved, key, cuda: bool, fn):
+    """A forward of micro-batch ``i`` (``fn()``), the tensors it saves recorded under ``key``; adds its time to
+    ``stats`` (a micro-batch's forward may come in several pieces, one per layer when run layer by layer).
+    Returns (what ``fn`` returned, start, end perf_counter seconds)."""
+    t0 = time.perf_counter()
+    with saved.record(key) if saved is not None else nullcontext():
+        out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    stats.forward_ms[i] += (t1 - t0) * 1e3
+    return out, t0, t1
+
+
+def _timed_backward(meter, stats: StepStats, i: int, y, grad, cuda: bool) -> tuple[float, float]:
+    """Backward of micro-batch ``i`` from ``y`` with the meter told recomputation runs now; adds its time and
+    its recomputation's to ``stats`` (a micro-batch's backward may come in several pieces, one per layer when
+    run layer by layer). Returns its (start, end) perf_counter seconds."""
+    t0, r0 = time.perf_counter(), meter.recompute_s
+    meter.in_backward = True
+    try:
+        torch.autograd.backward(y, grad)
+    finally:
+        meter.in_backward = False
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    stats.backward_ms[i] += (t1 - t0) * 1e3
+    stats.recompute_ms[i] += (meter.recompute_s - r0) * 1e3
+    return t0, t1
