@@ -12,10 +12,10 @@ addopts, ``python3 -m pytest tests -m long`` runs only it, ``-m ''`` runs everyt
 * resume chains (a checkpoint resumed under plan after plan) and further resumes are long; one resume under
   another plan stays quick (test_runtime_train.py);
 * tests of real runs (training processes, signals, measurements, reports) whose capability a quicker test
-  covers are long; every operational capability keeps one quick test (SIGTERM saves, SIGKILL cleans up, a
-  stopped peer is named, a damaged checkpoint falls back, workers die with their parent, a stalled
-  measurement is given up);
-* runs across namespaced machines and long trainings.
+  covers, or that wait out fixed timeouts, are long; every operational capability keeps one quick test
+  (SIGTERM saves, SIGKILL cleans up, a stopped peer is named, a damaged checkpoint falls back, workers die
+  with their parent);
+* runs across namespaced machines (tests/test_machines.py's harness) and long trainings.
 
 A long test says beside its marker which quick test covers its capability. A quick test is never made quick
 by weakening its assertions: its set-up is made cheaper instead (a smaller instance or solve that asserts the

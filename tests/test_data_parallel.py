@@ -209,9 +209,10 @@ def assert_follows_reference(plan, results):
 # --- (a, b) replicas of different shapes and batches ------------------------------------------------------
 
 
-@pytest.mark.parametrize("replicas", [pytest.param(PP_AND_SINGLE, marks=pytest.mark.long), TP_AND_PP,
-                                      pytest.param(TP_MISMATCHED, marks=pytest.mark.long)],
-                         ids=["pp2+single", "tp3:1+pp2", "tp1:1+tp1:3"])
+# Long: replicas of different shapes and batches follow the single device quick in the stage 1 test below (pp2+single,
+# against stage 0 of the same plan too) and, with TP 3:1 beside a single device, in tests/test_zero_stages.py.
+@pytest.mark.long
+@pytest.mark.parametrize("replicas", [PP_AND_SINGLE, TP_AND_PP, TP_MISMATCHED], ids=["pp2+single", "tp3:1+pp2", "tp1:1+tp1:3"])
 def test_replicas_of_different_shapes_and_batches_follow_the_single_device_run(replicas):
     """Replicas that differ in stages, layers, TP splits and batches (3 x 2 next to 1 x 2; 5 x 1 next to
     1 x 3; 1 x 4 next to 2 x 2) train as one device on the whole global batch: losses, global gradient norm,

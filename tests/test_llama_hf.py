@@ -104,7 +104,9 @@ PLANS = {
 }
 
 
-# TP 3:1 (KV heads, the untied head's rows by share) runs by default; the pipeline and replicas under -m long.
+# TP 3:1 on the untied model (KV heads, the untied head's rows by share) runs by default; the tied model, the pipeline
+# and the replicas under -m long.
+@pytest.mark.parametrize("hf_dir", [pytest.param("tied", marks=pytest.mark.long), "untied"], indirect=True)
 @pytest.mark.parametrize("plan_name", [p if p == "tp_3_1_recompute" else pytest.param(p, marks=pytest.mark.long) for p in sorted(PLANS)])
 def test_step0_loss_equals_hugging_faces_on_the_same_tokens(hf_dir, plan_name):
     """Catches a rank's slice of an imported tensor taken from the wrong rows (k/v by KV head, the untied
@@ -122,6 +124,7 @@ def test_step0_loss_equals_hugging_faces_on_the_same_tokens(hf_dir, plan_name):
         assert got == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.long  # a run, an export and generate: GPT-2's export runs quick in test_hf_export.py, Llama's import above
 def test_train_from_hf_export_round_trip_and_generate(hf_dir, tmp_path):
     """``--init-from`` a Llama directory, two steps on a TP 3:1 + pipeline plan, export: transformers loads
     the export with the runtime's logits; the importer reads back exactly the checkpoint's tensors;

@@ -77,6 +77,7 @@ def test_parallel_layer_on_one_rank_is_the_reference_model():
 # --- gloo processes ------------------------------------------------------------------------------
 
 
+@pytest.mark.long  # the layer above checks one rank's model in this process, the TP test below a run of two ranks
 def test_one_process():
     assert_parity(plan_of(UNTIED, [[1]], [4], 1, m=2))
 
@@ -90,6 +91,7 @@ def test_uneven_tensor_parallel_3_to_1_with_recompute():
     assert_parity(plan)
 
 
+@pytest.mark.long  # a tied head summed over the pipeline's ends runs quick on GPT-2 (test_fused_vocab_parallel.py's checkpoint test)
 def test_pipeline_1_2_1_then_one_rank_tied_head():
     """Two stages (1:2:1 over three ranks with 3 layers, one rank with 1 layer), tied head: the embedding's
     gradient summed between the first and last stage. Catches: the tied sum skipped for Llama, a head on the
@@ -99,7 +101,7 @@ def test_pipeline_1_2_1_then_one_rank_tied_head():
     assert_parity(plan)
 
 
-@pytest.mark.long  # replicas with an untied head run quick in test_sharded_state_follows_the_single_device_run (zero3, untied)
+@pytest.mark.long  # replicas with an untied head run quick in test_sharded_state_follows_the_single_device_run (zero1, untied)
 def test_replicas_of_two_stage_pipelines_untied_head():
     """Two replicas of two single-rank stages, untied head (no tied sum; the head's rows are a peer piece of
     their own). Catches: an untied head's gradient never summed over replicas, or summed with the embedding's."""
@@ -144,12 +146,12 @@ LLAMA_TP_AND_SINGLE = [dict(stages=[[3, 1]], layers=[4], units=4, m=3, mbs=2,
 """Replica 0: TP 3:1 over KV-head units, each rank recomputing other operators; replica 1 one device."""
 
 
-# Under -m long: the tied head (a tied Llama head runs quick in test_pipeline_1_2_1_then_one_rank_tied_head) and stage 2
-# (layer by layer like stage 3; GPT-2 at stage 2 runs quick in test_zero_stages.py).
+# Under -m long: the tied head (Hugging Face's tied Llama is imported quick in test_llama_hf.py), and stages 2 and 3
+# (layer by layer; GPT-2 at stages 2 and 3, with TP beside a single device, runs quick in test_zero_stages.py).
 @pytest.mark.parametrize("spec", [UNTIED, pytest.param(TIED, marks=pytest.mark.long)], ids=["untied", "tied"])
 @pytest.mark.parametrize("stage,replicas,ratios", [(1, LLAMA_PP_AND_SINGLE, [0.7, 0.7, 0.3]),
                                                   pytest.param(2, LLAMA_TP_AND_SINGLE, [0.0, 0.0, 1.0], marks=pytest.mark.long),
-                                                  (3, LLAMA_TP_AND_SINGLE, [0.3, 0.3, 0.7])],
+                                                  pytest.param(3, LLAMA_TP_AND_SINGLE, [0.3, 0.3, 0.7], marks=pytest.mark.long)],
                          ids=["zero1-pp2+single", "zero2-tp3:1+single", "zero3-tp3:1+single"])
 def test_sharded_state_follows_the_single_device_run(spec, stage, replicas, ratios):
     """ZeRO 1 (a pipeline beside a single device), ZeRO 2 and 3 (layer by layer, TP 3:1 beside a single device),

@@ -81,6 +81,7 @@ def test_link_fit_recovers_a_known_line():
     assert lat == pytest.approx(0.05) and 1 / (slope * 1e6) == pytest.approx(2.0)
 
 
+@pytest.mark.long  # two spawned processes; the fits and the cluster block are checked quick on given points around it
 def test_link_measurement_over_gloo_between_two_processes(tmp_path):
     fit = measure_links(world_size=2, sizes=(4096, 262144, 4194304), reps=2, timeout_s=120, spec=TINY, micro_batches=(1, 2))
     assert fit.bandwidth_gb_per_s > 0 and fit.latency_us >= 0
@@ -130,6 +131,7 @@ def test_measured_table_times_the_optimizer_step_for_eq10(measured):
     assert optimizer_step_ms(4e6, TINY, 1.0) == pytest.approx(36.0)
 
 
+@pytest.mark.long  # two profiler processes; the table's structure and bytes are checked quick in one (tests around it)
 def test_concurrent_profilers_measure_the_same_structure(measured):
     both = profile_table(TINY, micro_batches=(1, 2), shares=(0.5, 1.0), warmup=0, reps=1, concurrent=2)
     key = ["op", "micro_batch", "tp_share"]

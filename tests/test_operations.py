@@ -1,5 +1,7 @@
 """Operations of ``baton train`` as real processes: what a signal to the launcher, a stopped peer and a
-damaged checkpoint do. Every test starts the CLI in a subprocess over gloo and bounds every wait.
+damaged checkpoint do. Every test of a signal or a stopped process starts the CLI in a subprocess over gloo and
+bounds every wait; the damaged-checkpoint test and the refusals run the command in this process (its ranks are
+processes all the same).
 
 These catch: ranks that outlive their launcher (they would train on with nobody watching), a stopped
 peer noticed only after torch's 30-minute default, an error line that blames the wrong rank, temporary
@@ -218,7 +220,8 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path):
     with nothing intact, one line naming the file. A dead writer's .tmp-step-* is removed."""
     ck = tmp_path / "ck"
     plan = _plan(tmp_path)
-    code, out, err = _finish(_start("--plan", plan, "--steps", 4, "--save-dir", ck, "--save-every", 2, "--timeout", 30), 120)
+    # No signal here: the launcher runs in this process (its ranks are processes), one interpreter start less per run.
+    code, out, err = run_cli("train", "--plan", plan, "--steps", 4, "--save-dir", ck, "--save-every", 2, "--timeout", 30)
     assert code == 0, err
     newest = ck / "step-000004" / "model.safetensors"
     data = bytearray(newest.read_bytes())
@@ -227,7 +230,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path):
     leftover = ck / ".tmp-step-000006-999999999-abc"
     leftover.mkdir()
 
-    code, out, err = _finish(_start("--plan", plan, "--steps", 5, "--save-dir", ck, "--resume", "--timeout", 30), 120)
+    code, out, err = run_cli("train", "--plan", plan, "--steps", 5, "--save-dir", ck, "--resume", "--timeout", 30)
     assert code == 0, err
     assert "step-000004: corrupt checkpoint: model.safetensors" in err and "resuming from step-000002" in err, err
     assert not leftover.exists()
@@ -236,7 +239,6 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path):
         f = ck / step / "optimizer.safetensors"
         f.write_bytes(f.read_bytes()[:-10])
     (ck / "step-000004").rename(ck / "step-000001")  # still corrupt, and older
-    # Refused before any rank starts: run in this process.
     code, out, err = run_cli("train", "--plan", plan, "--steps", 8, "--save-dir", ck, "--resume", "--timeout", 30)
     assert code == 2, (code, out, err)
     assert "no intact checkpoint" in err and "optimizer.safetensors" in err, err
@@ -309,6 +311,7 @@ def test_a_link_fit_without_a_bandwidth_term_writes_the_fastest_measured_rate():
     assert latency == pytest.approx(0.05) and 1 / (slope * 1e6) == pytest.approx(2.0)
 
 
+@pytest.mark.long  # fixed waits (6 s, then the 10 s no-progress limit); a stopped training peer is noticed quick above
 def test_a_link_measurement_with_a_stopped_rank_is_given_up_in_one_line():
     """SIGSTOP on a measuring rank: its heartbeat stops (and its peer's, waiting on it in a transfer), and the
     run ends with the no-progress error after ``timeout_s``, its ranks gone. Ten million repetitions per

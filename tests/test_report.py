@@ -28,25 +28,41 @@ def baton(*args, timeout=240):
 
 @pytest.fixture(scope="module")
 def measured_profiles(tmp_path_factory):
+    """The table measured by ``baton profile --device cpu``, in this process (an interpreter start less); the
+    command's --threads is set back afterwards."""
+    import torch
+
+    from tests.conftest import run_cli
+
     d = tmp_path_factory.mktemp("profiles")
-    res = baton("profile", "--device", "cpu", "--model", "tiny", "--micro-batch", "2", "--tp-shares", "0.25,0.75,1",
-                "--reps", "1", "--warmup", "0", "--threads", "1", "--out", d / "measured" / "cpu__tiny__s32.csv")
-    assert res.returncode == 0, res.stderr
+    threads = torch.get_num_threads()
+    try:
+        code, _, stderr = run_cli("profile", "--device", "cpu", "--model", "tiny", "--micro-batch", "2", "--tp-shares",
+                                  "0.25,0.75,1", "--reps", "1", "--warmup", "0", "--threads", "1",
+                                  "--out", d / "measured" / "cpu__tiny__s32.csv")
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, stderr
     return d
 
 
 def train_with_report(plan, tmp_path, steps: int, profiles):
-    """``baton train PLAN --report`` on clusters/cpu2.yaml with ``profiles``: (the report it wrote, the run)."""
+    """``baton train PLAN --report`` on clusters/cpu2.yaml with ``profiles``: (the report it wrote, the run). The
+    launcher runs in this process (its ranks are processes all the same): one interpreter start less."""
+    from types import SimpleNamespace
+
+    from tests.conftest import run_cli
+
     save_plan(plan, tmp_path / "plan.json")
     out = tmp_path / "report.json"
-    res = baton("train", "--plan", tmp_path / "plan.json", "--steps", str(steps), "--report", out,
-                "--cluster", ROOT / "clusters" / "cpu2.yaml", "--profiles", profiles, "--timeout", "120")
-    assert res.returncode == 0, res.stderr
-    return json.loads(out.read_text()), res
+    code, stdout, stderr = run_cli("train", "--plan", tmp_path / "plan.json", "--steps", str(steps), "--report", out,
+                                   "--cluster", ROOT / "clusters" / "cpu2.yaml", "--profiles", profiles, "--timeout", "120")
+    assert code == 0, stderr
+    return json.loads(out.read_text()), SimpleNamespace(returncode=code, stdout=stdout, stderr=stderr)
 
 
 @pytest.mark.parametrize("name,stages,layers,units,recompute", [
-    # Long: the uneven TP case keeps a recomputation segment too, and the timeline test below runs this plan.
+    # Long: the uneven TP case below keeps recomputation segments too.
     pytest.param("pipeline with recompute", [[("local:0", 1)], [("local:1", 1)]], [3, 1], 1,
                  {"local:0": ["attn_scores", "softmax", "attn_dropout", "attn_v"]}, marks=pytest.mark.long),
     ("uneven TP, one rank recomputes all", [[("local:0", 3), ("local:1", 1)]], [4], 4, {"local:1": ALL_OPS, "local:0": ["gelu", "fc2"]}),
@@ -119,6 +135,7 @@ def test_gradient_sync_sets_join_tied_stages_and_replicas():
     assert _gradient_sync_sets(one) == []
 
 
+@pytest.mark.long  # every rank's measured spans on one clock: test_train_metrics.py's trace; the predicted timeline: test_pictures.py
 def test_report_timeline_draws_every_ranks_measured_step_beside_the_prediction(tmp_path, measured_profiles, monkeypatch):
     """`baton train --report-timeline` from a real 2-process run, checked on the data handed to matplotlib.
 
