@@ -35,7 +35,7 @@ from baton.peers import (EDGES, final_norm_param_count, held_params, owned_fract
 from baton.profile import Profile, ProfileSet
 from baton.pipeline import PipelineTiming
 from baton.schedules import (Backward, Forward, Gather, OptimizerStep, ReduceScatter, Schedule, layer_by_layer,
-                             one_f_one_b, peak_in_flight)
+                             live_counts, one_f_one_b, peak_in_flight)
 from baton.waits import last_arrival_ms
 
 BLOCKS = ("attn", "mlp")
@@ -520,21 +520,61 @@ def interleaved_timing(groups: Sequence[GroupPasses], layers: Sequence[int]) -> 
                           send_bwd_ms=tuple(groups[k % p].send_bwd_ms for k in range(K - 1)))
 
 
+def virtual_stage_saved_bytes(stage: int, num_stages: int, layers: int, held_bytes: float, edge: EdgeCost) -> float:
+    """What a virtual stage's forward keeps per micro-batch until its backward: ``layers`` layers of ``held_bytes``
+    each, and the embedding's saved bytes on the first virtual stage and the head's on the last."""
+    first, last = stage == 0, stage == num_stages - 1
+    own = (edge.saved_bytes if first and last else edge.saved_bytes - edge.head_saved_bytes if first
+           else edge.head_saved_bytes if last else 0.0)
+    return layers * held_bytes + own
+
+
 def scheduled_activation_bytes(schedule: Schedule, group: int, layers: Sequence[int], held_bytes: float,
                                edge: EdgeCost) -> float:
-    """Eq. 8's activations of a device of ``group`` at its peak under ``schedule`` (``baton.schedules.peak_in_flight``):
-    a virtual stage's forward keeps ``layers[k]`` layers of ``held_bytes`` each (and the embedding's or the head's
-    saved bytes on the first and last virtual stage) until the same micro-batch's backward of it. Under 1F1B, stage s
-    keeps min(p - s, m) micro-batches of its L_s layers: eq. 8's in-flight term."""
+    """Eq. 8's activations of a device of ``group`` at its peak under ``schedule`` (``baton.schedules.peak_in_flight``)
+    with ``layers[k]`` layers on virtual stage k (``virtual_stage_saved_bytes``). Under 1F1B, stage s keeps
+    min(p - s, m) micro-batches of its L_s layers: eq. 8's in-flight term."""
     K = len(layers)
+    return peak_in_flight(schedule, group, lambda k: virtual_stage_saved_bytes(k, K, layers[k], held_bytes, edge))
 
-    def held(k: int) -> float:
-        first, last = k == 0, k == K - 1
-        own = (edge.saved_bytes if first and last else edge.saved_bytes - edge.head_saved_bytes if first
-               else edge.head_saved_bytes if last else 0.0)
-        return layers[k] * held_bytes + own
 
-    return peak_in_flight(schedule, group, held)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkMemoryRow:
+    """Eq. 8 (first branch) of a device of an interleaved group at one moment its schedule may peak at, as a line
+    in the layer counts of its chunks: peak = fixed_bytes + sum_c per_layer_bytes[c] L_c, for any layer counts
+    holding at least one layer in all (a device of an interleaved group always holds one: every group has a
+    virtual stage in the middle)."""
+
+    per_layer_bytes: tuple[float, ...]
+    """Per chunk: a layer's weights, gradients and optimizer state, and its activations times the micro-batches
+    the chunk holds at that moment."""
+    fixed_bytes: float
+    """The edges' weights, gradients and state, one layer's recompute buffer, the reserve and the edges'
+    activations held at that moment."""
+
+
+def interleaved_memory_rows(slot: DeviceSlot, spec: ModelSpec, schedule: Schedule, group: int, *, param_bytes: float,
+                            held_bytes: float, transient_bytes: float, edge: EdgeCost,
+                            owned_fraction: float = 1.0) -> list[ChunkMemoryRow]:
+    """Eq. 8 of a device of ``group`` under an interleaved ``schedule`` as one line per moment of
+    ``baton.schedules.live_counts``: the device fits iff every line stays within its capacity. The lines are
+    ``device_memory``'s own terms (its value at one and two layers without activations gives the weights' slope
+    and the fixed part), so the planner's rows and the evaluator's peak are the same sums."""
+    def base(L):
+        return device_memory(slot, spec, L, param_bytes=param_bytes, held_bytes=held_bytes,
+                             transient_bytes=transient_bytes, edge=edge, owned_fraction=owned_fraction,
+                             activation_bytes=0.0).peak_bytes
+
+    per_layer = float(base(2) - base(1))
+    fixed = float(base(1)) - per_layer
+    p, K = schedule.num_devices, schedule.num_stages
+    rows = []
+    for counts in live_counts(schedule, group):
+        stages = [c * p + group for c in range(len(counts))]
+        rows.append(ChunkMemoryRow(
+            per_layer_bytes=tuple(per_layer + n * held_bytes for n in counts),
+            fixed_bytes=fixed + sum(n * virtual_stage_saved_bytes(k, K, 0, held_bytes, edge) for n, k in zip(counts, stages))))
+    return rows
 
 
 def layer_limits(num_layers: int, num_stages: int) -> tuple[list[int], list[int]]:

@@ -259,18 +259,27 @@ def layer_by_layer(zero_stage: int, num_layers: int, num_microbatches: int) -> S
     return Schedule(name="layer_by_layer", num_stages=1, num_microbatches=num_microbatches, devices=(tuple(acts),))
 
 
-def peak_in_flight(schedule: Schedule, device: int, held=lambda stage: 1.0) -> float:
-    """The most activations ``device`` holds at once: a forward's are kept until the same micro-batch's backward of
-    the same virtual stage (and part) has run; ``held(stage)`` weighs a virtual stage's (1: count micro-batches).
-    Under 1F1B stage s holds min(p - s, m) micro-batches at its peak (eq. 8)."""
-    live, peak = 0.0, 0.0
+def live_counts(schedule: Schedule, device: int) -> list[tuple[int, ...]]:
+    """The moments ``device`` may peak at, as how many micro-batches' activations each of its chunks holds (chunk c
+    runs virtual stage c p + device): a forward's are kept until the same micro-batch's backward of the same
+    virtual stage has run, and a peak comes right after a forward. Only moments no other moment holds at least as
+    many of on every chunk (the peak of any weighting is at one of them)."""
+    p, v = schedule.num_devices, schedule.num_chunks
+    live, moments = [0] * v, set()
     for a in schedule.devices[device]:
-        if isinstance(a, Forward):
-            live += held(a.stage)
-            peak = max(peak, live)
-        elif isinstance(a, Backward):
-            live -= held(a.stage)
-    return peak
+        if isinstance(a, (Forward, Backward)):
+            live[(a.stage - device) // p] += 1 if isinstance(a, Forward) else -1
+            if isinstance(a, Forward):
+                moments.add(tuple(live))
+    return sorted(n for n in moments if not any(o != n and all(x >= y for x, y in zip(o, n)) for o in moments))
+
+
+def peak_in_flight(schedule: Schedule, device: int, held=lambda stage: 1.0) -> float:
+    """The most activations ``device`` holds at once (``live_counts``), ``held(stage)`` weighing a virtual stage's
+    micro-batch (1: count micro-batches). Under 1F1B stage s holds min(p - s, m) micro-batches at its peak (eq. 8)."""
+    p = schedule.num_devices
+    weights = [held(c * p + device) for c in range(schedule.num_chunks)]
+    return max((sum(n * w for n, w in zip(counts, weights)) for counts in live_counts(schedule, device)), default=0.0)
 
 
 PassKey = tuple[str, int, int]

@@ -13,7 +13,8 @@
   aggregate memory), full recomputation (activation checkpointing), and uneven training-state shards given
   greedily to the device with the lowest memory use.
 * exhaustive: every plan (layout, rank order, batch split, sharding stage and shard-ratio grid, layers,
-  units, recompute sets from a given universe), each evaluated. Small instances only: the test oracle.
+  units, recompute sets from a given universe; offered chunk counts, interleaved pipelines too), each evaluated.
+  Small instances only: the test oracle.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyomo.environ as pyo
 
@@ -34,8 +35,8 @@ import numpy as np
 
 from baton.cluster import ClusterSpec
 from baton.errors import BatonError
-from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, layer_cost, layer_param_count,
-                             layer_train_ms, sync_buffer_bytes)
+from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, layer_cost, layer_limits,
+                             layer_param_count, layer_train_ms, sync_buffer_bytes)
 from baton.evaluate import evaluate
 from baton.lifetime import die_with_parent
 from baton.memory import recompute_space
@@ -494,17 +495,49 @@ def _one_shape(reps) -> bool:
     return len({tuple(len(g) for g in pp) for pp in reps}) == 1
 
 
-def _cuts(reps, N, Us):
+def _cuts(reps, N, Us, chunks=1):
     """Every (layers per stage, (U, units) per stage) per replica: one split shared by replicas of one shape (the
-    planner's positions, solver/README.md), each replica its own for replicas of different shapes."""
+    planner's positions, solver/README.md), each replica its own for replicas of different shapes. Interleaved
+    (``chunks`` > 1, replicas of one shape only) the layers are split over the p ``chunks`` virtual stages and the
+    units per device group: a device has one share on all its chunks."""
     if _one_shape(reps):
-        for layers in _splits(N, len(reps[0])):
+        for layers in _splits(N, len(reps[0]) * chunks):
             for units in itertools.product(*[list(_unit_splits(len(g), Us)) for g in reps[0]]):
                 yield ((layers, units),) * len(reps)
         return
     own = [[(layers, units) for layers in _splits(N, len(pp))
             for units in itertools.product(*[list(_unit_splits(len(g), Us)) for g in pp])] for pp in reps]
     yield from itertools.product(*own)
+
+
+def _interleavable(reps, N, chunks) -> bool:
+    """Interleaved 1F1B with ``chunks`` per device group applies to this layout (the planner's space): replicas of one
+    shape, pipelines of at least two groups, every one of the p v virtual stages able to hold its least layers
+    (``costmodel.layer_limits``: a middle one at least one layer)."""
+    p = len(reps[0])
+    return chunks > 1 and p >= 2 and _one_shape(reps) and sum(layer_limits(N, p * chunks)[0]) <= N
+
+
+def _interleaved_stages(reps, zero_stages) -> list[int]:
+    """The sharding stages an interleaved layout is searched at: 0, and 1 (equal parts) when it has replicas; never 2
+    or 3, which need one-stage replicas."""
+    return [z for z in (0, 1) if z in zero_stages and (z == 0 or len(reps) > 1)]
+
+
+def _interleaved_size(reps, N, Us, chunks, splits, stages, universe_size) -> int:
+    """Plans of one interleaved layout: its layer splits over p v virtual stages (comb(N + 1, p v - 1) with the middle
+    ones at least one layer), unit splits per group, batch splits, stages and recompute sets per device."""
+    groups = reps[0]
+    units = math.prod(sum(1 for _ in _unit_splits(len(g), Us)) for g in groups)
+    devices = sum(len(g) for pp in reps for g in pp)
+    return math.comb(N + 1, len(groups) * chunks - 1) * units * splits * len(stages) * universe_size ** devices
+
+
+def _interleaved_tasks(reps, N, chunks, zero_stages, splits) -> list[tuple]:
+    """The exhaustive search's tasks for one layout interleaved: for each chunk count v > 1 that applies, every batch
+    split and stage with equal parts (an empty ratio map: every device's ``shard_ratio`` None)."""
+    return [(reps, split, z, {}, v) for v in chunks if _interleavable(reps, N, v)
+            for split in splits for z in _interleaved_stages(reps, zero_stages)]
 
 
 def _splits(N, p):
@@ -546,17 +579,27 @@ def all_splits(sizes, global_batch: int):
 
 def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None,
                universe: list[frozenset] | None = None, max_plans: int = 3_000_000, shard_grid: int = 8,
-               zero_stages: tuple[int, ...] = (0, 1, 2, 3), workers: int | None = None) -> SolveResult:
+               zero_stages: tuple[int, ...] = (0, 1, 2, 3), workers: int | None = None,
+               chunks: tuple[int, ...] = (1,)) -> SolveResult:
     """Evaluate every plan: every layout (replicas of any shapes), batch split over its replicas (each replica its
     own profiled micro-batch size and count), sharding stage (2 and 3 for replicas of one stage each) and, at
     stages 1-3, every grid of shard ratios per position; layers, units and recompute sets from ``universe``
     (default: all). Replicas of different shapes each take their own layer split and units, with equal shards at
     stages 1-3; replicas of one shape share one split and units (the planner's space, solver/README.md). Small
     instances only: the test oracle. ``workers``: at most this many processes evaluate at once (None: one per
-    usable core); an instance of fewer than ``PARALLEL_FROM_PLANS`` plans is evaluated in this process."""
+    usable core); an instance of fewer than ``PARALLEL_FROM_PLANS`` plans is evaluated in this process.
+
+    ``chunks``: for each count v > 1 in it, every layout of replicas of one shape with p >= 2 groups is also
+    evaluated interleaved (docs/schedules.md), every replica with v chunks, wherever its p v virtual stages can
+    each hold their least layers: every batch split, stage 0 and stage 1 with equal parts, every layer split over
+    the virtual stages, and units and recompute sets per device as for 1F1B (a device keeps them on all its
+    chunks); the planner's space. 1F1B plans are evaluated whatever ``chunks`` holds, and before the interleaved
+    plans of their layout, so of equal plans the 1F1B one is kept."""
     t0 = time.perf_counter()
     N = spec.num_layers
     names = operator_names(spec)
+    if any(not isinstance(v, int) or v < 1 for v in chunks):
+        raise BatonError(f"chunks per device group must be whole numbers >= 1, got {chunks}", field="chunks")
     if len(cluster.devices) > 6:
         raise BatonError(f"exhaustive search is for small instances only (at most 6 devices, the cluster has "
                          f"{len(cluster.devices)})", field="--strategy")
@@ -589,6 +632,8 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
         else:
             ratios = 1 + sharded
         estimate += math.prod(cuts) * splits * ratios * len(universe) ** sum(len(g) for pp in reps for g in pp)
+        estimate += sum(_interleaved_size(reps, N, Us, v, splits, _interleaved_stages(reps, zero_stages), len(universe))
+                        for v in chunks if _interleavable(reps, N, v))
     if estimate > max_plans:
         raise BatonError(f"exhaustive search would evaluate about {estimate:.2g} plans (limit {max_plans:.2g}); "
                          "use it on small instances only", field="--strategy")
@@ -607,8 +652,10 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
         ratios = [(z, {} if combo is None else {pp[s][k]: None if vec is None else vec[rho]
                                                 for (s, k), vec in zip(positions, combo) for rho, pp in enumerate(reps)})
                   for z, combo in shardings]
-        for split in all_splits([sizes_of(pp) for pp in reps], global_batch):
+        batch_splits = list(all_splits([sizes_of(pp) for pp in reps], global_batch))
+        for split in batch_splits:
             tasks += [(reps, split, z, ratio) for z, ratio in ratios]
+        tasks += _interleaved_tasks(reps, N, chunks, zero_stages, batch_splits)
     space = _Enumeration(spec=spec, cluster=cluster, profiles=profiles, universe=tuple(universe), unit_counts=tuple(Us))
     best, n_eval = None, 0
     # In enumeration order, the earlier of two equal plans kept (as one process would): the same oracle
@@ -636,30 +683,40 @@ class _Enumeration:
     """Valid units per layer."""
 
 
-def _best_of_task(space: _Enumeration, reps, split, z, ratio) -> tuple[tuple | None, int]:
+def _best_of_task(space: _Enumeration, reps, split, z, ratio, chunks=1) -> tuple[tuple | None, int]:
     """The best fitting (report, plan) of one layout, batch split and sharding (``ratio``: device -> shard ratio)
     over every layer split, unit split and recompute choice of it (the first of equals), and how many plans it
-    evaluated."""
+    evaluated; with ``chunks`` > 1 every replica interleaved with that many chunks per device group."""
     flat = [d for pp in reps for g in pp for d in g]
     best, n_eval = None, 0
-    for cut in _cuts(reps, space.spec.num_layers, space.unit_counts):
+    for cut in _cuts(reps, space.spec.num_layers, space.unit_counts, chunks):
         for recs in itertools.product(space.universe, repeat=len(flat)):
             rec_of = dict(zip(flat, recs))
-            replicas = []
-            for rho, pp in enumerate(reps):
-                layers, units = cut[rho]
-                stages, first = [], 0
-                for s, g in enumerate(pp):
-                    U, us = units[s]
-                    stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
-                        DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d))
-                        for d, u in zip(g, us))))
-                    first += layers[s]
-                replicas.append(stages)
-            plan = validate(plan_of_replicas(space.spec, split, z, replicas, cluster=space.cluster.name))
-            best = _consider(best, plan, space.cluster, space.profiles)
+            replicas = [_replica_stages(pp, *cut[rho], rec_of, ratio) for rho, pp in enumerate(reps)]
+            plan = _with_chunks(plan_of_replicas(space.spec, split, z, replicas, cluster=space.cluster.name), chunks)
+            best = _consider(best, validate(plan), space.cluster, space.profiles)
             n_eval += 1
     return best, n_eval
+
+
+def _replica_stages(groups, layers, units, rec_of, ratio) -> list[Stage]:
+    """A replica's stages in model order: stage k holds ``layers[k]`` layers on device group k mod p with that group's
+    (U, units); one stage per group under 1F1B, the virtual stages of an interleaved replica otherwise."""
+    stages, first = [], 0
+    for k, n in enumerate(layers):
+        g = groups[k % len(groups)]
+        U, us = units[k % len(groups)]
+        stages.append(Stage(first_layer=first, num_layers=n, units_per_layer=U, devices=tuple(
+            DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d)) for d, u in zip(g, us))))
+        first += n
+    return stages
+
+
+def _with_chunks(plan: Plan, chunks: int) -> Plan:
+    """``plan`` with every pipeline's stages read as virtual stages of ``chunks`` chunks per group (1: as it is)."""
+    if chunks == 1:
+        return plan
+    return replace(plan, pipelines=tuple(replace(pipe, chunks=chunks) for pipe in plan.pipelines))
 
 
 PARALLEL_FROM_PLANS = 20_000

@@ -382,6 +382,65 @@ def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache
     return bound, max(opts), (m, c, cap, lo_a)
 
 
+def interleaved_replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: BoundCache, monotone=None, *,
+                              zero_stage: int = 0, owned: float | None = None, pattern=None) -> tuple[float, float]:
+    """(pipeline bound, least optimizer step) of one replica under interleaved 1F1B, whatever its chunks
+    (docs/schedules.md): every group runs the forward and backward of each of its layers once per micro-batch,
+    the first and last group their embedding and head too, and every group holds a layer, so
+    m min over splits of max_s c_s(L_s), L_s >= 1, bounds its pipeline. Right after a device's forward of
+    micro-batch 0 through its last chunk it still holds that micro-batch's activations of every chunk (no
+    backward of it can have run), so its peak is at least 1F1B's with one micro-batch in flight: the layer caps
+    and the per-layer times (recomputation to fit) of a stage holding one micro-batch hold here too. No fill or
+    drain: weaker than ``replica_bound``, valid for every chunk count."""
+    p, N = len(pipe), spec.num_layers
+    if p < 2 or p > N:
+        return float("inf"), 0.0
+    owned = (1.0 if zero_stage == 0 else 0.0) if owned is None else owned
+    pattern = pattern if pattern is not None else replica_pattern(cluster, pipe)
+    memo = ("interleaved", b, m, pattern, bool(monotone), zero_stage, owned)
+    if memo not in cache.replica:
+        cache.replica[memo] = _interleaved_replica_bound(spec, cluster, profiles, pipe, b, m, space, cache, monotone,
+                                                         zero_stage, owned)
+    return cache.replica[memo]
+
+
+def _interleaved_replica_bound(spec, cluster, profiles, pipe, b, m, space, cache, monotone, zero_stage, owned):
+    p, N = len(pipe), spec.num_layers
+    rows = []
+    for s, ids in enumerate(pipe):
+        key = (b, s == 0, s == p - 1, 1, replica_pattern(cluster, (ids,)), bool(monotone), zero_stage, owned)
+        if key not in cache.stage:  # the key of a 1F1B stage holding one micro-batch: the same figures
+            cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, 1, b, space, cache, monotone, zero_stage, owned)
+        rows.append(cache.stage[key])
+    tau, _, edge, _, cap, per_fb, _, opts = (list(x) for x in zip(*rows))
+    tau, edge, cap = np.array(tau), np.array(edge), np.array(cap)
+    lo = np.ones(p, dtype=int)
+    if np.any(cap < lo) or cap.sum() < N or not np.all(np.isfinite(tau)):
+        return float("inf"), 0.0
+    Ls = np.arange(N + 1)
+    with np.errstate(invalid="ignore"):
+        c = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_fb), 0.0) + edge[:, None]
+    return _pipeline_bound(c, tau, edge, cap, lo, N, m, p), max(opts)
+
+
+def interleaved_candidate_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches,
+                                space: RecomputeSpace, cache: BoundCache, monotone: dict | None = None, *,
+                                zero_stage: int = 0, sync: bool = True, patterns=None) -> float:
+    """``candidate_lower_bound``'s terms for the candidate run interleaved, at equal parts (the space offered):
+    ``interleaved_replica_bound`` per replica (no joint split), and the tied embedding sync, the data-parallel
+    sync and the optimizer step, which do not depend on the schedule."""
+    owned = bound_owned(skeleton.num_replicas, zero_stage, True)
+    patterns = patterns if patterns is not None else [replica_pattern(cluster, pipe) for pipe in skeleton.pipelines]
+    best, opt = 0.0, 0.0
+    for pipe, (b, m), pattern in zip(skeleton.pipelines, batches, patterns):
+        rb, ro = interleaved_replica_bound(spec, cluster, profiles, pipe, b, m, space, cache, monotone,
+                                           zero_stage=zero_stage, owned=owned, pattern=pattern)
+        if not math.isfinite(rb):
+            return float("inf")
+        best, opt = max(best, rb), max(opt, ro)
+    return best + skeleton_constant(spec, cluster, skeleton, cache, sync=sync) + opt
+
+
 def _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone, zero_stage=0, owned=1.0):
     """(tau, tau_b, edge F+B, edge B, layer cap, per-layer F+B by L, per-layer B by L, least optimizer step)
     of one stage at its position."""

@@ -24,15 +24,18 @@ STRATEGIES = ("baton", "megatron", "hethub", "hap", "poplar", "cephalo", "exhaus
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
 
 
+MAX_CHUNKS = 16
+"""Most chunks per device group ``--max-chunks`` offers: each chunk count is one more MILP per candidate."""
 STAGED = ("baton", "poplar", "exhaustive")
 """Strategies that search the sharding stage (``--zero-stage`` restricts them to one)."""
 
 
 def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, micro_batch: int | None,
                  time_limit: float, gap: float, threads: int, shard_grid: int = DEFAULT_SHARD_GRID, log=None,
-                 zero_stage: int | None = None):
+                 zero_stage: int | None = None, max_chunks: int = 1):
     """Dispatch to the planner or a baseline; every result has been re-checked by baton.evaluate. ``zero_stage``
-    restricts the strategies of ``STAGED`` to one sharding stage (default: every stage they search)."""
+    restricts the strategies of ``STAGED`` to one sharding stage (default: every stage they search); ``max_chunks``
+    > 1 offers the planner and the exhaustive search interleaved 1F1B with 2 .. max_chunks chunks per group."""
     from solver import baselines
     from solver.search import search
 
@@ -48,10 +51,12 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
     if strategy == "baton":
         # One line per better plan on stderr: a long solve is never silent, and stdout stays the result.
         return search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit,
-                      gap=gap, threads=threads, shard_grid=shard_grid, zero_stages=stages,
+                      gap=gap, threads=threads, shard_grid=shard_grid, zero_stages=stages, chunks=tuple(range(1, max_chunks + 1)),
                       log=(lambda line: say(line, err=True)) if log is None else log,
                       extra_splits=lambda sk: baselines.baseline_splits(spec, cluster, profiles, sk, global_batch=global_batch,
                                                                         micro_batch=micro_batch))
+    if max_chunks > 1 and strategy not in ("baton", "exhaustive"):
+        raise BatonError(f"strategy '{strategy}' runs 1F1B only; --max-chunks applies to baton and exhaustive", field="--max-chunks")
     if strategy == "megatron":
         return baselines.megatron(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
     if strategy == "hethub":
@@ -65,7 +70,8 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
         return baselines.cephalo(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
     if strategy == "exhaustive":
         return baselines.exhaustive(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch,
-                                    shard_grid=shard_grid, zero_stages=stages, workers=threads)
+                                    shard_grid=shard_grid, zero_stages=stages, workers=threads,
+                                    **({"chunks": tuple(range(1, max_chunks + 1))} if max_chunks > 1 else {}))
     raise BatonError(f"unknown strategy '{strategy}' (choose one of {', '.join(STRATEGIES)})", field="--strategy")
 
 
@@ -87,6 +93,9 @@ def register(app: typer.Typer) -> None:
         zero_stage: Annotated[Optional[int], typer.Option(
             "--zero-stage", help="Search only this sharding stage: 0 replicated, 1 optimizer state sharded, 2 and "
                                  "gradients, 3 and weights (2 and 3: replicas of one stage each). Default: every stage.")] = None,
+        max_chunks: Annotated[int, typer.Option(
+            "--max-chunks", help="Also offer interleaved 1F1B with 2 .. this many chunks of layers per device group "
+                                 "(replicas of one shape, sharding stages 0 and 1 with equal parts). Default 1: 1F1B only.")] = 1,
         profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: yours, then the shipped ones).")] = None,
         out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -107,6 +116,8 @@ def register(app: typer.Typer) -> None:
             raise BatonError(f"must be in 1..1024, got {threads}", field="--threads")
         if not 0 < shard_grid <= 1024:
             raise BatonError(f"must be in 1..1024, got {shard_grid}", field="--shard-grid")
+        if not 0 < max_chunks <= MAX_CHUNKS:
+            raise BatonError(f"must be in 1..{MAX_CHUNKS}, got {max_chunks}", field="--max-chunks")
         if seq_len is not None and not 0 < seq_len <= MODEL_LIMITS["seq_len"]:
             raise BatonError(f"must be in 1..{MODEL_LIMITS['seq_len']}, got {seq_len}", field="--seq-len")
         if profiles is not None and not profiles.is_dir():
@@ -125,7 +136,8 @@ def register(app: typer.Typer) -> None:
             if prof.seq_len != spec.seq_len:
                 raise BatonError(f"the profile is for seq_len {prof.seq_len}, not {spec.seq_len}", source=prof.source, field="--seq-len")
         result = run_strategy(strategy, spec, c, profile_set, global_batch=global_batch, micro_batch=micro_batch,
-                              time_limit=time_limit, gap=gap, threads=threads, shard_grid=shard_grid, zero_stage=zero_stage)
+                              time_limit=time_limit, gap=gap, threads=threads, shard_grid=shard_grid, zero_stage=zero_stage,
+                              max_chunks=max_chunks)
         if out is not None:
             save_plan(result.plan, out)
         rep = result.report

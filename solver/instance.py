@@ -14,13 +14,15 @@ from typing import Sequence
 import numpy as np
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (device_slot, edge_cost, edge_param_count, embedding_sync_ms, group_sync_ms, layer_limits,
-                             layer_param_count, max_layers_with_sync_buffer, pipeline_transfers, stage_constants)
+from baton.costmodel import (device_slot, edge_cost, edge_param_count, embedding_sync_ms, group_sync_ms,
+                             interleaved_memory_rows, layer_limits, layer_param_count, max_layers_with_sync_buffer,
+                             pipeline_transfers, stage_constants)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
+from baton.schedules import interleaved_one_f_one_b
 
-from solver.options import Choice, device_choices, valid_unit_counts
+from solver.options import Choice, device_choices, interleaved_choices, valid_unit_counts
 from solver.space import Skeleton
 
 GB = 1e9
@@ -118,7 +120,8 @@ class StageData:
     edge_bwd_comm_ms: float
     """The head's input-gradient all-reduce in the backward."""
     send_fwd_ms: float
-    """Activation transfer to the next stage (eq. 6); 0 for the last."""
+    """Activation transfer to the next stage (eq. 6); 0 for the last, or in an interleaved pipeline the last
+    group's to the first (the boundary between one chunk and the next)."""
     send_bwd_ms: float
     groups: list
     tied: bool
@@ -164,6 +167,7 @@ class Instance:
     unit_counts: list
     """unit_counts[s] -> list of U allowed at stage s."""
     min_layers: list
+    """Fewest layers of each (virtual) stage."""
     max_layers: list
     embedding_sync_ms: float
     positions: list
@@ -172,6 +176,9 @@ class Instance:
     """The cluster's noise in replica times (eq. 19: the last replica's arrival at the sync)."""
     infeasible_reason: str | None = None
     notes: list = field(default_factory=list)
+    chunks: int = 1
+    """Chunks per device group: 1 is 1F1B; more, interleaved 1F1B over ``chunks`` x stages virtual stages
+    (docs/schedules.md), every replica alike, ``min_layers`` and ``max_layers`` per virtual stage."""
 
     @property
     def micro_batch(self) -> int:
@@ -198,10 +205,12 @@ class _Infeasible(Exception):
 
 def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches: Sequence,
                    space: RecomputeSpace, *, zero_stage: int = 0, shard_grid: int = DEFAULT_SHARD_GRID, monotone: dict,
-                   prune: bool = True, reduce_symmetry: bool = True, allowed=None, even_shards: bool = False) -> Instance:
+                   prune: bool = True, reduce_symmetry: bool = True, allowed=None, even_shards: bool = False,
+                   chunks: int = 1) -> Instance:
     """Constants and choices for one candidate: ``batches[i]`` = (micro-batch size, micro-batches) of replica i.
     ``allowed`` optionally restricts choices (baselines); ``even_shards`` restricts stage 1 to equal parts
-    (the constructive plan, and the structured family's replicas of one pattern)."""
+    (the constructive plan, and the structured family's replicas of one pattern). ``chunks`` > 1: every replica
+    runs interleaved 1F1B with that many chunks per group, at equal parts (the space offered, solver/README.md)."""
     if not skeleton.one_shape:
         raise ValueError(f"replicas of different shapes ({skeleton.describe()}) are solved by solver/unlike.py, not the MILP")
     r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
@@ -210,17 +219,19 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
         raise ValueError(f"{len(batches)} batches for {r} replicas")
     if p > N + 2:
         return _infeasible(spec, skeleton, batches, zero_stage, "more stages than layers")
-    min_layers, max_layers = layer_limits(N, p)
+    if chunks > 1 and p < 2:
+        return _infeasible(spec, skeleton, batches, zero_stage, "interleaving needs at least two stages")
+    min_layers, max_layers = layer_limits(N, p * chunks)
     if sum(min_layers) > N:
         return _infeasible(spec, skeleton, batches, zero_stage, "more stages than layers")
     zero_stage = zero_stage if r > 1 else 0
     ratios, replica_class, representatives = _modelled_replicas(spec, cluster, skeleton, batches, zero_stage, shard_grid,
-                                                                reduce_symmetry, even_shards)
+                                                                reduce_symmetry, even_shards or chunks > 1, chunks)
     try:
         share_options, unit_counts, tied = _share_options(spec, cluster, skeleton, ratios, monotone, reduce_symmetry, allowed)
         positions = [_positions(spec, cluster, skeleton, s, zero_stage, share_options[s]) for s in range(p)]
         rules = _ChoiceRules(spec=spec, space=space, ratios=ratios, min_layers=min_layers, max_layers=max_layers,
-                             prune=prune, allowed=allowed, replicas=r)
+                             prune=prune, allowed=allowed, replicas=r, chunks=chunks)
         stages = [[_stage_data(cluster, profiles, rules, skeleton, batches, rep, s, share_options[s], tied[s], positions[s])
                    for s in range(p)] for rep in representatives]
     except _Infeasible as exc:
@@ -229,10 +240,10 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
                     modelled_replicas=len(representatives), replica_class=replica_class, representatives=representatives,
                     share_options=share_options, unit_counts=unit_counts, min_layers=min_layers, max_layers=max_layers,
                     embedding_sync_ms=embedding_sync_ms(cluster, spec, skeleton.pipelines), positions=positions,
-                    replica_time_cv=cluster.replica_time_cv)
+                    replica_time_cv=cluster.replica_time_cv, chunks=chunks)
 
 
-def _modelled_replicas(spec, cluster, skeleton, batches, zero_stage, shard_grid, reduce_symmetry, even_shards):
+def _modelled_replicas(spec, cluster, skeleton, batches, zero_stage, shard_grid, reduce_symmetry, even_shards, chunks=1):
     """(ratios, modelled replica of each replica, replica each modelled one is).
 
     Replicas are interchangeable when every stage matches device for device and link for link, and they train on
@@ -244,7 +255,8 @@ def _modelled_replicas(spec, cluster, skeleton, batches, zero_stage, shard_grid,
     def replica_signature(rho):
         pipe, (b, m) = skeleton.pipelines[rho], batches[rho]
         return (b, m) + tuple((tuple(_device_signature(cluster, i) for i in ids), cluster.slowest_link(list(ids)),
-                               pipeline_transfers(cluster, spec, b, ids, pipe[s + 1] if s + 1 < p else None))
+                               pipeline_transfers(cluster, spec, b, ids, pipe[s + 1] if s + 1 < p else
+                                                  pipe[0] if chunks > 1 else None))
                               for s, ids in enumerate(pipe))
     sigs = [replica_signature(rho) for rho in range(r)] if reduce_symmetry else list(range(r))
     ratios = ratio_options(zero_stage, r, len(set(sigs)), shard_grid, even_shards)
@@ -319,6 +331,8 @@ class _ChoiceRules:
     """The baselines' restrictions ('recompute': the sets allowed)."""
     replicas: int
     """r: the peers of every position."""
+    chunks: int = 1
+    """Chunks per device group (``Instance.chunks``); ``min_layers`` and ``max_layers`` are then per virtual stage."""
 
 
 def _stage_data(cluster, profiles, rules: _ChoiceRules, skeleton, batches, rep: int, s: int, share_options: list,
@@ -330,11 +344,16 @@ def _stage_data(cluster, profiles, rules: _ChoiceRules, skeleton, batches, rep: 
     ids = list(pipe[s])
     slots = [device_slot(cluster, profiles, spec, b, i, stage=s, num_stages=p, num_microbatches=m) for i in ids]
     const = stage_constants(cluster, spec, b, ids, first=s == 0, last=s == p - 1)
-    sf, sb = pipeline_transfers(cluster, spec, b, ids, pipe[s + 1] if s + 1 < p else None)
+    to = pipe[s + 1] if s + 1 < p else pipe[0] if rules.chunks > 1 else None  # interleaved: the last group's chunks feed the first's
+    sf, sb = pipeline_transfers(cluster, spec, b, ids, to)
     members = [list(range(len(ids)))] if tied else [[k] for k in range(len(ids))]
     groups = []
     for k, member in enumerate(members):
-        choices, buffer_limits = _device_choices(rules, slots[member[0]], b, s, share_options, positions[member[0]].params)
+        if rules.chunks > 1:
+            choices, buffer_limits = _interleaved_choices(rules, slots[member[0]], b, m, s, p, share_options,
+                                                          positions[member[0]].params), {}
+        else:
+            choices, buffer_limits = _device_choices(rules, slots[member[0]], b, s, share_options, positions[member[0]].params)
         groups.append(Group(ids=[ids[j] for j in member], rank=None if tied else k, choices=choices,
                             slots=[slots[j] for j in member], buffer_limits=buffer_limits))
     if any(not g.choices for g in groups):
@@ -375,6 +394,38 @@ def _device_choices(rules: _ChoiceRules, slot, b: int, s: int, share_options: li
                                   max_layers=L, param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms,
                                   edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes) for rset, lc, L in found]
     return choices, buffer_limits
+
+
+def _interleaved_choices(rules: _ChoiceRules, slot, b: int, m: int, s: int, p: int, share_options: list, params: dict) -> dict:
+    """The choices of a device of group ``s`` of an interleaved pipeline: for every share, its recompute sets worth
+    keeping (``options.interleaved_choices``), each with its memory as lines in its chunks' layer counts
+    (``costmodel.interleaved_memory_rows``) and, at equal parts with replicas, the most layers it may hold in all
+    while its peer group syncs (eq. 14; else every layer)."""
+    spec, ratios, r, N = rules.spec, rules.ratios, rules.replicas, rules.spec.num_layers
+    schedule = interleaved_one_f_one_b(p, rules.chunks, m)
+    owned = ratios.values[0]
+    choices = {}
+    for (U, u) in share_options:
+        found = interleaved_choices(slot, spec, b, u / U, rules.space, prune=rules.prune)
+        if rules.allowed is not None and rules.allowed.get("recompute") is not None:
+            found = [f for f in found if f[0] in rules.allowed["recompute"]]
+        edge = edge_cost(slot, spec, b, u / U)
+        per_layer, fixed = (x * GB for x in params[(U, u)])
+        buf = N
+        if found and ratios.mode == "equal":
+            buf = int(max_layers_with_sync_buffer(slot, spec, found[0][1].param_bytes, edge, N, owned_fraction=owned,
+                                                  group_size=r, shard_params_per_layer=owned * per_layer,
+                                                  shard_params_fixed=owned * fixed))
+        if not found or buf < 1:  # every group of an interleaved pipeline holds a layer
+            continue
+        choices[(U, u)] = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
+                                  max_layers=(buf,), param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms,
+                                  edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes,
+                                  chunk_rows=tuple(interleaved_memory_rows(
+                                      slot, spec, schedule, s, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
+                                      transient_bytes=lc.transient_bytes, edge=edge, owned_fraction=owned)))
+                           for rset, lc in found]
+    return choices
 
 
 def _infeasible(spec, skeleton, batches, zero_stage, reason) -> Instance:

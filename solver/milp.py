@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyomo.environ as pyo
 from pyomo.contrib.solver.common.factory import SolverFactory
 from pyomo.contrib.solver.common.results import TerminationCondition
 
-from baton.schedules import one_f_one_b, pass_dependencies
-from baton.plan import DeviceShare, Plan, Stage, plan_of_replicas
+from baton.schedules import interleaved_one_f_one_b, pass_dependencies
+from baton.plan import DeviceShare, Plan, Stage, interleaved_pipeline, plan_of_replicas
 from baton.waits import arrival_planes
 
 from solver.instance import GB, Instance
@@ -98,11 +98,12 @@ class InnerModel:
         inst, m = self.inst, self.m
         p = inst.skeleton.num_stages
         self.p = p
+        self.K = p * inst.chunks  # virtual stages: group k mod p runs virtual stage k (1F1B: K = p)
         self.R = inst.modelled_replicas
         N = inst.spec.num_layers
         self.nbits = _bits(N)
-        m.z = pyo.Var([(s, j) for s in range(p) for j in range(self.nbits)], domain=pyo.Binary)
-        m.L = pyo.Var(range(p), domain=pyo.NonNegativeIntegers, bounds=(0, N))
+        m.z = pyo.Var([(k, j) for k in range(self.K) for j in range(self.nbits)], domain=pyo.Binary)
+        m.L = pyo.Var(range(self.K), domain=pyo.NonNegativeIntegers, bounds=(0, N))
         # Share options shared by all replicas at (stage, rank); unit counts per stage.
         self.v_index = [(s, k, o) for s in range(p) for k in range(len(inst.skeleton.pipelines[0][s]))
                         for o in range(len(inst.share_options[s]))]
@@ -121,15 +122,16 @@ class InnerModel:
         for key in self.x_index:
             self.x_by_group.setdefault(key[:3], []).append(key)
         rs = [(rho, s) for rho in range(self.R) for s in range(p)]
+        rk = [(rho, k) for rho in range(self.R) for k in range(self.K)]
         m.TF = pyo.Var([(rho, s, b) for rho, s in rs for b in range(2)], domain=pyo.NonNegativeReals)
         m.TB = pyo.Var([(rho, s, b) for rho, s in rs for b in range(2)], domain=pyo.NonNegativeReals)
-        m.F = pyo.Var(rs, domain=pyo.NonNegativeReals)
+        m.F = pyo.Var(rk, domain=pyo.NonNegativeReals)
         m.EF = pyo.Var(rs, domain=pyo.NonNegativeReals)
         m.EB = pyo.Var(rs, domain=pyo.NonNegativeReals)
-        m.B = pyo.Var(rs, domain=pyo.NonNegativeReals)
-        m.qF = pyo.Var([(rho, s, j) for rho, s in rs for j in range(self.nbits)], domain=pyo.NonNegativeReals)
-        m.qB = pyo.Var([(rho, s, j) for rho, s in rs for j in range(self.nbits)], domain=pyo.NonNegativeReals)
-        self.passes = [(rho, kind, s, i) for rho in range(self.R) for s in range(p) for kind in "FB"
+        m.B = pyo.Var(rk, domain=pyo.NonNegativeReals)
+        m.qF = pyo.Var([(rho, k, j) for rho, k in rk for j in range(self.nbits)], domain=pyo.NonNegativeReals)
+        m.qB = pyo.Var([(rho, k, j) for rho, k in rk for j in range(self.nbits)], domain=pyo.NonNegativeReals)
+        self.passes = [(rho, kind, k, i) for rho in range(self.R) for k in range(self.K) for kind in "FB"
                        for i in range(inst.batch(rho)[1])]
         m.fin = pyo.Var(self.passes, domain=pyo.NonNegativeReals)
         m.T = pyo.Var(domain=pyo.NonNegativeReals)
@@ -150,6 +152,10 @@ class InnerModel:
         m.u = pyo.Var(self.u_index, domain=pyo.Binary)
         m.pi = pyo.Var(self.u_index, domain=pyo.NonNegativeReals)
         m.om = pyo.Var(self.y_index, domain=pyo.NonNegativeReals)
+
+    def group_layers(self, s: int):
+        """Layers group ``s`` holds: its stage's, or interleaved the sum over its chunks (virtual stages s, s + p, ...)."""
+        return sum(self.m.L[k] for k in range(s, self.K, self.p))
 
     def _choice(self, key):
         rho, s, g, o, c = key
@@ -186,14 +192,14 @@ class InnerModel:
                         == sum(U * m.w[s, i] for i, U in enumerate(Us)))
 
     def layers_cover_the_model(self) -> None:
-        """Stages hold contiguous layer ranges covering the model; middle stages hold at least one layer."""
+        """(Virtual) stages hold contiguous layer ranges covering the model; middle ones hold at least one layer."""
         inst, m = self.inst, self.m
         m.layers = pyo.ConstraintList()
-        for s in range(self.p):
-            m.layers.add(m.L[s] == sum(2**j * m.z[s, j] for j in range(self.nbits)))
-            m.layers.add(m.L[s] >= inst.min_layers[s])
-            m.layers.add(m.L[s] <= inst.max_layers[s])
-        m.layers.add(sum(m.L[s] for s in range(self.p)) == inst.spec.num_layers)
+        for k in range(self.K):
+            m.layers.add(m.L[k] == sum(2**j * m.z[k, j] for j in range(self.nbits)))
+            m.layers.add(m.L[k] >= inst.min_layers[k])
+            m.layers.add(m.L[k] <= inst.max_layers[k])
+        m.layers.add(sum(m.L[k] for k in range(self.K)) == inst.spec.num_layers)
 
     def block_time_is_slowest_device(self) -> None:
         """Eq. 2 / eq. 9: per layer, a TP group waits for its slowest rank in each block (attn, mlp); the
@@ -216,22 +222,26 @@ class InnerModel:
         return total
 
     def stage_time_is_layers_times_layer_time(self) -> None:
-        """Eq. 9: F_s = L_s * (sum_b T_sb + all-reduce) + slowest embedding/head, linearised over the bits of L_s.
+        """Eq. 9 (9i per virtual stage): F_k = L_k * (sum_b T_sb + all-reduce) of its group s = k mod p, + the
+        slowest embedding/head where it holds them (1F1B: every stage, zero in the middle; interleaved: virtual
+        stage 0 and the last only), linearised over the bits of L_k.
 
-        q_sj >= (per-layer time) - M (1 - z_sj) and q_sj >= 0, so q_sj = z_sj * per-layer time at the optimum.
+        q_kj >= (per-layer time) - M (1 - z_kj) and q_kj >= 0, so q_kj = z_kj * per-layer time at the optimum.
         """
         inst, m = self.inst, self.m
         m.stage = pyo.ConstraintList()
         for rho in range(self.R):
-            for s in range(self.p):
+            for k in range(self.K):
+                s = k % self.p
                 st = inst.stages[rho][s]
+                ends = self.K == self.p or k in (0, self.K - 1)
                 for which, (T, q, Fv, edge) in enumerate(((m.TF, m.qF, m.F, m.EF[rho, s] + st.edge_fwd_comm_ms),
                                                           (m.TB, m.qB, m.B, m.EB[rho, s] + st.edge_bwd_comm_ms))):
                     per_layer = T[rho, s, 0] + T[rho, s, 1] + st.allreduce_ms
                     M = self._layer_time_bound(rho, s, which)
                     for j in range(self.nbits):
-                        m.stage.add(q[rho, s, j] >= per_layer - M * (1 - m.z[s, j]))
-                    m.stage.add(Fv[rho, s] >= sum(2**j * q[rho, s, j] for j in range(self.nbits)) + edge)
+                        m.stage.add(q[rho, k, j] >= per_layer - M * (1 - m.z[k, j]))
+                    m.stage.add(Fv[rho, k] >= sum(2**j * q[rho, k, j] for j in range(self.nbits)) + (edge if ends else 0.0))
 
     def one_owned_fraction_per_device(self) -> None:
         """Eq. 10, 13, 14 (stage 1, replicas one by one): each device owns one option's fraction of its peer
@@ -272,6 +282,9 @@ class InnerModel:
         inst, m = self.inst, self.m
         m.memory = pyo.ConstraintList()
         N = inst.spec.num_layers
+        if inst.chunks > 1:
+            self._interleaved_memory()
+            return
         for (rho, s, g) in self.groups:
             keys = self.x_by_group.get((rho, s, g), [])
             if not self.choose:
@@ -279,6 +292,25 @@ class InnerModel:
                 continue
             for j in range(len(inst.ratios.values)):
                 m.memory.add(m.L[s] <= sum(self._choice(k).max_layers[j] * m.x[k] for k in keys) + (N + 1) * (1 - m.y[rho, s, g, j]))
+
+    def _interleaved_memory(self) -> None:
+        """Eq. 8i: a device of an interleaved group fits iff every line of its choice (``costmodel.ChunkMemoryRow``,
+        one per moment its schedule may peak at) stays within its capacity C, sum_c a_c L_(c p + s) <= C - fixed
+        + M (1 - x), in units of C and with a margin of 1e-6 C so that the solver's feasibility tolerance cannot
+        admit a plan the evaluator refuses; and it holds at most ``max_layers[0]`` layers in all (its sync
+        buffer, eq. 14)."""
+        inst, m = self.inst, self.m
+        for (rho, s, g) in self.groups:
+            cap = min(slot.memory_bytes for slot in inst.stages[rho][s].groups[g].slots)
+            chunks = [m.L[k] for k in range(s, self.K, self.p)]
+            for key in self.x_by_group.get((rho, s, g), []):
+                c = self._choice(key)
+                m.memory.add(self.group_layers(s) <= c.max_layers[0] + inst.spec.num_layers * (1 - m.x[key]))
+                for row in c.chunk_rows:
+                    coef = [a / cap for a in row.per_layer_bytes]
+                    rhs = 1.0 - row.fixed_bytes / cap - 1e-6
+                    big = max(0.0, sum(coef) * inst.spec.num_layers - rhs)
+                    m.memory.add(sum(a * L for a, L in zip(coef, chunks)) <= rhs + big * (1 - m.x[key]))
 
     def sync_buffer_fits_every_device(self) -> None:
         """Eq. 14 with eq. 8: after the backward pass a device holds 2 W + O(owned) + the staging buffer of its
@@ -303,8 +335,9 @@ class InnerModel:
                                  + (N + 1) * (2 - m.y[rho, s, g, j] - m.u[s, g, t]))
 
     def pipeline_follows_1f1b(self) -> None:
-        """Eq. 1 over the schedule as data (``baton.schedules.one_f_one_b``, the list the evaluator's recurrence and
-        the runtime's interpreter read): one ``>=`` per pair of ``baton.schedules.pass_dependencies``, finish(pass)
+        """Eq. 1 over the schedule as data (``baton.schedules.interleaved_one_f_one_b``, which is ``one_f_one_b`` at one
+        chunk: the list the evaluator's recurrence and the runtime's interpreter read), over virtual stages: one
+        ``>=`` per pair of ``baton.schedules.pass_dependencies``, finish(pass)
         >= finish(the pass its stage ran before) + duration, and >= finish(the pass whose tensor it receives) +
         link + duration (a first pass: >= duration); the last backward of stage 0 ends the pipeline. Every finish
         only bounds the objective from below, so the optimum sits on the longest path, which is
@@ -315,8 +348,9 @@ class InnerModel:
         for rho in range(self.R):
             st = inst.stages[rho]
             mb = inst.batch(rho)[1]
-            links = {"fwd": [st[s].send_fwd_ms for s in range(p - 1)], "bwd": [st[s].send_bwd_ms for s in range(p - 1)]}
-            for (kind, s, i), deps in pass_dependencies(one_f_one_b(p, mb)):
+            links = {"fwd": [st[k % p].send_fwd_ms for k in range(self.K - 1)],
+                     "bwd": [st[k % p].send_bwd_ms for k in range(self.K - 1)]}
+            for (kind, s, i), deps in pass_dependencies(interleaved_one_f_one_b(p, inst.chunks, mb)):
                 me = m.fin[rho, kind, s, i]
                 dur = m.F[rho, s] if kind == "F" else m.B[rho, s]
                 for (dk, ds, di), link in deps:
@@ -365,9 +399,10 @@ class InnerModel:
                     continue
                 param, edge = cs[0].param_bytes / GB, cs[0].edge_param_bytes / GB
                 if grp.rank is None:
-                    m.weights.add(m.W[rho, s, g] >= param * m.L[s] + edge)
+                    m.weights.add(m.W[rho, s, g] >= param * self.group_layers(s) + edge)
                 else:
-                    m.weights.add(m.W[rho, s, g] >= param * m.L[s] + edge - (param * N + edge) * (1 - m.v[s, grp.rank, o]))
+                    m.weights.add(m.W[rho, s, g] >= param * self.group_layers(s) + edge
+                                  - (param * N + edge) * (1 - m.v[s, grp.rank, o]))
 
     def _weights_bound(self, rho: int, s: int, g: int) -> float:
         """Largest weights (GB) the group can hold: its largest share and every layer."""
@@ -388,7 +423,7 @@ class InnerModel:
         for (s, k) in self.pos_index:
             for o, opt in enumerate(inst.share_options[s]):
                 a, c = inst.positions[s][k].params[opt]
-                m.params.add(m.P[s, k] >= a * m.L[s] + c - (a * N + c) * (1 - m.v[s, k, o]))
+                m.params.add(m.P[s, k] >= a * self.group_layers(s) + c - (a * N + c) * (1 - m.v[s, k, o]))
 
     def _largest_params(self, s: int, k: int) -> float:
         a_c = self.inst.positions[s][k].params.values()
@@ -499,7 +534,7 @@ class InnerModel:
         inst, m = self.inst, self.m
         sk = inst.skeleton
         p = self.p
-        layers = [int(round(pyo.value(m.L[s]))) for s in range(p)]
+        layers = [int(round(pyo.value(m.L[k]))) for k in range(self.K)]
         share = {}
         for (s, k, o) in self.v_index:
             if pyo.value(m.v[s, k, o]) > 0.5:
@@ -530,7 +565,10 @@ class InnerModel:
                 stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=int(U), devices=tuple(devs)))
                 first += layers[s]
             replicas.append(stages)
-        return plan_of_replicas(inst.spec, inst.batches, inst.zero_stage, replicas)
+        plan = plan_of_replicas(inst.spec, inst.batches, inst.zero_stage, replicas)
+        if inst.chunks == 1:
+            return plan
+        return replace(plan, pipelines=tuple(interleaved_pipeline(pipe, layers) for pipe in plan.pipelines))
 
 
 def _op_order(inst: Instance) -> list[str]:

@@ -93,6 +93,10 @@ class Choice:
     """Its embedding/head backward at this share."""
     edge_param_bytes: float = 0.0
     """Embedding/head parameters it holds at this share."""
+    chunk_rows: tuple = ()
+    """In an interleaved group: its memory as lines in its chunks' layer counts (``costmodel.ChunkMemoryRow``), in
+    place of ``max_layers``; and the most layers it holds in all while its peer group syncs (eq. 14) is
+    ``max_layers[0]``."""
 
 
 def device_choices(slot: DeviceSlot, spec: ModelSpec, mb: int, share: float, space: RecomputeSpace, *, min_layers: int,
@@ -115,6 +119,29 @@ def device_choices(slot: DeviceSlot, spec: ModelSpec, mb: int, share: float, spa
             idx = _front(idx, fit[idx], prices.rec_attn_ms[idx], prices.rec_mlp_ms[idx], space.op_bits[idx].sum(axis=1))
         kept.update(int(i) for i in idx)
     return [(space.recompute_set(i), layer_cost_of(prices, i), tuple(int(x) for x in fits[:, i])) for i in sorted(kept)]
+
+
+def interleaved_choices(slot: DeviceSlot, spec: ModelSpec, mb: int, share: float, space: RecomputeSpace, *,
+                        prune: bool = True) -> list[tuple[frozenset, LayerCost]]:
+    """Recompute sets worth considering for a device of an interleaved group (docs/schedules.md) with ``share``.
+
+    Its memory is a line per moment of the schedule in the layer counts of several chunks, so no single layer
+    limit orders the sets; but every line grows with the set's held and transient bytes. A set is dropped when
+    another has rec_attn, rec_mlp, held and transient bytes all no larger (one of them smaller, or all equal and
+    fewer operators): any plan using it is as fast and fits with the other. ``prune=False``: every set."""
+    prices = layer_prices(slot.profile, spec, mb, share, space)
+    keys = np.stack([prices.rec_attn_ms, prices.rec_mlp_ms, prices.held_bytes, prices.transient_bytes,
+                     space.op_bits.sum(axis=1).astype(float)], axis=1)
+    kept = []
+    for i in range(len(keys)):
+        if prune:
+            no_worse = np.all(keys[:, :4] <= keys[i, :4], axis=1)
+            better = np.any(keys[:, :4] < keys[i, :4], axis=1) | ((keys[:, 4] < keys[i, 4]) |
+                                                                  ((keys[:, 4] == keys[i, 4]) & (np.arange(len(keys)) < i)))
+            if np.any(no_worse & better):
+                continue
+        kept.append(i)
+    return [(space.recompute_set(i), layer_cost_of(prices, i)) for i in kept]
 
 
 def _front(idx, L, a, m, pop):

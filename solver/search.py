@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, NamedTuple
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import device_slot, edge_cost, edge_param_count, layer_cost, layer_param_count
+from baton.costmodel import device_slot, edge_cost, edge_param_count, layer_cost, layer_limits, layer_param_count
 from baton.errors import BatonError
 from baton.evaluate import PlanReport, evaluate, explain_over_capacity
 from baton.profile import ProfileSet
@@ -43,7 +43,8 @@ from baton.memory import RecomputeSpace, recompute_space
 from baton.model_spec import ModelSpec
 from baton.plan import Plan, validate
 
-from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, layered_lower_bound, layered_replica_bound,
+from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, interleaved_candidate_bound,
+                           interleaved_replica_bound, layered_lower_bound, layered_replica_bound,
                            replica_bound, skeleton_constant)
 from solver.greedy import greedy_incumbent
 from solver.instance import DEFAULT_SHARD_GRID, build_instance
@@ -231,13 +232,14 @@ class _Entry(NamedTuple):
     seq: int
     """Push order."""
     kind: str
-    """'cand' (one candidate), 'group' (the exact family's splits of a (skeleton, stage) not listed yet) or 'struct'
-    (one structure of an unlike or stage-2/3 candidate)."""
+    """'cand' (one candidate), 'interleaved' (one candidate run interleaved), 'group' (the exact family's splits of a
+    (skeleton, stage) not listed yet) or 'struct' (one structure of an unlike or stage-2/3 candidate)."""
     skeleton: int
     """Index into ``_Frontier.skeletons``."""
     zero_stage: int
     data: object
-    """'cand': the canonical batches; 'group': the start of its window (ms); 'struct': (tables, structure, sync)."""
+    """'cand': the canonical batches; 'interleaved': (canonical batches, chunks); 'group': the start of its window
+    (ms); 'struct': (tables, structure, sync)."""
     refined: bool
     """The bound already holds what is only computed at the front (the sync bound, the collectives' bound)."""
 
@@ -282,6 +284,8 @@ class _Inputs:
     """HiGHS threads per MILP."""
     deadline_s: float
     """``time.perf_counter()`` at which the search stops."""
+    chunks: tuple = (1,)
+    """Chunk counts per device group offered to every pipeline (1: 1F1B; more: interleaved 1F1B)."""
     cache: BoundCache = field(default_factory=BoundCache)
     collectives_ms: dict = field(default_factory=dict)
     """(skeleton, stage 2 or 3) -> least collectives of eq. 17 over its units (filled when one reaches the front)."""
@@ -317,20 +321,44 @@ class _Inputs:
                                      self.monotone if self.reduce_symmetry else None, zero_stage=z, patterns=info.patterns,
                                      sync=self.exact if sync is None else sync, even_shards=self.even(info))
 
-    def phi(self, info: _Skeleton, z: int, owned: float | None = None):
+    def interleavings(self, info: _Skeleton, z: int) -> list[int]:
+        """The chunk counts above one offered to a candidate: replicas of one shape of at least two stages, at
+        stages 0 and 1 (equal parts), where every virtual stage can hold its layers (solver/README.md)."""
+        sk, N = info.sk, self.spec.num_layers
+        if not sk.one_shape or z in LAYERED_STAGES or sk.num_stages < 2:
+            return []
+        return [v for v in self.chunks if v > 1 and sum(layer_limits(N, sk.num_stages * v)[0]) <= N]
+
+    def interleaved_bound(self, info: _Skeleton, batches, z: int, sync: bool | None = None) -> float:
+        """A cheap bound of the candidate run interleaved, any chunk count (``bounds.interleaved_candidate_bound``)."""
+        return interleaved_candidate_bound(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, self.cache,
+                                           self.monotone if self.reduce_symmetry else None, zero_stage=z,
+                                           sync=self.exact if sync is None else sync, patterns=info.patterns)
+
+    def phi(self, info: _Skeleton, z: int, owned: float | None = None, *, every_schedule: bool = False):
         """Replica i's cheap bound on m micro-batches of b (owning ``owned`` of its optimizer state at stage 1;
-        None: anything)."""
+        None: anything); ``every_schedule``: the least of its 1F1B and interleaved bounds where it is offered (what
+        the exact family lists splits by)."""
         spec, cluster, profiles, space, cache = self.spec, self.cluster, self.profiles, self.space, self.cache
         mono = self.monotone if self.reduce_symmetry else None
         if z in LAYERED_STAGES:
             return lambda i, b, m: layered_replica_bound(spec, cluster, profiles, info.sk.pipelines[i][0], b, m, space, cache, z)
-        return lambda i, b, m: replica_bound(spec, cluster, profiles, info.sk.pipelines[i], b, m, space, cache, mono,
-                                             zero_stage=z, pattern=info.patterns[i], owned=owned)[0]
 
-    def instance(self, info: _Skeleton, batches, z: int, even_shards: bool = False):
+        def one_f_one_b(i, b, m):
+            return replica_bound(spec, cluster, profiles, info.sk.pipelines[i], b, m, space, cache, mono,
+                                 zero_stage=z, pattern=info.patterns[i], owned=owned)[0]
+
+        if not (every_schedule and self.interleavings(info, z)):
+            return one_f_one_b
+        even = bound_owned(info.sk.num_replicas, z, True)
+        return lambda i, b, m: min(one_f_one_b(i, b, m), interleaved_replica_bound(
+            spec, cluster, profiles, info.sk.pipelines[i], b, m, space, cache, mono, zero_stage=z, owned=even,
+            pattern=info.patterns[i])[0])
+
+    def instance(self, info: _Skeleton, batches, z: int, even_shards: bool = False, chunks: int = 1):
         return build_instance(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, zero_stage=z,
                               shard_grid=self.shard_grid, monotone=self.monotone, reduce_symmetry=self.reduce_symmetry,
-                              allowed=self.allowed, even_shards=even_shards or self.even(info))
+                              allowed=self.allowed, even_shards=even_shards or self.even(info), chunks=chunks)
 
     def constant(self, info: _Skeleton, z: int) -> float:
         """What a candidate's bound adds to its slowest replica's before it reaches the front (the splits of a group
@@ -340,7 +368,7 @@ class _Inputs:
     def group_range(self, info: _Skeleton, z: int) -> tuple[float, float]:
         """Bounds of the skeleton's splits: below, each replica runs at least one micro-batch; above, the largest
         finite bound a replica can reach (no split with a finite bound lies beyond it)."""
-        f, r = self.phi(info, z), info.sk.num_replicas
+        f, r = self.phi(info, z, every_schedule=True), info.sk.num_replicas
         const = self.constant(info, z)
         floor = const + max(min(f(i, b, 1) for b in info.sizes[i]) for i in range(r))
         top = [f(i, b, _largest_m(lambda m, i=i, b=b: math.isfinite(f(i, b, m)), self.global_batch // b))
@@ -401,6 +429,15 @@ class _Frontier:
         self.push(bound_ms, "cand", k, z, key[1], refined)
         self.candidates += 1
 
+    def push_interleaved(self, info: _Skeleton, k: int, batches, z: int, chunks: int, bound_ms: float, refined: bool) -> None:
+        """The candidate run interleaved with ``chunks`` chunks per group, once per (stage, canonical batches, chunks)."""
+        key = (z, canonical(batches, info.classes), chunks)
+        if key in info.pushed:
+            return
+        info.pushed.add(key)
+        self.push(bound_ms, "interleaved", k, z, key[1:], refined)
+        self.candidates += 1
+
     def proven_bound_ms(self) -> float:
         """The least bound of everything not shown worse, the heap's front included."""
         rest = [self.heap[0].bound_ms] if self.heap else []
@@ -417,7 +454,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
            skeletons: list[Skeleton] | None = None, family: str = "auto", strategy: str = "baton",
            allowed: dict | None = None, reduce_symmetry: bool = True, log=None, detail_log=None,
            shard_grid: int = DEFAULT_SHARD_GRID, zero_stages: tuple[int, ...] = (0, 1, 2, 3), splits: str = "auto",
-           extra_splits=None) -> SolveResult:
+           extra_splits=None, chunks: tuple[int, ...] = (1,)) -> SolveResult:
     """Best plan over the candidates; raises NoPlanFits when none fits.
 
     A candidate is a skeleton, every replica's batch (micro-batch size and count, adding up to the global
@@ -426,7 +463,9 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     'auto' (every split in the exact family, a few in the structured one, solver/splits.py) or 'uniform'
     (every replica the same batch). ``extra_splits(skeleton)`` may add splits for a skeleton (the baselines'
     per-GPU batches). ``log`` gets one line per improvement, ``detail_log`` one per MILP solved.
-    ``time_limit`` covers the whole search: bounding candidates, constructive plans and MILPs.
+    ``time_limit`` covers the whole search: bounding candidates, constructive plans and MILPs. ``chunks``: the
+    chunk counts per device group offered (1: 1F1B; more: interleaved 1F1B, to replicas of one shape at stages 0
+    and 1 with equal parts, every replica alike; solver/README.md).
     """
     t_start = time.perf_counter()
     monotone = check_profiles(spec, cluster, profiles)
@@ -438,7 +477,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     inputs = _Inputs(spec=spec, cluster=cluster, profiles=profiles, space=space, global_batch=global_batch,
                      micro_batch=micro_batch, monotone=monotone, reduce_symmetry=reduce_symmetry, allowed=allowed,
                      shard_grid=shard_grid, exact=family == "exact" and splits == "auto", strategy=strategy, gap=gap,
-                     threads=threads, deadline_s=t_start + time_limit)
+                     threads=threads, deadline_s=t_start + time_limit, chunks=tuple(sorted(set(chunks) | {1})))
     frontier = _Frontier(progress=Progress(log, t_start, detail_log))
     t0 = time.perf_counter()
     for sk in skeletons:  # the structured family is a generator: enumerating it is inside the time limit too
@@ -499,6 +538,7 @@ def _seed_candidate(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: in
     """Push a candidate at its cheap bound (none that cannot fit), and try the constructive plan on it when its
     bound is at least 3% below every one tried so far: an incumbent, and a cutoff, long before the MILPs."""
     info = frontier.skeletons[k]
+    _seed_interleaved(inputs, frontier, k, batches, z)
     lb = inputs.bound(info, batches, z)
     if not math.isfinite(lb):
         return
@@ -506,6 +546,20 @@ def _seed_candidate(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: in
     if inputs.strategy == "baton" and lb < frontier.greedy_bound_ms * 0.97 and inputs.time_left():
         frontier.greedy_bound_ms = lb
         _try_constructive(inputs, frontier, info, batches, z)
+
+
+def _seed_interleaved(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: int, below: float = math.inf,
+                      since: float = 0.0) -> None:
+    """Push the candidate run interleaved, once per chunk count offered, at its interleaved bound (when in
+    [``since``, ``below``): the exact family's window)."""
+    info = frontier.skeletons[k]
+    offered = inputs.interleavings(info, z)
+    if not offered:
+        return
+    lb = inputs.interleaved_bound(info, batches, z)
+    if math.isfinite(lb) and since <= lb < below:
+        for v in offered:
+            frontier.push_interleaved(info, k, batches, z, v, lb, refined=inputs.exact)
 
 
 def _try_constructive(inputs: _Inputs, frontier: _Frontier, info: _Skeleton, batches, z: int) -> None:
@@ -558,11 +612,12 @@ def _expand_group(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
     upto = min(inc * (1 - inputs.gap), lb * 1.05 + 1e-9) if math.isfinite(inc) else lb * 1.25 + 1e-9
     const = inputs.constant(info, z)
     last = upto > frontier.group_ceiling_ms[k, z]  # beyond every finite replica bound: this window takes all the rest
-    for batches in exact_splits_below(inputs.phi(info, z), info.sizes, info.classes, inputs.global_batch,
-                                      math.inf if last else upto - const):
+    for batches in exact_splits_below(inputs.phi(info, z, every_schedule=True), info.sizes, info.classes,
+                                      inputs.global_batch, math.inf if last else upto - const):
         x = inputs.bound(info, batches, z)
         if entry.data <= x and (last or x < upto) and math.isfinite(x):
             frontier.push_candidate(info, k, batches, z, x, refined=z not in LAYERED_STAGES)
+        _seed_interleaved(inputs, frontier, k, batches, z, below=math.inf if last else upto, since=entry.data)
     if not last:  # every split not pushed yet has a bound of at least upto
         frontier.push(upto, "group", k, z, upto, True)
     frontier.build_s += time.perf_counter() - tg
@@ -571,7 +626,11 @@ def _expand_group(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
 def _requeued_at_sync_bound(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> bool:
     """Add the bound computed only at the front (the data-parallel sync, or the collectives at stages 2 and 3:
     too costly for every one of 10^5 candidates). True when that raised the bound and the entry went back."""
-    bound_ms = inputs.bound(frontier.skeletons[entry.skeleton], entry.data, entry.zero_stage, sync=True)
+    info = frontier.skeletons[entry.skeleton]
+    if entry.kind == "interleaved":
+        bound_ms = inputs.interleaved_bound(info, entry.data[0], entry.zero_stage, sync=True)
+    else:
+        bound_ms = inputs.bound(info, entry.data, entry.zero_stage, sync=True)
     if bound_ms > entry.bound_ms * (1 + 1e-12):
         frontier.push(bound_ms, entry.kind, entry.skeleton, entry.zero_stage, entry.data, True)
         return True
@@ -624,8 +683,11 @@ def _solve_milp(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
     """One candidate's MILP, with the incumbent as its cutoff and the time left as its limit."""
     tb = time.perf_counter()
     info, z, batches, lb = frontier.skeletons[entry.skeleton], entry.zero_stage, entry.data, entry.bound_ms
+    chunks = 1
+    if entry.kind == "interleaved":
+        batches, chunks = entry.data
     inc = frontier.incumbent_ms
-    inst = inputs.instance(info, batches, z)
+    inst = inputs.instance(info, batches, z, chunks=chunks)
     if inst.infeasible_reason is not None:
         frontier.build_s += time.perf_counter() - tb
         return
@@ -635,7 +697,7 @@ def _solve_milp(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
     res = model.solve(time_limit=left, rel_gap=inputs.gap, threads=inputs.threads, cutoff=inc if math.isfinite(inc) else None)
     frontier.solve_s += res.solve_s
     frontier.solved += 1
-    frontier.progress.detail(f"{_describe(batches)} z={z} {info.sk.describe()}: lb {lb:.1f} -> {res.status} {res.objective_ms} "
+    frontier.progress.detail(f"{_describe(batches)} z={z}{f' chunks={chunks}' if chunks > 1 else ''} {info.sk.describe()}: lb {lb:.1f} -> {res.status} {res.objective_ms} "
                              f"(bound {res.bound_ms:.1f}) [{model.build_s:.2f}s build, {res.solve_s:.2f}s solve]")
     if res.status in ("infeasible", "cutoff"):
         return

@@ -136,3 +136,40 @@ def test_interleaved_runs_as_one_device_and_holds_the_predicted_activations(laye
     for res in results:
         dev = plan.device_ids()[res["position"].rank]
         assert res["stats"].peak_saved_bytes == pytest.approx(pred[dev].activation_bytes, rel=1e-9), dev
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 1), (2, 2, 5), (3, 2, 4), (2, 3, 2), (4, 2, 8)])
+def test_memory_rows_are_the_evaluators_peak(priced, p, v, m):
+    """``interleaved_memory_rows`` (what the planner's eq. 8i constraints read): for every layer split tried, the
+    largest line equals the evaluator's peak of that device bit for bit up to summation order, and every line's
+    moment is undominated (``live_counts``). Catches a line that misses a moment, counts the edges' activations on
+    the wrong virtual stage, or a slope that is not the evaluator's."""
+    import itertools
+
+    from baton.costmodel import device_memory, interleaved_memory_rows, scheduled_activation_bytes
+    from baton.schedules import live_counts
+
+    cluster, profiles = priced
+    sch = interleaved_one_f_one_b(p, v, m)
+    K = p * v
+    for g in range(p):
+        counts = live_counts(sch, g)
+        assert all(not any(o != n and all(x >= y for x, y in zip(o, n)) for o in counts) for n in counts)
+        slot = device_slot(cluster, profiles, SPEC, 1, "a100:0", stage=g, num_stages=p, num_microbatches=m)
+        lc, edge = layer_cost(slot.profile, SPEC, 1, 1.0, frozenset()), edge_cost(slot, SPEC, 1, 1.0)
+        rows = interleaved_memory_rows(slot, SPEC, sch, g, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
+                                       transient_bytes=lc.transient_bytes, edge=edge)
+        for layers in itertools.islice(itertools.product(range(1, 4), repeat=K), 0, None, 7):
+            mine = [layers[c * p + g] for c in range(v)]
+            acts = scheduled_activation_bytes(sch, g, layers, lc.held_bytes, edge)
+            peak = device_memory(slot, SPEC, sum(mine), param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
+                                 transient_bytes=lc.transient_bytes, edge=edge, activation_bytes=acts).peak_bytes
+            line = max(r.fixed_bytes + sum(a * L for a, L in zip(r.per_layer_bytes, mine)) for r in rows)
+            assert line == pytest.approx(peak, rel=1e-12)
+
+
+def test_live_counts_of_one_f_one_b_are_the_in_flight_count():
+    from baton.schedules import live_counts, one_f_one_b
+
+    for p, m in ((1, 3), (3, 2), (4, 8)):
+        assert [live_counts(one_f_one_b(p, m), s) for s in range(p)] == [[(min(p - s, m),)] for s in range(p)]

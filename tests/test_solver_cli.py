@@ -122,6 +122,8 @@ def test_shard_grid_option():
     (["--micro-batch", "3"], "does not divide"),
     (["--gap", "2"], "--gap"),
     (["--strategy", "exhaustive", "--micro-batch", "4"], "small instances only"),  # one size: the estimate takes 1 s, not 20
+    (["--max-chunks", "0"], "--max-chunks': must be in 1..16, got 0"),
+    (["--max-chunks", "2", "--strategy", "hethub"], "--max-chunks applies to baton and exhaustive"),
 ])
 def test_user_errors_are_one_line_exit_2(args, needle, tmp_path):
     out = tmp_path / "plan.json"
@@ -142,3 +144,20 @@ def test_nothing_fits_names_device_and_overflow(tmp_path):
     assert code == 2
     assert "n:" in stderr and "over by" in stderr and "GiB" in stderr
     assert not out.exists()
+
+
+def test_max_chunks_lets_the_planner_interleave(tmp_path):
+    """a100x2_t4x2 / gpt3-1.3b at micro-batches of 2: offered two chunks per group, the planner returns interleaved
+    pipelines faster than its 1F1B optimum, and the evaluator prices the plan file as the solver did."""
+    times = {}
+    for chunks in ("1", "2"):
+        out = tmp_path / f"plan{chunks}.json"
+        code, stdout, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-1.3b", "--micro-batch", "2",
+                                       "--max-chunks", chunks, "--gap", "0.01", "--threads", "1", "--out", out)
+        assert code == 0, stderr
+        plan = load_plan(out)
+        rep = evaluate(plan, load_cluster(CLUSTER), ProfileSet(plan.model))
+        assert rep.fits and math.isclose(rep.iteration_time_ms, plan.info["objective_ms"], rel_tol=1e-6)
+        times[chunks] = (rep.iteration_time_ms, [p.chunks for p in plan.pipelines])
+    assert set(times["1"][1]) == {1} and 2 in times["2"][1]
+    assert times["2"][0] < times["1"][0] * 0.99, times
