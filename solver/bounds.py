@@ -362,22 +362,12 @@ def dp_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleto
 def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache, monotone, zero_stage=0, owned=1.0) -> tuple[float, float]:
     """(pipeline bound, least optimizer step of its devices) of one replica."""
     p, N = len(pipe), spec.num_layers
-    rows = []
-    for s, ids in enumerate(pipe):
-        # A stage's figures depend on its group up to interchangeable nodes and on its position only.
-        key = (mb, s == 0, s == p - 1, min(p - s, m), replica_pattern(cluster, (ids,)), bool(monotone), zero_stage, owned)
-        if key not in cache.stage:
-            cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone, zero_stage, owned)
-        rows.append(cache.stage[key])
+    rows = _stage_rows(spec, cluster, profiles, pipe, mb, m, space, cache, monotone, zero_stage, owned)
     tau, tau_b, edge, edge_b, cap, per_fb, per_b, opts = (list(x) for x in zip(*rows))
     tau, edge, cap, lo_a = np.array(tau), np.array(edge), np.array(cap), np.array(lo)
-    tau_b, edge_b = np.array(tau_b), np.array(edge_b)
     if np.any(cap < lo_a) or cap.sum() < N or not np.all(np.isfinite(tau)):
         return float("inf"), 0.0, None
-    Ls = np.arange(N + 1)
-    with np.errstate(invalid="ignore"):
-        c = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_fb), 0.0) + edge[:, None]
-        cb = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_b), 0.0) + edge_b[:, None]
+    c, cb = _stage_costs(per_fb, edge, N), _stage_costs(per_b, np.array(edge_b), N)
     bound = max(_pipeline_bound(c, tau, edge, cap, lo_a, N, m, p), _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p) + links)
     return bound, max(opts), (m, c, cap, lo_a)
 
@@ -406,21 +396,33 @@ def interleaved_replica_bound(spec, cluster, profiles, pipe, b: int, m: int, spa
 
 def _interleaved_replica_bound(spec, cluster, profiles, pipe, b, m, space, cache, monotone, zero_stage, owned):
     p, N = len(pipe), spec.num_layers
-    rows = []
-    for s, ids in enumerate(pipe):
-        key = (b, s == 0, s == p - 1, 1, replica_pattern(cluster, (ids,)), bool(monotone), zero_stage, owned)
-        if key not in cache.stage:  # the key of a 1F1B stage holding one micro-batch: the same figures
-            cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, 1, b, space, cache, monotone, zero_stage, owned)
-        rows.append(cache.stage[key])
+    rows = _stage_rows(spec, cluster, profiles, pipe, b, 1, space, cache, monotone, zero_stage, owned)  # one in flight
     tau, _, edge, _, cap, per_fb, _, opts = (list(x) for x in zip(*rows))
     tau, edge, cap = np.array(tau), np.array(edge), np.array(cap)
     lo = np.ones(p, dtype=int)
     if np.any(cap < lo) or cap.sum() < N or not np.all(np.isfinite(tau)):
         return float("inf"), 0.0
+    return _pipeline_bound(_stage_costs(per_fb, edge, N), tau, edge, cap, lo, N, m, p), max(opts)
+
+
+def _stage_rows(spec, cluster, profiles, pipe, mb, m, space, cache, monotone, zero_stage, owned) -> list:
+    """``_stage_bound`` of every stage of ``pipe`` on m micro-batches, memoised: a stage's figures depend on its
+    group up to interchangeable nodes and on its position and in-flight count only."""
+    p, rows = len(pipe), []
+    for s, ids in enumerate(pipe):
+        key = (mb, s == 0, s == p - 1, min(p - s, m), replica_pattern(cluster, (ids,)), bool(monotone), zero_stage, owned)
+        if key not in cache.stage:
+            cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone, zero_stage, owned)
+        rows.append(cache.stage[key])
+    return rows
+
+
+def _stage_costs(per_layer, edge, N: int) -> np.ndarray:
+    """c[s, L]: stage s's time per micro-batch holding L layers, L times its per-layer time at L (``per_layer[s]``,
+    by L) plus its embedding/head time ``edge[s]``."""
     Ls = np.arange(N + 1)
     with np.errstate(invalid="ignore"):
-        c = np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_fb), 0.0) + edge[:, None]
-    return _pipeline_bound(c, tau, edge, cap, lo, N, m, p), max(opts)
+        return np.where(Ls[None, :] > 0, Ls[None, :] * np.array(per_layer), 0.0) + np.asarray(edge)[:, None]
 
 
 def interleaved_candidate_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches,

@@ -372,19 +372,14 @@ def _device_choices(rules: _ChoiceRules, slot, b: int, s: int, share_options: li
     owned, levels = ratios.values, np.array(ratios.levels)
     choices, buffer_limits = {}, {}
     for (U, u) in share_options:
-        found = device_choices(slot, spec, b, u / U, rules.space, min_layers=rules.min_layers[s], cap=rules.max_layers[s],
-                               prune=rules.prune, owned_fractions=owned)
-        if rules.allowed is not None and rules.allowed.get("recompute") is not None:
-            found = [f for f in found if f[0] in rules.allowed["recompute"]]
+        found = _allowed(rules, device_choices(slot, spec, b, u / U, rules.space, min_layers=rules.min_layers[s],
+                                               cap=rules.max_layers[s], prune=rules.prune, owned_fractions=owned))
         if not found:
             continue
         edge = edge_cost(slot, spec, b, u / U)
         per_layer, fixed = (x * GB for x in params[(U, u)])
         if ratios.mode == "equal":  # the sync buffer (eq. 14) at the one owned fraction 1/r
-            buf = int(max_layers_with_sync_buffer(slot, spec, found[0][1].param_bytes, edge, rules.max_layers[s],
-                                                  owned_fraction=owned[0], group_size=r,
-                                                  shard_params_per_layer=owned[0] * per_layer,
-                                                  shard_params_fixed=owned[0] * fixed))
+            buf = _equal_buffer_limit(rules, slot, found[0][1].param_bytes, edge, params[(U, u)], rules.max_layers[s])
             found = [(rset, lc, (min(L[0], buf),)) for rset, lc, L in found]
         elif ratios.mode == "choose":
             buffer_limits[(U, u)] = max_layers_with_sync_buffer(
@@ -401,21 +396,16 @@ def _interleaved_choices(rules: _ChoiceRules, slot, b: int, m: int, s: int, p: i
     keeping (``options.interleaved_choices``), each with its memory as lines in its chunks' layer counts
     (``costmodel.interleaved_memory_rows``) and, at equal parts with replicas, the most layers it may hold in all
     while its peer group syncs (eq. 14; else every layer)."""
-    spec, ratios, r, N = rules.spec, rules.ratios, rules.replicas, rules.spec.num_layers
+    spec, N = rules.spec, rules.spec.num_layers
     schedule = interleaved_one_f_one_b(p, rules.chunks, m)
-    owned = ratios.values[0]
+    owned = rules.ratios.values[0]
     choices = {}
     for (U, u) in share_options:
-        found = interleaved_choices(slot, spec, b, u / U, rules.space, prune=rules.prune)
-        if rules.allowed is not None and rules.allowed.get("recompute") is not None:
-            found = [f for f in found if f[0] in rules.allowed["recompute"]]
+        found = _allowed(rules, interleaved_choices(slot, spec, b, u / U, rules.space, prune=rules.prune))
         edge = edge_cost(slot, spec, b, u / U)
-        per_layer, fixed = (x * GB for x in params[(U, u)])
         buf = N
-        if found and ratios.mode == "equal":
-            buf = int(max_layers_with_sync_buffer(slot, spec, found[0][1].param_bytes, edge, N, owned_fraction=owned,
-                                                  group_size=r, shard_params_per_layer=owned * per_layer,
-                                                  shard_params_fixed=owned * fixed))
+        if found and rules.ratios.mode == "equal":
+            buf = _equal_buffer_limit(rules, slot, found[0][1].param_bytes, edge, params[(U, u)], N)
         if not found or buf < 1:  # every group of an interleaved pipeline holds a layer
             continue
         choices[(U, u)] = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
@@ -426,6 +416,23 @@ def _interleaved_choices(rules: _ChoiceRules, slot, b: int, m: int, s: int, p: i
                                       transient_bytes=lc.transient_bytes, edge=edge, owned_fraction=owned)))
                            for rset, lc in found]
     return choices
+
+
+def _allowed(rules: _ChoiceRules, found: list) -> list:
+    """The recompute sets of ``found`` the baselines' restriction allows (all without one)."""
+    if rules.allowed is None or rules.allowed.get("recompute") is None:
+        return found
+    return [f for f in found if f[0] in rules.allowed["recompute"]]
+
+
+def _equal_buffer_limit(rules: _ChoiceRules, slot, param_bytes: float, edge, params: tuple, cap: int) -> int:
+    """The most layers (at most ``cap``) a device may hold while its peer group syncs (eq. 14) at the one owned
+    fraction 1/r, its position holding ``params`` = (per layer, fixed) parameters (1e9)."""
+    owned = rules.ratios.values[0]
+    per_layer, fixed = (x * GB for x in params)
+    return int(max_layers_with_sync_buffer(slot, rules.spec, param_bytes, edge, cap, owned_fraction=owned,
+                                           group_size=rules.replicas, shard_params_per_layer=owned * per_layer,
+                                           shard_params_fixed=owned * fixed))
 
 
 def _infeasible(spec, skeleton, batches, zero_stage, reason) -> Instance:

@@ -223,8 +223,7 @@ class InnerModel:
 
     def stage_time_is_layers_times_layer_time(self) -> None:
         """Eq. 9 (9i per virtual stage): F_k = L_k * (sum_b T_sb + all-reduce) of its group s = k mod p, + the
-        slowest embedding/head where it holds them (1F1B: every stage, zero in the middle; interleaved: virtual
-        stage 0 and the last only), linearised over the bits of L_k.
+        slowest embedding/head on the first and last (virtual) stage, linearised over the bits of L_k.
 
         q_kj >= (per-layer time) - M (1 - z_kj) and q_kj >= 0, so q_kj = z_kj * per-layer time at the optimum.
         """
@@ -234,7 +233,7 @@ class InnerModel:
             for k in range(self.K):
                 s = k % self.p
                 st = inst.stages[rho][s]
-                ends = self.K == self.p or k in (0, self.K - 1)
+                ends = k in (0, self.K - 1)  # as ``costmodel.interleaved_timing``: middle stages hold no edge
                 for which, (T, q, Fv, edge) in enumerate(((m.TF, m.qF, m.F, m.EF[rho, s] + st.edge_fwd_comm_ms),
                                                           (m.TB, m.qB, m.B, m.EB[rho, s] + st.edge_bwd_comm_ms))):
                     per_layer = T[rho, s, 0] + T[rho, s, 1] + st.allreduce_ms
