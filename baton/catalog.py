@@ -22,7 +22,8 @@ GIB = 1024**3
 GB = 1e9
 
 REFERENCE = "profiles/reference/layers.csv"
-"""Published and quoted per-layer measurements the fitted figures below reproduce (bench/bench_profiles.py)."""
+"""Published and quoted per-layer and throughput measurements (bench/bench_profiles.py). The fitted figures below
+were chosen on its fitting set (rows with ``set`` = fit) alone; its held-out set (other sources) checks them."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,7 +51,7 @@ class Architecture:
     """Figure name -> where it comes from."""
 
 
-_FIT = f"fitted to the reference layer times in {REFERENCE}"
+_FIT = f"fitted to the fitting set (set = fit) of {REFERENCE}"
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a

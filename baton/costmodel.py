@@ -5,9 +5,10 @@ the MILP instance, the cheap bounds, the least-memory plan and the baselines (``
 these functions; none of them prices a layer, a stage, a transfer or a byte of memory by itself.
 
 Two levels:
-  * the layer: ``layer_prices`` gives eq. 2-4 for one device type, micro-batch and share over a whole
-    ``RecomputeSpace`` at once (the planner's view); ``layer_cost`` is the same numbers for one set
-    (the evaluator's view), taken from a one-set space, so the two cannot drift apart;
+  * the layer: ``layer_prices`` gives eq. 2-4 (with the host's launch time, eq. 2h) for one device type,
+    micro-batch and share over a whole ``RecomputeSpace`` at once (the planner's view); ``layer_cost`` is
+    the same numbers for one set (the evaluator's view), taken from a one-set space, so the two cannot
+    drift apart;
   * the position in a skeleton: ``device_slot`` (what a device's place adds: embedding/head, in-flight
     micro-batches, capacity), ``device_memory`` (eq. 7-8, element-wise so it also runs over arrays of
     recompute sets), ``stage_constants`` (eq. 5, 9 terms fixed by the group), ``pipeline_transfers``
@@ -29,10 +30,10 @@ import numpy as np
 from baton.cluster import ClusterSpec, Link
 from baton.memory import RecomputeSpace, recompute_space, tensor_bytes
 from baton.model_spec import ModelSpec
-from baton.operators import EMBEDDING, HEAD, layer_operators, operator_flops, padded_vocab
+from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, layer_operators, operator_flops, padded_vocab
 from baton.peers import (EDGES, final_norm_param_count, held_params, owned_fractions, owned_params, peer_groups,
                          position_param_count, replicated_param_count, split_param_count, unit_groups, whole_groups)
-from baton.profile import Profile, ProfileSet
+from baton.profile import OpCost, Profile, ProfileSet
 from baton.pipeline import PipelineTiming
 from baton.schedules import (Backward, Forward, Gather, OptimizerStep, ReduceScatter, Schedule, layer_by_layer,
                              live_counts, one_f_one_b, peak_in_flight)
@@ -58,11 +59,12 @@ class LayerPrices:
     """One device type's per-layer, per-micro-batch costs at one share, for every set of a RecomputeSpace."""
 
     fwd_ms: tuple[float, float]
-    """Forward ms per block (attn, mlp); the recompute set does not change it (eq. 2)."""
+    """Forward ms per block (attn, mlp): the larger of device and host time; the recompute set does not change it (eq. 2h)."""
     bwd_ms: tuple[float, float]
-    """Backward ms per block without recomputation (eq. 2)."""
+    """Backward ms per block without recomputation, the larger of device and host time (eq. 2h)."""
     rec_attn_ms: np.ndarray
-    """Forward ms of the recomputed operators of the attn block, per set (eq. 2)."""
+    """What recomputing the set adds to the attn block's backward, per set (eq. 2h): the forward ms of its recomputed
+    operators where the table has no host times (eq. 2)."""
     rec_mlp_ms: np.ndarray
     """The same for the mlp block."""
     held_bytes: np.ndarray
@@ -85,16 +87,56 @@ def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: flo
     sizes = tensor_bytes(spec, micro_batch, share, {k: v.saved_bytes for k, v in costs.items()},
                          {k: v.output_bytes for k, v in costs.items()}, profile.seq_len)
     sz = np.array([sizes[t] for t in space.tensors])
-    fwd_ops = np.array([costs[o].fwd_ms for o in space.ops])
     attn = np.array([b == "attn" for b in space.blocks])
-    return LayerPrices(
-        fwd_ms=tuple(sum(costs[o.name].fwd_ms for o in ops if o.block == b) for b in BLOCKS),
-        bwd_ms=tuple(sum(costs[o.name].bwd_ms for o in ops if o.block == b) for b in BLOCKS),
+
+    def block_sums(column: str) -> tuple[tuple[float, float], np.ndarray, np.ndarray]:
+        """(per block sum over the layer's operators, per set sum over the recomputed ones of attn, of mlp)."""
+        per_op = np.array([getattr(costs[o], column) for o in space.ops])
         # Row sums rather than matrix products: a row's sum is then the same whichever rows share the
         # array, so one set priced alone (the evaluator) equals its row in the whole space (the planner).
-        rec_attn_ms=(space.op_bits * (fwd_ops * attn)).sum(axis=1), rec_mlp_ms=(space.op_bits * (fwd_ops * ~attn)).sum(axis=1),
+        return (tuple(sum(getattr(costs[o.name], column) for o in ops if o.block == b) for b in BLOCKS),
+                (space.op_bits * (per_op * attn)).sum(axis=1), (space.op_bits * (per_op * ~attn)).sum(axis=1))
+
+    fwd, rec_attn, rec_mlp = block_sums("fwd_ms")
+    bwd = block_sums("bwd_ms")[0]
+    if profile.has_host:  # eq. 2h; without host times eq. 2 exactly, as before them
+        fwd_host, rec_attn_host, rec_mlp_host = block_sums("fwd_host_ms")
+        bwd_host = block_sums("bwd_host_ms")[0]
+        seg = np.array([costs[o].seg_host_ms for o in space.ops])
+        ends = segment_ends(spec, space)
+        seg_attn, seg_mlp = (ends * (seg * attn)).sum(axis=1), (ends * (seg * ~attn)).sum(axis=1)
+        plain = tuple(max(d, h) for d, h in zip(bwd, bwd_host))
+        rec_attn = np.maximum(bwd[0] + rec_attn, bwd_host[0] + rec_attn_host + seg_attn) - plain[0]
+        rec_mlp = np.maximum(bwd[1] + rec_mlp, bwd_host[1] + rec_mlp_host + seg_mlp) - plain[1]
+        fwd, bwd = tuple(max(d, h) for d, h in zip(fwd, fwd_host)), plain
+    return LayerPrices(
+        fwd_ms=fwd, bwd_ms=bwd, rec_attn_ms=rec_attn, rec_mlp_ms=rec_mlp,
         held_bytes=(space.held * sz).sum(axis=1), transient_bytes=(space.remat * sz).sum(axis=1),
         param_bytes=sum(c.param_bytes for c in costs.values()))
+
+
+def segment_ends(spec: ModelSpec, space: RecomputeSpace) -> np.ndarray:
+    """ends[i, k] = 1 when operator k ends a recomputed segment of set i (eq. 2h): a maximal run of recomputed
+    operators that no kept operator or all-reduce interrupts (the runtime's checkpoints,
+    ``runtime/parallel/tp_layer.py``). The backward pass reaches a segment at its last operator and replays it
+    there, so its cost goes to that operator's block."""
+    before_allreduce = np.array([any(t in ALLREDUCE_OUTPUTS for t in o.outputs) for o in layer_operators(spec)])
+    nxt = np.zeros_like(space.op_bits)
+    nxt[:, :-1] = space.op_bits[:, 1:]
+    nxt[:, before_allreduce] = 0.0
+    return space.op_bits * (1.0 - nxt)
+
+
+def segments_per_block(spec: ModelSpec, space: RecomputeSpace) -> tuple[np.ndarray, np.ndarray]:
+    """Recomputed segments per set ending in the attn block, in the mlp block (``segment_ends``)."""
+    ends = segment_ends(spec, space)
+    attn = np.array([b == "attn" for b in space.blocks])
+    return (ends * attn).sum(axis=1), (ends * ~attn).sum(axis=1)
+
+
+def launched_ms(cost: OpCost) -> tuple[float, float]:
+    """(forward, backward) of one table row as a step runs it: each pass the larger of device and host time (eq. 2h)."""
+    return max(cost.fwd_ms, cost.fwd_host_ms), max(cost.bwd_ms, cost.bwd_host_ms)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,11 +144,12 @@ class LayerCost:
     """One device's cost for one layer and one micro-batch under one recompute set (eq. 2-4)."""
 
     fwd_ms: dict
-    """Block ('attn', 'mlp') -> forward ms."""
+    """Block ('attn', 'mlp') -> forward ms (the larger of device and host time, eq. 2h)."""
     bwd_ms: dict
     """Block -> backward ms, without recomputation."""
     recompute_ms: dict
-    """Block -> forward ms of the block's recomputed operators."""
+    """Block -> what recomputation adds to the block's backward: the forward ms of its recomputed operators
+    (eq. 2), or with host times what they and their segments add to the larger of device and host time (eq. 2h)."""
     held_bytes: float
     """Activation bytes kept per in-flight micro-batch."""
     transient_bytes: float
@@ -245,8 +288,9 @@ def _edge_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float
     params = (emb.param_bytes if first else 0.0) + (head.param_bytes if last else 0.0)
     if last and not first and spec.tie_embeddings:
         params += tied_embedding_bytes(spec) * share
-    return EdgeCost(fwd_ms=(emb.fwd_ms if first else 0.0) + (head.fwd_ms if last else 0.0),
-                    bwd_ms=(emb.bwd_ms if first else 0.0) + (head.bwd_ms if last else 0.0),
+    (emb_f, emb_b), (head_f, head_b) = launched_ms(emb), launched_ms(head)
+    return EdgeCost(fwd_ms=(emb_f if first else 0.0) + (head_f if last else 0.0),
+                    bwd_ms=(emb_b if first else 0.0) + (head_b if last else 0.0),
                     saved_bytes=(emb.saved_bytes if first else 0.0) + (head.saved_bytes if last else 0.0),
                     head_saved_bytes=head.saved_bytes if last else 0.0,
                     param_bytes=params)
@@ -807,13 +851,13 @@ def layered_parts(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: 
     """``LayeredParts`` of a one-stage group: device ``ids`` with their tables, shares and layer costs."""
     ar = layer_allreduce_ms(cluster, spec, micro_batch, ids)
     x, loss = edge_comms_ms(cluster, spec, micro_batch, ids)
-    emb = [pr.cost(EMBEDDING, micro_batch, r) for pr, r in zip(profiles, shares)]
-    head = [pr.cost(HEAD, micro_batch, r) for pr, r in zip(profiles, shares)]
+    emb = [launched_ms(pr.cost(EMBEDDING, micro_batch, r)) for pr, r in zip(profiles, shares)]
+    head = [launched_ms(pr.cost(HEAD, micro_batch, r)) for pr, r in zip(profiles, shares)]
     f_layer, b_layer = group_layer_ms([c.block_fwd_ms() for c in costs], [c.block_bwd_ms() for c in costs])
     return LayeredParts(
-        emb_fwd_ms=max(c.fwd_ms for c in emb) + x, layer_fwd_ms=f_layer + ar,
-        head_fwd_ms=max(c.fwd_ms for c in head) + loss, head_bwd_ms=max(c.bwd_ms for c in head) + x,
-        layer_bwd_ms=b_layer + ar, emb_bwd_ms=max(c.bwd_ms for c in emb))
+        emb_fwd_ms=max(f for f, _ in emb) + x, layer_fwd_ms=f_layer + ar,
+        head_fwd_ms=max(f for f, _ in head) + loss, head_bwd_ms=max(b for _, b in head) + x,
+        layer_bwd_ms=b_layer + ar, emb_bwd_ms=max(b for _, b in emb))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

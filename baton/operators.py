@@ -12,7 +12,8 @@ mirror what ``runtime/`` does, which the runtime tests check byte for byte.
 
 Attention comes in two implementations (``ModelSpec.attention``):
   * ``eager``: scores, softmax, dropout and the product with the values as four operators, keeping the
-    (b, a, s, s) score matrices for the backward pass;
+    (b, a, s, s) score matrices for the backward pass. The scaling and the causal mask are separate passes
+    over the scores (``SCORE_PASSES``), which the analytic tables price as kernels of their own;
   * ``fused``: one operator (``torch.nn.functional.scaled_dot_product_attention``, flash-style) that keeps
     q, k, v, its output and the fp32 log-sum-exp of every row (b, a, s), and recomputes the scores in its
     backward pass. It applies no dropout to the attention probabilities (the CPU and GPU flash kernels
@@ -101,6 +102,41 @@ class Operator:
     """Parameters at share 1 that a TP-split operator divides by the share (for others: all of them)."""
     replicated_param_count: Callable[[Dims], int] = lambda d: 0
     """Parameters every rank holds whole: the bias of a row-parallel matmul, added once after the all-reduce."""
+
+
+SCORE_PASSES: dict[str, dict[str, tuple[int, int]]] = {
+    # Baton's runtime (runtime/parallel/tp_layer.py): ``(q @ k^T) * scale`` is a second kernel over the scores
+    # (forward, and one in backward: the gradient times the scale); ``softmax(scores + causal)`` adds the causal
+    # bias in a kernel of its own (forward only: the sum passes its gradient on as it is). NVIDIA's BERT
+    # (DeepLearningExamples: ``/ sqrt(d)``, ``+ attention_mask``, ``F.softmax``) runs the same passes.
+    "scale_add_mask": {"attn_scores": (1, 1), "softmax": (1, 0)},
+    # Scale, then ``masked_fill`` (Baton's single-device reference model, runtime/model/gpt.py; Megatron-LM's
+    # unfused softmax path, which it takes for fp32 scores): the fill has a backward pass too (the gradient
+    # with the masked entries zeroed).
+    "scale_fill_mask": {"attn_scores": (1, 1), "softmax": (1, 1)},
+    # Scale, mask and softmax in one kernel (Megatron-LM's FusedScaleMaskSoftmax for fp16/bf16, apex): the
+    # scores are written once by the bmm and the softmax reads them once.
+    "fused_softmax": {},
+}
+"""Separate elementwise passes that eager attention makes over its (b, a, s, s) scores besides the bmm that
+writes them and the softmax kernel, as (forward, backward) passes per operator, for each way of writing it.
+Each pass reads and writes the scores (``score_pass_bytes``) in a kernel of its own, so it is timed apart
+from the operator's main kernel (docs/cost-model.md, section 1)."""
+
+RUNTIME_SCORE_PASSES = "scale_add_mask"
+"""What Baton's own runtime runs: the default of every derivation."""
+
+
+def score_passes(op: Operator, implementation: str = RUNTIME_SCORE_PASSES) -> tuple[int, int]:
+    """(forward, backward) separate passes over the scores that ``op`` makes in ``implementation``."""
+    if implementation not in SCORE_PASSES:
+        raise ValueError(f"unknown score-pass implementation {implementation!r}; known: {', '.join(SCORE_PASSES)}")
+    return SCORE_PASSES[implementation].get(op.name, (0, 0))
+
+
+def score_pass_bytes(d: Dims) -> float:
+    """DRAM traffic of one elementwise pass over the (b, a, s, s) scores at share 1: read once, written once."""
+    return 2 * d.b * d.a * d.s * d.s * d.e
 
 
 def _attention_ops(spec: ModelSpec, op=Operator) -> list[Operator]:

@@ -22,8 +22,9 @@ from baton.atomic import write_atomically
 from baton.catalog import GpuType, gpu_type
 from baton.errors import BatonError
 from baton.model_spec import PRESETS, ModelSpec, preset_differences, split_profile_name
-from baton.operators import (EMBEDDING, HEAD, Operator, layer_operators, operator_bytes_moved, operator_flops,
-                             operator_param_bytes, operator_param_count, padded_vocab, table_operators, tensor_sizes)
+from baton.operators import (EMBEDDING, HEAD, RUNTIME_SCORE_PASSES, Operator, dims, layer_operators, operator_bytes_moved,
+                             operator_flops, operator_param_bytes, operator_param_count, padded_vocab, score_pass_bytes,
+                             score_passes, table_operators, tensor_sizes)
 from baton.peers import final_norm_param_count, position_param_count
 
 COLUMNS = [
@@ -31,6 +32,13 @@ COLUMNS = [
     "fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes", "source",
 ]
 """The table schema, in column order."""
+
+HOST_COLUMNS = ["fwd_host_ms", "bwd_host_ms", "seg_host_ms"]
+"""Optional columns after ``COLUMNS`` (eq. 2h): the host's time to launch the operator's forward and backward,
+and the host's cost of a recomputed segment that ends at this operator beyond its operators' own launches
+(the checkpoint's wrapping in the forward and its replay in the backward, both charged to the backward).
+Measured tables have them (``baton profile --device``); a column absent (derived tables, tables measured
+before them) means 0, so the device times alone decide, as they did."""
 
 NUMERIC = ["micro_batch", "seq_len", "tp_share", "fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes"]
 SOURCES = ("measured", "derived")
@@ -57,6 +65,12 @@ class OpCost:
     """Bytes of the tensors the operator creates."""
     param_bytes: float
     """Parameter bytes the device holds for this operator (one layer)."""
+    fwd_host_ms: float = 0.0
+    """Host time to launch the forward (0 where the table has no host columns)."""
+    bwd_host_ms: float = 0.0
+    """Host time to launch the backward."""
+    seg_host_ms: float = 0.0
+    """Host cost of a recomputed segment ending at this operator, beyond its operators' launches."""
 
 
 PROFILES_ENV = "BATON_PROFILES"
@@ -112,8 +126,9 @@ def validate_table(df: pd.DataFrame, *, source: str) -> pd.DataFrame:
         raise BatonError(f"missing column(s) {', '.join(missing)}", source=source, field=missing[0])
     if df.empty:
         raise BatonError("table has no rows", source=source)
-    df = df[COLUMNS].copy()
-    for col in NUMERIC:
+    host = [c for c in HOST_COLUMNS if c in df.columns]
+    df = df[COLUMNS + host].copy()
+    for col in NUMERIC + host:
         values = pd.to_numeric(df[col], errors="coerce")
         bad = values.isna() | ~np.isfinite(values.astype(float))
         if bad.any():
@@ -126,7 +141,7 @@ def validate_table(df: pd.DataFrame, *, source: str) -> pd.DataFrame:
         df[col] = df[col].astype(int)
     if ((df["tp_share"] <= 0) | (df["tp_share"] > 1)).any():
         raise BatonError("must be in (0, 1] in every row", source=source, field="tp_share")
-    for col in ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes"):
+    for col in ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes", *host):
         if (df[col] < 0).any():
             raise BatonError("must be >= 0 in every row", source=source, field=col)
     bad_src = ~df["source"].isin(SOURCES)
@@ -166,8 +181,10 @@ def write_table(df: pd.DataFrame, path: str | Path) -> None:
 # Interpolation
 
 
-def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys), extended linearly beyond both ends."""
+def _interp(xs: list[float], ys: list[float], x: float, *, flat: bool = False) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly beyond both ends (``flat``: held at the end's value)."""
+    if flat and (x <= xs[0] or x >= xs[-1]):
+        return ys[0] if x <= xs[0] else ys[-1]
     if len(xs) == 1:
         return ys[0] * (x / xs[0]) if xs[0] else ys[0]
     i = bisect.bisect_left(xs, x)
@@ -181,7 +198,13 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
 class Profile:
     """The table of one device type for one model and sequence length, with interpolating lookups."""
 
-    VALUE_COLUMNS = ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes")
+    VALUE_COLUMNS = ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes", *HOST_COLUMNS)
+    FLAT = tuple(c in HOST_COLUMNS for c in VALUE_COLUMNS)
+    """Columns held flat beyond the table's shares and micro-batches: a launch does not grow with the work. Not on
+    a ``SYNCHRONOUS`` device, where the host's time is the work's own and is extended like it."""
+    SYNCHRONOUS = ("cpu",)
+    """Devices whose operators run inside the call that launches them: their host times are their device times
+    (``runtime.measure.op_profiler``), so they grow with the micro-batch and the share as the device times do."""
 
     def __init__(self, df: pd.DataFrame, *, source: str = "<table>"):
         df = validate_table(df, source=source)
@@ -194,6 +217,10 @@ class Profile:
         self.seq_len = int(seqs[0])
         self.df = df
         self.measured = bool((df["source"] == "measured").any())
+        self.has_host = any(c in df.columns for c in HOST_COLUMNS)
+        """Whether the table times the host's launches (eq. 2h); a column absent counts 0."""
+        self._flat = tuple(f and self.gpu not in self.SYNCHRONOUS for f in self.FLAT)
+        df = df.assign(**{c: 0.0 for c in HOST_COLUMNS if c not in df.columns})
         self._grid: dict[str, dict[int, tuple[list[float], np.ndarray]]] = {}
         for op, rows in df.groupby("op"):
             per_mb = {}
@@ -219,13 +246,14 @@ class Profile:
 
         def at(mb: int) -> list[float]:
             shares, values = per_mb[mb]
-            return [_interp(shares, list(values[:, c]), share) for c in range(values.shape[1])]
+            return [_interp(shares, list(values[:, c]), share, flat=self._flat[c]) for c in range(values.shape[1])]
 
         if micro_batch in per_mb:
             vals = at(micro_batch)
         else:
             cols = [at(mb) for mb in mbs]
-            vals = [_interp([float(m) for m in mbs], [c[i] for c in cols], float(micro_batch)) for i in range(len(self.VALUE_COLUMNS))]
+            vals = [_interp([float(m) for m in mbs], [c[i] for c in cols], float(micro_batch), flat=self._flat[i])
+                    for i in range(len(self.VALUE_COLUMNS))]
             # Parameters do not grow with the batch: a table of one micro-batch size would otherwise scale
             # them with it, as it rightly scales times and activations.
             vals[self.VALUE_COLUMNS.index("param_bytes")] = cols[0][self.VALUE_COLUMNS.index("param_bytes")]
@@ -376,14 +404,22 @@ def launch_ms(gpu: GpuType) -> float:
 
 
 def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch: int, share: float, seq_len: int | None = None,
-                        *, tf32: bool = DEFAULT_TF32) -> OpCost:
-    """Roofline estimate of one layer operator: max(FLOPs / compute, bytes / bandwidth, floor) + launch."""
+                        *, tf32: bool = DEFAULT_TF32, score_pass_impl: str = RUNTIME_SCORE_PASSES) -> OpCost:
+    """Roofline estimate of one layer operator: max(FLOPs / compute, bytes / bandwidth, floor) + launch, plus
+    the separate elementwise passes an eager attention operator makes over its scores in ``score_pass_impl``
+    (``baton.operators.SCORE_PASSES``; Baton's runtime by default), each a streaming kernel with its own launch."""
     s = seq_len or spec.seq_len
     r = share if op.tp_split else 1.0
     flops = operator_flops(spec, op, micro_batch, s) * r
     moved = operator_bytes_moved(spec, op, micro_batch, s) * r
     fwd = _time_ms(flops, moved, op.kind, gpu, spec.dtype, tf32) + launch_ms(gpu)
     bwd = _time_ms(flops * BACKWARD_FACTOR[op.kind], moved * BACKWARD_FACTOR[op.kind], op.kind, gpu, spec.dtype, tf32) + launch_ms(gpu)
+    fwd_passes, bwd_passes = score_passes(op, score_pass_impl)
+    if fwd_passes or bwd_passes:
+        pass_bytes = score_pass_bytes(dims(spec, micro_batch, s)) * r
+        one_pass = _time_ms(pass_bytes / (2 * spec.dtype_bytes), pass_bytes, "elementwise", gpu, spec.dtype) + launch_ms(gpu)
+        fwd += fwd_passes * one_pass
+        bwd += bwd_passes * one_pass
     sizes = tensor_sizes(spec, micro_batch, s)
     saved = sum(sizes[t].bytes(share) for t in op.saves)
     out = sum(sizes[t].bytes(share) for t in op.outputs)
@@ -440,12 +476,16 @@ def analytic_edge_cost(spec: ModelSpec, gpu: GpuType, name: str, micro_batch: in
 
 
 def derive_table(spec: ModelSpec, gpu: GpuType | str, *, micro_batches=DEFAULT_MICRO_BATCHES, shares=DEFAULT_SHARES,
-                 seq_len: int | None = None, tf32: bool | None = None) -> pd.DataFrame:
+                 seq_len: int | None = None, tf32: bool | None = None, score_pass_impl: str = RUNTIME_SCORE_PASSES) -> pd.DataFrame:
     """The analytic table of one GPU type for one model: every operator at every (micro-batch, share).
 
     Whether fp32 matmuls use TF32 tensor cores follows ``spec.tf32`` (it changes nothing for fp16/bf16
     models or GPUs without TF32); ``tf32`` derives for the spec with that setting instead. Either way the
     table's ``model`` column is the derived-for spec's ``profile_name``, so the table says its setting.
+
+    ``score_pass_impl`` names how eager attention scales and masks its scores (``baton.operators.SCORE_PASSES``).
+    Tables for planning keep the default, Baton's own runtime; another value derives someone else's code, as
+    ``bench/bench_profiles.py`` does to compare a published figure with the derivation of what it ran.
     """
     if tf32 is not None and tf32 != spec.tf32:
         spec = spec.with_overrides(tf32=tf32)
@@ -457,7 +497,7 @@ def derive_table(spec: ModelSpec, gpu: GpuType | str, *, micro_batches=DEFAULT_M
     for mb in micro_batches:
         for op in table_operators(spec):
             for share in (shares if op.tp_split else (1.0,)):
-                c = analytic_layer_cost(spec, gpu, op, mb, share, s, tf32=tf32)
+                c = analytic_layer_cost(spec, gpu, op, mb, share, s, tf32=tf32, score_pass_impl=score_pass_impl)
                 rows.append((gpu.name, spec.name, op.name, mb, s, share, c.fwd_ms, c.bwd_ms, c.saved_bytes, c.output_bytes, c.param_bytes, "derived"))
         for name in (EMBEDDING, HEAD):  # at the vocabulary share of a rank of the first / last stage
             for share in shares:

@@ -340,6 +340,19 @@ def _layer_ms(table) -> float:
     return float(rows["fwd_ms"].sum() + rows["bwd_ms"].sum())
 
 
+def time_targets(dtype: str) -> dict:
+    """Iteration-time targets of a variant. Only fp32 has them: CPUs without bf16 instructions emulate its matrix
+    products, and CPUs are not what users train bf16 on, so a bf16 row on a CPU is reported, not held to a
+    target (issue 27 dropped it; the GPU benchmark holds bf16 to 5% / 10%)."""
+    return {"iteration_mean": 0.05, "iteration_worst": 0.10} if dtype == "fp32" else {}
+
+
+def time_target_text(dtype: str) -> str:
+    t = time_targets(dtype)
+    return (f"targets {t['iteration_mean']:.0%} / {t['iteration_worst']:.0%}" if t
+            else f"no time target for {dtype} on a CPU")
+
+
 def cpu_description() -> str:
     """The CPU model and whether it has bf16 instructions: without them PyTorch's bf16 matrix products run
     an emulation (``runtime.train.precision.emulation_note``; on an AVX2-only EPYC a bf16 layer of the small
@@ -391,6 +404,9 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2, choices=(2, 4))
     ap.add_argument("--reps", type=int, default=15, help="repetitions per operator measurement")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--isolated", action="store_true",
+                    help="profile each layer from an idle device, without host columns (the tables before eq. 2h), "
+                         "instead of inside training iterations")
     ap.add_argument("--only", action="append", default=None,
                     help="run only the plans whose name contains this text (repeatable: any of them); the solver's "
                          "plan, named once solved, runs when the text is part of 'baton solve'")
@@ -432,7 +448,7 @@ def main() -> None:
         if r == 0 and (not args.only or any(o in "baton solve" for o in args.only)):
             print(f"round 1: profiling {SPEC.name} for the solver (micro-batches {mbs}, shares {shares}) ...")
             write_table(profile_table(SPEC, device="cpu", micro_batches=tuple(mbs), shares=tuple(shares), warmup=3,
-                                      reps=args.reps, concurrent=args.procs), table_path)
+                                      reps=args.reps, concurrent=args.procs, in_step=not args.isolated), table_path)
             extra = solver_plan(cluster_path, profiles, work / "solved.json")
             if extra is not None:
                 cases[f"baton solve (mb {extra.micro_batch_size} x {extra.num_microbatches})"] = extra
@@ -447,7 +463,7 @@ def main() -> None:
 
             def plan_table():
                 return profile_table(SPEC, device="cpu", micro_batches=tuple(plan_mbs), shares=tuple(plan_shares), warmup=3,
-                                     reps=args.reps, concurrent=args.procs)
+                                     reps=args.reps, concurrent=args.procs, in_step=not args.isolated)
 
             before = plan_table()
             table_file = plan_profiles / "measured" / table_filename("cpu", SPEC.name, SPEC.seq_len)
@@ -536,7 +552,7 @@ def write_results(args, cases: dict, rounds: dict, syncs: dict, drifts: dict, li
     summary = {
         "iteration_time_mean_abs_rel_error": statistics.mean(it_err), "iteration_time_worst_abs_rel_error": max(it_err),
         "activation_mean_abs_rel_error": statistics.mean(act_err), "activation_worst_abs_rel_error": max(act_err),
-        "targets": {"iteration_mean": 0.05, "iteration_worst": 0.10, "activation": 0.02},
+        "targets": time_targets(SPEC.dtype) | {"activation": 0.02},
     }
     env = {"python": platform.python_version(), "torch": torch.__version__, "cpu": cpu_description(), "cores": os.cpu_count(),
            "threads_per_process": 1,
@@ -553,7 +569,7 @@ def write_results(args, cases: dict, rounds: dict, syncs: dict, drifts: dict, li
                      f"{r['activation_bytes_predicted'] / 2**20:.2f} | {r['activation_worst_device_rel_error']:.2%} |")
     cut = "" if final else f" (of {args.rounds} asked: cut short)"
     lines += ["", f"Iteration time: mean absolute error {summary['iteration_time_mean_abs_rel_error']:.1%}, worst "
-              f"{summary['iteration_time_worst_abs_rel_error']:.1%} (targets 5% / 10%). Activation memory: mean "
+              f"{summary['iteration_time_worst_abs_rel_error']:.1%} ({time_target_text(SPEC.dtype)}). Activation memory: mean "
               f"{summary['activation_mean_abs_rel_error']:.2%}, worst {summary['activation_worst_abs_rel_error']:.2%} (target 2%).",
               "", f"Model `{SPEC.name}` ({SPEC.dtype}, {SPEC.attention} attention), {args.procs} CPU processes ({env['cpu']}), one thread each, pinned; link measured over gloo in {link.dtype} messages: "
               f"{link.bandwidth_gb_per_s:.2f} GB/s, {link.latency_us:.0f} us per transfer; all-reduce {link.allreduce_bandwidth_gb_per_s:.2f} GB/s, "

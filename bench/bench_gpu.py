@@ -1,49 +1,77 @@
-"""The runtime on this machine's GPU against the cost model: profile, plan, train, compare (issue 9).
+"""The runtime on this machine's GPU against the cost model and against the plainest fast PyTorch loop (issues 9, 27).
 
-On a CUDA machine it
-1. profiles GPU 0 with the runtime's own layer (``runtime.measure.op_profiler.profile_table``): the model in bf16
-   with fused attention, at several micro-batch sizes and tensor-parallel shares, and writes the table to
-   ``profiles/measured/<gpu>__<model>__s<seq>.csv`` with ``<same>.command.json`` beside it (the command,
-   torch and CUDA versions, the device); then profiles it again with each layer, embedding and head timed
-   back to back (``back_to_back=True``: the host's launches overlap the kernels, as in a step) into
-   ``bench/results/gpu_table_back_to_back.csv``;
+On a CUDA machine, for each model (``--models``, default ``gpt3-350m`` and ``gpt3-1.3b``, both in bf16 with fused
+attention, sequence ``--seq-len`` 1024), it
+1. profiles GPU 0 with the runtime's own layer (``runtime.measure.op_profiler.profile_table``) at the plans'
+   micro-batch sizes (``--shares``: tensor-parallel shares, 1.0 by default: the plans here are one GPU) and writes the
+   table to ``profiles/measured/<gpu>__<model>__s<seq>.csv`` with ``<same>.command.json`` beside it (the command,
+   torch and CUDA versions, the device); then profiles it again with each layer, embedding and head timed back
+   to back (``back_to_back=True``) into ``bench/results/gpu_table_back_to_back[_<model>].csv``;
 2. describes the GPU as a one-device cluster (its catalog type, its total memory as capacity);
-3. builds one-GPU plans (micro-batch sizes x recomputation none / attention / everything), keeps those the
-   evaluator says fit, trains each for ``--steps`` steps (``baton train``'s code path: pre-flight check,
-   NCCL, one rank) and compares with the evaluator: iteration time, peak allocated memory against the
-   predicted peak, tokens/s and MFU (catalog bf16 peak), the step's passes and phases measured against
-   predicted, and the time predicted from the back-to-back table beside the default one;
-4. writes ``bench/results/gpu.json`` and ``gpu.md``.
+3. builds one-GPU plans: global batch ``--global-batch`` 16 at three micro-batch sizes (``--micro-batches`` 2,4,8),
+   each without recomputation and recomputing every operator (``--recompute none,all``), keeps those the evaluator
+   says fit, and for each runs ``bench/bench_reference.py``'s comparison: Baton's engine on the plan (``baton
+   train``'s one rank: pre-flight check, NCCL, ``Engine.train_step``) interleaved with the reference loop (the
+   single-device model, ``AdamW(fused=True)``, the same bf16 weights with fp32 masters), ``--rounds`` rounds of
+   ``--steps`` steps each after ``--warmup`` warm-up steps;
+4. reports for every plan: measured and predicted iteration time (from the default table and the one timed back
+   to back), peak allocated memory against the predicted peak, tokens/s, MFU (catalog bf16 peak), the passes and
+   phases measured against predicted, the reference's tokens/s and the ratio Baton/reference (target >= 0.97);
+5. writes ``bench/results/gpu.json`` and ``gpu.md`` after every plan, so a run cut short keeps its rows.
 
-Several ranks on one GPU would need a backend that allows it; NCCL refuses two ranks on one device, so
-multi-rank plans wait for a machine with several GPUs.
+Both models live on the GPU during a comparison: a step's peak memory is the allocator's peak less what the idle
+contender holds (``bench_reference.run_reference``).
 
-Without a CUDA device it prints ``skipped: no CUDA device`` and exits 0 (CI has none).
+``--device cpu`` runs the same code end to end at tiny sizes (the ``tiny`` preset, a couple of steps, tables into
+``<out>/profiles``, the GPU named ``h100`` for the cost model) so that a lent GPU's run can fail only on the GPU;
+tests/test_bench_gpu.py runs it. Without a CUDA device and without ``--device cpu`` it prints ``skipped: no CUDA
+device`` and exits 0 (CI has none).
 
-Run: ``python bench/bench_gpu.py [--steps 6] [--model gpt3-350m] [--seq-len 1024]``.
+Time budget on one H100/H200 (the defaults; under 8 minutes asked). From the H200 run of 2026-11-26 (gpt3-350m,
+global batch 8: 74-355 ms a step without recomputation, 129-732 ms with) the 350m steps at global batch 16 take
+about 150-370 ms (none) and 260-550 ms (all); 1.3b has 3.7x the FLOPs at a higher MFU: about 370-520 ms (none) and
+500-700 ms (all). Each plan runs (2 warm-up + 4 rounds x 2) = 10 steps of Baton and 10 of the reference: about
+35 s of steps for 350m's six plans and 60 s for 1.3b's. Building the models on the host (reference once per model,
+an engine per plan): about 25 s for 350m and 80 s for 1.3b. Profiling, two tables of three micro-batch sizes per
+model: about 25 s for 350m and 40 s for 1.3b (the 2026-11-26 run took about 75 s for 350m's two tables of twelve).
+Start-up, CUDA and NCCL: about 20 s. In all about 5 minutes; ``--rounds``/``--steps`` trade precision for time,
+and ``--deadline-s`` (420 s) starts no model or plan after that time, so the run ends by about 8 minutes whatever
+the estimate got wrong (the table then says which plans did not run).
+
+Several ranks on one GPU would need a backend that allows it; NCCL refuses two ranks on one device, so multi-rank
+plans wait for a machine with several GPUs.
+
+Run: ``python bench/bench_gpu.py [--models gpt3-350m,gpt3-1.3b] [--rounds 4] [--steps 2] [--device cpu]``.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import shlex
 import statistics
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baton.model_spec import PRESETS, ModelSpec  # noqa: E402
-from baton.plan import Plan, simple_plan  # noqa: E402
+from baton.plan import Plan  # noqa: E402
+from bench_reference import (CLUSTER_NAME, DEVICE_ID, build_reference, one_device_plan, one_rank_group,  # noqa: E402,F401
+                             recompute_sets, run_reference)
 
 GIB = 1024**3
 MICRO_BATCHES = (1, 2, 4, 8)
+"""Micro-batch sizes ``candidate_plans`` tries by default."""
 SHARES = (0.25, 0.5, 1.0)
-DEVICE_ID = "gpu:0"
-CLUSTER_NAME = "local-gpu"
+CPU_GPU_TYPE = "h100"
+"""The catalog GPU the cost model is told the CPU is, in ``--device cpu`` (its tables are measured on the CPU)."""
 
 
 def bench_model(base: str = "gpt3-350m", seq_len: int = 1024) -> ModelSpec:
@@ -60,25 +88,16 @@ def cluster_mapping(gpu_type: str, memory_bytes: int) -> dict:
                        "intra_node_link": {"bandwidth_gb_per_s": 100.0, "latency_us": 10.0}}]}
 
 
-def recompute_sets(spec: ModelSpec) -> dict[str, list[str]]:
-    """Recomputation choices the plans try: none, the attention core, every operator of the layer."""
-    from baton.operators import operator_names
-
-    names = operator_names(spec)
-    attention = [n for n in names if n in ("attn_core", "attn_scores", "softmax", "attn_dropout", "attn_v")]
-    return {"none": [], "attention": attention, "all": names}
-
-
-def candidate_plans(spec: ModelSpec, global_batch: int = 8) -> list[tuple[str, Plan]]:
-    """One-GPU plans: every micro-batch size dividing ``global_batch``, times every recompute set."""
+def candidate_plans(spec: ModelSpec, global_batch: int = 8, micro_batches=MICRO_BATCHES,
+                    recompute=("none", "attention", "all")) -> list[tuple[str, Plan]]:
+    """One-GPU plans: every micro-batch size dividing ``global_batch``, times every recompute set named."""
+    sets = recompute_sets(spec)
     out = []
-    for mb in MICRO_BATCHES:
+    for mb in micro_batches:
         if global_batch % mb:
             continue
-        for label, ops in recompute_sets(spec).items():
-            plan = simple_plan(spec, cluster=CLUSTER_NAME, stages=[[(DEVICE_ID, 1)]], layers=[spec.num_layers],
-                               units_per_layer=1, micro_batch_size=mb, num_microbatches=global_batch // mb,
-                               recompute={DEVICE_ID: ops})
+        for label in recompute:
+            plan = one_device_plan(spec, micro_batch_size=mb, num_microbatches=global_batch // mb, recompute=sets[label])
             out.append((f"mb {mb} x {global_batch // mb}, recompute {label}", plan))
     return out
 
@@ -132,115 +151,254 @@ def markdown(rows: list[dict], env: dict) -> str:
 
     lines = ["| plan | iteration ms | predicted | error | predicted, table back to back | error | "
              "per micro-batch: fwd / bwd / recompute ms (predicted) | peak allocated GiB | "
-             "predicted peak | error | tokens/s | MFU | predicted MFU |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "predicted peak | error | tokens/s | MFU | predicted MFU | reference tokens/s | Baton / reference |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        ref = "-" if r.get("reference") is None else f"{r['reference']['tokens_per_s']:,.0f}"
+        ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.3f}"
         lines.append(f"| {r['plan']} | {r['iteration_ms']:.1f} | {r['iteration_ms_predicted']:.1f} | {pct(r['iteration_rel_error'])} | "
                      f"{b2b(r, 'iteration_ms_predicted', lambda x: f'{x:.1f}')} | {b2b(r, 'iteration_rel_error', pct)} | "
                      f"{passes(r)} | {r['peak_allocated_gib']:.2f} | {r['peak_predicted_gib']:.2f} | {pct(r['peak_rel_error'])} | "
-                     f"{r['tokens_per_s']:,.0f} | {mfu} | {r['mfu_predicted']:.1%} |")
+                     f"{r['tokens_per_s']:,.0f} | {mfu} | {r['mfu_predicted']:.1%} | {ref} | {ratio} |")
     for label, errs in (("", [r["iteration_rel_error"] for r in rows]),
                         (" with the table timed back to back", [(r.get("back_to_back") or {}).get("iteration_rel_error") for r in rows])):
         errs = [abs(e) for e in errs if e is not None]
         if errs:
             lines += ["", f"Iteration time{label}: mean absolute error {statistics.mean(errs):.1%}, worst {max(errs):.1%}."]
-    lines += ["", f"Model `{env['model']}` (bf16, {env['attention']} attention) on {env['device']} "
-                  f"(catalog `{env['gpu_type']}`), torch {env['torch']}, CUDA {env['cuda']}; table: `{env['table']}`; "
-                  f"{env['steps']} steps per plan, the first dropped."]
+    ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
+    if ratios:
+        lines += ["", f"Baton / reference tokens/s: median {statistics.median(ratios):.3f}, worst {min(ratios):.3f} "
+                      f"(target >= 0.97; the reference recomputes nothing, so a recomputing plan's ratio includes its recomputation)."]
+    models = env.get("models") or [{"model": env["model"], "attention": env["attention"], "table": env["table"]}]
+    lines += [""] + [f"Model `{m['model']}` (bf16, {m['attention']} attention); table: `{m['table']}`." for m in models]
+    if "rounds" in env:
+        steps = (f"{env['warmup']} warm-up steps, then {env['rounds']} rounds of {env['steps']} steps interleaved with the "
+                 f"reference loop, per plan; the cost-model report drops the last warm-up step")
+    else:
+        steps = f"{env['steps']} steps per plan, the first dropped"
+    lines += [f"On {env['device']} (catalog `{env['gpu_type']}`), torch {env['torch']}, CUDA {env['cuda']}; {steps}."]
     lines += [f"Failed: {name}: {why}" for name, why in env.get("failed", {}).items()]
+    if env.get("not_run"):
+        lines += [f"Not started (past --deadline-s): {', '.join(env['not_run'])}."]
     done = len(rows) + len(env.get("failed", {}))
     if env.get("plans_asked", done) > done:  # written after every plan: a run cut short says so
         lines += [f"Cut short: {done} of {env['plans_asked']} plans ran."]
     return "\n".join(lines) + "\n"
 
 
+
+
+def parse_list(text: str, kind=str) -> tuple:
+    return tuple(kind(x) for x in text.split(",") if x.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--model", default="gpt3-350m", choices=sorted(PRESETS))
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: the whole run at tiny sizes (the defaults below become tiny's), to test it without a GPU")
+    parser.add_argument("--models", default=None, help="presets, comma-separated (default gpt3-350m,gpt3-1.3b; cpu: tiny)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 1024 (cpu: 32)")
+    parser.add_argument("--global-batch", type=int, default=None, help="default 16 (cpu: 4)")
+    parser.add_argument("--micro-batches", default=None, help="default 2,4,8 (cpu: 1,2)")
+    parser.add_argument("--recompute", default="none,all", help="recompute sets of the plans: none, attention, all")
+    parser.add_argument("--steps", type=int, default=None, help="steps of each contender per round (default 2; cpu: 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 4; cpu: 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps of each contender (default 2; cpu: 1)")
+    parser.add_argument("--reps", type=int, default=None, help="profiler repetitions (default 10; cpu: 2)")
+    parser.add_argument("--shares", default="1.0", help="tensor-parallel shares to profile, comma-separated")
+    parser.add_argument("--deadline-s", type=float, default=420.0,
+                        help="start no model or plan after this many seconds (0: no limit): a lent GPU's time is short")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--profiles", type=Path, default=ROOT / "profiles",
-                        help="tables folder: the measured table is written to its measured/ and the plans priced from it")
+    parser.add_argument("--profiles", type=Path, default=None,
+                        help="tables folder: the measured tables are written to its measured/ and the plans priced from "
+                             "them (default: the checkout's profiles/; cpu: <out>/profiles)")
     args = parser.parse_args(argv)
+    cpu = args.device == "cpu"
+    pick = (lambda value, gpu, tiny: (tiny if cpu else gpu) if value is None else value)
+    models = parse_list(pick(args.models, "gpt3-350m,gpt3-1.3b", "tiny"))
+    seq_len = pick(args.seq_len, 1024, 32)
+    global_batch = pick(args.global_batch, 16, 4)
+    micro_batches = parse_list(pick(args.micro_batches, "2,4,8", "1,2"), int)
+    labels = parse_list(args.recompute)
+    steps, rounds, warmup, reps = pick(args.steps, 2, 1), pick(args.rounds, 4, 2), pick(args.warmup, 2, 1), pick(args.reps, 10, 2)
+    profiles_dir = pick(args.profiles, ROOT / "profiles", args.out / "profiles")
+    for base in models:
+        if base not in PRESETS:
+            parser.error(f"--models: unknown preset {base!r}")
 
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+    if not cpu and (not torch.cuda.is_available() or torch.cuda.device_count() == 0):
         print("skipped: no CUDA device")
         return 0
 
     import yaml
 
-    from baton.atomic import write_atomically
     from baton.cluster import load_cluster
+    from runtime.launch.devices import catalog_gpu, cpu_capacity
+
+    started = time.perf_counter()
+    if cpu:  # one thread: a smoke run at tiny sizes, steadier on a shared machine than every core
+        torch.set_num_threads(1)
+        gpu_type, name, capacity = CPU_GPU_TYPE, f"CPU ({platform.processor() or platform.machine()})", cpu_capacity(1)
+    else:
+        props = torch.cuda.get_device_properties(0)
+        gpu_type, name, capacity = catalog_gpu(props.name, props.total_memory), props.name, (f"cuda:0 ({props.name})",
+                                                                                            int(props.total_memory))
+        if gpu_type is None:
+            print(f"skipped: {props.name} is not in the GPU catalog (baton show gpus); add it to compare with the cost model")
+            return 0
+    work = Path(tempfile.mkdtemp(prefix="baton-bench-gpu-"))
+    cluster_path = work / "cluster.yaml"
+    cluster_path.write_text(yaml.safe_dump(cluster_mapping(gpu_type, capacity[1]), sort_keys=False))
+    cluster = load_cluster(cluster_path)
+    env = {"device": name, "gpu_type": gpu_type, "memory_gib": capacity[1] / GIB, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "python": platform.python_version(), "command": shlex.join([sys.executable, *sys.argv]),
+           "global_batch": global_batch, "micro_batches": list(micro_batches), "recompute": list(labels),
+           "steps": steps, "rounds": rounds, "warmup": warmup, "reps": reps, "models": [], "plans_asked": 0}
+    rows: list[dict] = []
+    dev = torch.device("cpu" if cpu else "cuda:0")
+    with one_rank_group(dev):  # baton train's one rank: one process group (NCCL on CUDA) for every plan
+        run_models(models, seq_len, global_batch, micro_batches, labels, dev, gpu_type, cluster, cluster_path, capacity,
+                   profiles_dir, args, env, rows, steps=steps, rounds=rounds, warmup=warmup, reps=reps, started=started)
+    print(markdown(rows, env))
+    print(f"bench_gpu: {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def run_models(models, seq_len, global_batch, micro_batches, labels, dev, gpu_type, cluster, cluster_path, capacity,
+               profiles_dir, args, env, rows, *, steps, rounds, warmup, reps, started) -> None:
+    """Profile, plan and compare every model of ``models`` (see the module docstring), writing after every plan."""
+    import torch
+
+    cpu = dev.type == "cpu"
+
+    def out_of_time(what: str) -> bool:
+        late = args.deadline_s and time.perf_counter() - started > args.deadline_s
+        if late:
+            env.setdefault("not_run", []).append(what)
+        return bool(late)
+
+    for base in models:
+        spec = bench_model(base, seq_len)
+        if out_of_time(base):
+            continue
+        t0 = time.perf_counter()
+        try:
+            profiles, profiles_b2b, table = profile_both_ways(
+                spec, dev, gpu_type, micro_batches, parse_list(args.shares, float), reps, profiles_dir, args.out,
+                suffix="" if base == models[0] else f"_{base}", warmup=1 if cpu else 3)
+        except Exception as err:  # noqa: BLE001 (no table, no predictions: the next model may still run)
+            traceback.print_exc()
+            env.setdefault("failed", {})[f"{base} profile"] = f"{type(err).__name__}: {err}".splitlines()[0]
+            gc.collect()
+            if not cpu:
+                torch.cuda.empty_cache()
+            write_results(args.out, rows, env)
+            continue
+        env["models"].append({"model": spec.name, "attention": spec.attention,
+                              "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table),
+                              "profile_s": time.perf_counter() - t0})
+        plans = fitting(candidate_plans(spec, global_batch, micro_batches, labels), cluster, profiles)
+        env["plans_asked"] += len(plans)
+        write_results(args.out, rows, env)
+        t0 = time.perf_counter()
+        built = build_reference(spec, device=dev)
+        env["models"][-1]["reference_build_s"] = time.perf_counter() - t0
+        for plan_name, plan in plans:
+            name_of_row = f"{base} {plan_name}"
+            if out_of_time(name_of_row):
+                continue
+            try:
+                row = compare(spec, plan, plan_name, dev, cluster, cluster_path, capacity, profiles, profiles_b2b, profiles_dir,
+                              built=built, steps=steps, rounds=rounds, warmup=warmup, label=_label(plan_name))
+            except Exception as err:  # noqa: BLE001 (out of memory, a refused plan: a finding, not the end of the table)
+                traceback.print_exc()
+                print(f"{name_of_row}: failed: {type(err).__name__}: {err}", flush=True)
+                env.setdefault("failed", {})[name_of_row] = f"{type(err).__name__}: {err}".splitlines()[0]
+                gc.collect()
+                if not cpu:
+                    torch.cuda.empty_cache()
+            else:
+                row["plan"] = name_of_row
+                rows.append(row)
+                print(f"{name_of_row}: {row['iteration_ms']:.1f} ms (predicted {row['iteration_ms_predicted']:.1f}), "
+                      f"{row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu'] or 0:.1%}; reference "
+                      f"{row['reference']['tokens_per_s']:,.0f} tokens/s, Baton/reference {row['ratio']:.3f}", flush=True)
+            env["elapsed_s"] = time.perf_counter() - started
+            # After every plan, so a run cut short (a lent machine's time running out) still leaves its rows.
+            write_results(args.out, rows, env)
+        del built
+        gc.collect()
+        if not cpu:
+            torch.cuda.empty_cache()
+
+
+def _label(plan_name: str) -> str:
+    return plan_name.rsplit("recompute ", 1)[1]
+
+
+def profile_both_ways(spec: ModelSpec, dev, gpu_type: str, micro_batches, shares, reps: int, profiles_dir: Path, out: Path,
+                      suffix: str = "", warmup: int = 3):
+    """The measured table of ``spec`` into ``profiles_dir/measured`` (its command beside it), and the table timed back
+    to back into ``out``; returns (profiles, back-to-back profiles or None, the table's path)."""
+    import torch
+
+    from baton.atomic import write_atomically
     from baton.errors import BatonError
     from baton.profile import Profile, ProfileSet, table_filename, write_table
-    from runtime.launch.devices import catalog_gpu
-    from runtime.launch.launcher import TrainConfig, train
     from runtime.measure.op_profiler import profile_table
-    from runtime.measure.report import build_report
 
-    props = torch.cuda.get_device_properties(0)
-    gpu_type = catalog_gpu(props.name, props.total_memory)
-    if gpu_type is None:
-        print(f"skipped: {props.name} is not in the GPU catalog (baton show gpus); add it to compare with the cost model")
-        return 0
-    spec = bench_model(args.model, args.seq_len)
-
-    # Into the checkout's shipped tables (profiles/measured/), which the plans below are priced with.
-    table = args.profiles / "measured" / table_filename(gpu_type, spec.profile_name, spec.seq_len)
-    df = profile_table(spec, device="cuda", micro_batches=MICRO_BATCHES, shares=SHARES, warmup=3, reps=args.reps, gpu_name=gpu_type)
+    table = profiles_dir / "measured" / table_filename(gpu_type, spec.profile_name, spec.seq_len)
+    device = "cuda" if dev.type == "cuda" else "cpu"
+    df = profile_table(spec, device=device, micro_batches=micro_batches, shares=shares, warmup=warmup, reps=reps, gpu_name=gpu_type)
     write_table(df, table)
     command = {"command": shlex.join([sys.executable, *sys.argv]), "function": "runtime.measure.op_profiler.profile_table",
-               "micro_batches": list(MICRO_BATCHES), "shares": list(SHARES), "reps": args.reps, "warmup": 3,
-               "device": props.name, "torch": torch.__version__, "cuda": torch.version.cuda, "model": spec.to_dict()}
+               "micro_batches": list(micro_batches), "shares": list(shares), "reps": reps, "warmup": warmup,
+               "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
+               "cuda": torch.version.cuda, "model": spec.to_dict()}
     write_atomically(table.with_suffix(".command.json"), json.dumps(command, indent=2) + "\n")
-    # The same table with each layer, embedding and head timed back to back (launches overlapping kernels, as
-    # in a step): every plan below is priced from both, to see which one the runs follow.
     profiles_b2b = None
     try:
-        b2b_table = profile_table(spec, device="cuda", micro_batches=MICRO_BATCHES, shares=SHARES, warmup=3, reps=args.reps,
+        b2b_table = profile_table(spec, device=device, micro_batches=micro_batches, shares=shares, warmup=warmup, reps=reps,
                                   gpu_name=gpu_type, back_to_back=True)
     except (BatonError, RuntimeError) as err:  # out of memory, say: the runs and the default table still count
         print(f"back-to-back table failed, plans priced from the default table only: {err}", flush=True)
     else:
-        b2b_path = args.out / "gpu_table_back_to_back.csv"
+        b2b_path = out / f"gpu_table_back_to_back{suffix}.csv"
         write_table(b2b_table, b2b_path)
         profiles_b2b = ProfileSet(spec, tables={gpu_type: Profile(b2b_table, source=str(b2b_path))})
-    work = Path(tempfile.mkdtemp(prefix="baton-bench-gpu-"))
-    cluster_path = work / "cluster.yaml"
-    cluster_path.write_text(yaml.safe_dump(cluster_mapping(gpu_type, props.total_memory), sort_keys=False))
-    cluster = load_cluster(cluster_path)
-    profiles = ProfileSet(spec, directory=args.profiles)
-    env = {"device": props.name, "gpu_type": gpu_type, "memory_gib": props.total_memory / GIB, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "model": spec.name, "attention": spec.attention, "steps": args.steps,
-           "table": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table), "python": platform.python_version()}
-    rows = []
-    plans = fitting(candidate_plans(spec, args.global_batch), cluster, profiles)
-    env["plans_asked"] = len(plans)
-    for name, plan in plans:
-        per_rank: dict = {}
-        cfg = TrainConfig(plan=plan, steps=args.steps, device="cuda", gpus=(0,), cluster_path=str(cluster_path),
-                          collect_all_ranks=True, timeout_s=600)
-        try:
-            train(cfg, per_rank=per_rank)
-        except BatonError as err:  # one plan's failure (out of memory, say) is a finding, not the end of the table
-            print(f"{name}: failed: {err}", flush=True)
-            env.setdefault("failed", {})[name] = str(err)
-            write_results(args.out, rows, env)
-            continue
-        rows.append(row_of(name, build_report(plan, cluster, profiles, per_rank),
-                           build_report(plan, cluster, profiles_b2b, per_rank) if profiles_b2b is not None else None))
-        print(f"{name}: {rows[-1]['iteration_ms']:.1f} ms (predicted {rows[-1]['iteration_ms_predicted']:.1f}), "
-              f"{rows[-1]['tokens_per_s']:,.0f} tokens/s, MFU {rows[-1]['mfu']:.1%}", flush=True)
-        # After every plan, so a run cut short (a lent machine's time running out) still leaves its rows.
-        write_results(args.out, rows, env)
-    print(markdown(rows, env))
-    return 0
+    return ProfileSet(spec, directory=profiles_dir), profiles_b2b, table
+
+
+def compare(spec: ModelSpec, plan: Plan, plan_name: str, dev, cluster, cluster_path: Path, capacity, profiles, profiles_b2b,
+            profiles_dir: Path, *, built, steps: int, rounds: int, warmup: int, label: str) -> dict:
+    """One plan: ``baton train``'s pre-flight check, then Baton against the reference loop (``run_reference``), then the
+    row of the cost model's report of Baton's steps with the reference's speed and the ratio beside it."""
+    import torch
+
+    from runtime.launch.devices import preflight
+    from runtime.measure.report import build_report
+
+    preflight(plan, [capacity], cluster_path=str(cluster_path), profiles_dir=str(profiles_dir))
+    ops = list(plan.pipelines[0].stages[0].devices[0].recompute)
+    result, stats = run_reference(spec, device=str(dev), micro_batch_size=plan.micro_batch_size,
+                                  global_batch=plan.global_batch, steps=steps, rounds=rounds, warmup=warmup,
+                                  recompute={label: ops}, built=built, threads=torch.get_num_threads())
+    (pair,) = result["pairs"]
+    per_rank = {0: stats[label]}
+    row = row_of(plan_name, build_report(plan, cluster, profiles, per_rank),
+                 build_report(plan, cluster, profiles_b2b, per_rank) if profiles_b2b is not None else None)
+    ref = pair["reference"]
+    row["reference"] = {"median_ms": ref["median_ms"], "tokens_per_s": ref["tokens_per_s"],
+                        "peak_allocated_gib": ref["peak_allocated_bytes"] / GIB if "peak_allocated_bytes" in ref else None,
+                        "adamw": result["settings"]["reference_adamw"], "precision": result["settings"]["precision"]}
+    row["baton_median_ms"] = pair["baton"]["median_ms"]
+    row["ratio"], row["ratio_paired"] = pair["ratio"], pair["ratio_paired"]
+    row["build_s"] = result["settings"]["build_s"]
+    row["losses"] = {"baton": pair["baton"]["losses"], "reference": pair["reference"]["losses"]}
+    return row
 
 
 def write_results(out: Path, rows: list[dict], env: dict) -> None:

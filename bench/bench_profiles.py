@@ -6,14 +6,19 @@ bench/results/profiles.{json,md}.
     python bench/bench_profiles.py --no-cpu   # skip measuring this machine's CPU
 
 Sources of measurements:
-- profiles/reference/layers.csv: published or quoted per-GPU figures, with source and settings;
+- profiles/reference/layers.csv: published or quoted per-GPU figures, with source and settings, each in the
+  fitting set (`set` = fit: the figures the catalog's fitted fractions were chosen on) or the held-out set
+  (held_out: other sources, never used to choose a fraction; profiles/reference/README.md has the rule), each
+  derived as its code ran: eager or fused attention, and for eager the passes over the scores its code made
+  (`score_passes`: baton.operators.SCORE_PASSES; `--score-passes` derives every row with one instead);
 - profiles/measured/*.csv (shipped) and the user's measured/ tables: tables measured with `baton profile --device`
   or bench/bench_gpu.py (a lent GPU's table goes here; the model is read from the `.command.json` beside it);
 - this CPU: the runtime's layer timed here (absolute ratio only: the `cpu` catalog entry is a stand-in).
 
 Relative-speed error of a GPU = (derived time / derived time of the group's reference GPU) /
-(measured time / measured time of the reference GPU), folded to >= 1 (a factor either way).
-Targets (issue 14): geometric mean <= 1.15, worst <= 1.4.
+(measured time / measured time of the reference GPU), folded to >= 1 (a factor either way). Geometric mean
+and worst are reported for each set apart. Targets (issue 14 for the fitting set, issue 27 for the held-out
+set): geometric mean <= 1.15, worst <= 1.4.
 """
 from __future__ import annotations
 
@@ -32,54 +37,88 @@ sys.path.insert(0, str(ROOT))
 
 from baton.catalog import gpu_type  # noqa: E402
 from baton.model_spec import PRESETS, from_mapping  # noqa: E402
-from baton.operators import layer_operators  # noqa: E402
+from baton.operators import RUNTIME_SCORE_PASSES, SCORE_PASSES, layer_operators  # noqa: E402
 from baton.profile import derive_table, profiles_dir, read_table  # noqa: E402
 
 TARGET_GEOMEAN, TARGET_WORST = 1.15, 1.4
 
 
+SETS = ("fit", "held_out")
+"""The reference file's sets: figures the fitted fractions were chosen on, and figures kept out of that."""
+
+METRICS = ("layer_ms", "layer_fwd_ms", "samples_per_s", "tokens_per_s")
+"""One layer forward + backward; its forward alone; whole-model training throughput in sequences or tokens."""
+
+
+def parse_overrides(text) -> dict:
+    """The reference file's `overrides` cell ("hidden_dim=512;num_heads=8") as ModelSpec fields."""
+    if not isinstance(text, str) or not text.strip():
+        return {}
+    out = {}
+    for item in text.split(";"):
+        key, _, value = item.partition("=")
+        out[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return out
+
+
 def derived_layer_ms(base: str, gpu: str, *, seq_len: int, micro_batch: int, dtype: str, tf32: bool,
-                     attention: str) -> float:
-    """Forward + backward of one layer (every operator, share 1) from the derivation, with the attention
-    implementation the measurement ran."""
-    spec = PRESETS[base].with_overrides(seq_len=seq_len, dtype=dtype, attention=attention)
-    try:
-        df = derive_table(spec, gpu, micro_batches=(micro_batch,), shares=(1.0,), tf32=tf32)
-    except TypeError:  # a derivation without the TF32 setting (used to report the 'before' figures)
-        df = derive_table(spec, gpu, micro_batches=(micro_batch,), shares=(1.0,))
-    return layer_ms_of(df, [o.name for o in layer_operators(spec)], micro_batch)
+                     attention: str, overrides: dict | None = None, forward_only: bool = False,
+                     score_passes: str = RUNTIME_SCORE_PASSES) -> float:
+    """Forward + backward (or the forward alone) of one layer (every operator, share 1) from the derivation,
+    with the attention implementation, the passes over its scores and the layer shape the measurement ran."""
+    spec = PRESETS[base].with_overrides(seq_len=seq_len, dtype=dtype, attention=attention, **(overrides or {}))
+    df = derive_table(spec, gpu, micro_batches=(micro_batch,), shares=(1.0,), tf32=tf32, score_pass_impl=score_passes)
+    return layer_ms_of(df, [o.name for o in layer_operators(spec)], micro_batch, forward_only=forward_only)
 
 
-def layer_ms_of(df: pd.DataFrame, ops: list[str], micro_batch: int) -> float:
+def layer_ms_of(df: pd.DataFrame, ops: list[str], micro_batch: int, *, forward_only: bool = False) -> float:
     rows = df[df.op.isin(ops) & (df.micro_batch == micro_batch) & (df.tp_share == 1.0)]
-    return float(rows.fwd_ms.sum() + rows.bwd_ms.sum())
+    return float(rows.fwd_ms.sum() + (0.0 if forward_only else rows.bwd_ms.sum()))
 
 
 def fold(x: float) -> float:
     return max(x, 1.0 / x)
 
 
-def reference_rows(path: Path) -> list[dict]:
-    """Each published figure next to its derivation, as time per sample of one layer."""
+def reference_rows(path: Path, *, score_passes: str | None = None) -> list[dict]:
+    """Each published figure next to its derivation, as time per sample of one layer. Eager attention is derived
+    with the passes over its scores that the row's code made (its ``score_passes`` cell, Baton's runtime where
+    the file has none); ``score_passes`` derives every row with the one given instead."""
     ref = pd.read_csv(path)
+    if "score_passes" not in ref.columns:
+        ref["score_passes"] = RUNTIME_SCORE_PASSES
+    if "set" not in ref.columns:  # a reference file from before the split: all of it was fitted on
+        ref["set"] = "fit"
+    if "overrides" not in ref.columns:
+        ref["overrides"] = ""
     out = []
     for r in ref.itertuples(index=False):
+        if r.set not in SETS:
+            raise ValueError(f"{path}: set must be one of {SETS}, got {r.set!r} ({r.group} {r.gpu})")
+        if r.metric not in METRICS:
+            raise ValueError(f"{path}: unknown metric {r.metric!r}")
         tf32 = str(r.tf32).strip().lower() == "true"
+        mb = int(r.micro_batch)
         # The published figures predate fused attention (PyTorch 1.13 for Lambda's): each row says what it ran.
-        derived = derived_layer_ms(r.base_model, gpu_type(r.gpu).name, seq_len=int(r.seq_len), micro_batch=int(r.micro_batch),
-                                   dtype=r.dtype, tf32=tf32, attention=r.attention)
-        if r.metric == "layer_ms":
-            measured_per_sample, derived_per_sample = float(r.value) / r.micro_batch, derived / r.micro_batch
+        passes = score_passes or r.score_passes
+        if passes not in SCORE_PASSES:
+            raise ValueError(f"{path}: score_passes must be one of {tuple(SCORE_PASSES)}, got {passes!r} ({r.group} {r.gpu})")
+        derived = derived_layer_ms(r.base_model, gpu_type(r.gpu).name, seq_len=int(r.seq_len), micro_batch=mb, dtype=r.dtype,
+                                   tf32=tf32, attention=r.attention, overrides=parse_overrides(r.overrides),
+                                   forward_only=r.metric == "layer_fwd_ms", score_passes=passes)
+        if r.metric in ("layer_ms", "layer_fwd_ms"):
+            measured_per_sample = float(r.value) / mb
         elif r.metric == "samples_per_s":
             # whole-model throughput: only the ratio between GPUs is comparable, not the absolute time
-            measured_per_sample, derived_per_sample = 1000.0 / float(r.value), derived / r.micro_batch
-        else:
-            raise ValueError(f"{path}: unknown metric {r.metric!r}")
-        out.append({"group": r.group, "gpu": gpu_type(r.gpu).name, "device_as_named": r.device_as_named, "dtype": r.dtype,
-                    "tf32": tf32, "micro_batch": int(r.micro_batch), "seq_len": int(r.seq_len), "metric": r.metric,
+            measured_per_sample = 1000.0 / float(r.value)
+        else:  # tokens_per_s: one sample is one sequence of seq_len tokens
+            measured_per_sample = 1000.0 * int(r.seq_len) / float(r.value)
+        out.append({"group": r.group, "set": r.set, "gpu": gpu_type(r.gpu).name, "device_as_named": r.device_as_named,
+                    "dtype": r.dtype, "tf32": tf32, "micro_batch": mb, "seq_len": int(r.seq_len), "metric": r.metric,
+                    "score_passes": passes if r.attention == "eager" else None,
                     "reference_gpu": gpu_type(r.reference_gpu).name, "derived_ms": derived, "measured_value": float(r.value),
-                    "derived_per_sample": derived_per_sample, "measured_per_sample": measured_per_sample,
-                    "absolute": r.metric == "layer_ms", "source": r.source})
+                    "derived_per_sample": derived / mb, "measured_per_sample": measured_per_sample,
+                    "absolute": r.metric in ("layer_ms", "layer_fwd_ms"), "source": r.source})
     return out
 
 
@@ -106,7 +145,7 @@ def measured_table_rows(*directories: Path) -> list[dict]:
         mb = int(df[df.op.isin(ops)].micro_batch.min())
         measured = layer_ms_of(df, ops, mb)
         derived = layer_ms_of(derive_table(spec, gpu, micro_batches=(mb,), shares=(1.0,)), ops, mb)
-        out.append({"group": f"measured/{model}-s{seq}", "gpu": gpu, "device_as_named": path.name, "dtype": spec.dtype,
+        out.append({"group": f"measured/{model}-s{seq}", "set": "measured", "gpu": gpu, "device_as_named": path.name, "dtype": spec.dtype,
                     "tf32": spec.tf32, "micro_batch": mb, "seq_len": seq, "metric": "layer_ms", "reference_gpu": None,
                     "derived_ms": derived, "measured_value": measured, "derived_per_sample": derived / mb,
                     "measured_per_sample": measured / mb, "absolute": True, "source": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)})
@@ -131,14 +170,15 @@ def local_cpu_row() -> dict:
     ops = [o.name for o in layer_operators(spec)]
     measured = layer_ms_of(df, ops, 1)
     derived = layer_ms_of(derive_table(spec, "cpu", micro_batches=(1,), shares=(1.0,)), ops, 1)
-    return {"group": "local-cpu/small-s128", "gpu": "cpu", "device_as_named": platform.processor() or platform.machine(),
+    return {"group": "local-cpu/small-s128", "set": "measured", "gpu": "cpu", "device_as_named": platform.processor() or platform.machine(),
             "dtype": "fp32", "tf32": False, "micro_batch": 1, "seq_len": spec.seq_len, "metric": "layer_ms", "reference_gpu": None,
             "derived_ms": derived, "measured_value": measured, "derived_per_sample": derived, "measured_per_sample": measured,
             "absolute": True, "source": "measured now (runtime/measure/op_profiler.py, 1 thread, median of 5)"}
 
 
 def score(rows: list[dict]) -> dict:
-    """Relative-speed errors within each group against its reference GPU; geometric mean and worst."""
+    """Relative-speed errors within each group against its reference GPU; geometric mean and worst of each
+    set (fit, held_out, and measured tables where a group has two GPUs)."""
     for r in rows:
         r["derived_over_measured"] = r["derived_per_sample"] / r["measured_per_sample"] if r["absolute"] else None
         r["relative_error"] = None
@@ -149,47 +189,73 @@ def score(rows: list[dict]) -> dict:
         measured_rel = r["measured_per_sample"] / ref["measured_per_sample"]
         r["derived_relative"], r["measured_relative"] = derived_rel, measured_rel
         r["relative_error"] = derived_rel / measured_rel
-    errs = [fold(r["relative_error"]) for r in rows if r["relative_error"] is not None]
-    summary = {"count": len(errs)}
-    if errs:
-        summary["geomean"] = math.exp(sum(math.log(e) for e in errs) / len(errs))
-        summary["worst"] = max(errs)
-        worst = max((r for r in rows if r["relative_error"] is not None), key=lambda r: fold(r["relative_error"]))
-        summary["worst_row"] = f"{worst['group']} {worst['gpu']}"
-        summary["meets_targets"] = summary["geomean"] <= TARGET_GEOMEAN and summary["worst"] <= TARGET_WORST
+    return {name: set_summary([r for r in rows if r.get("set") == name]) for name in (*SETS, "measured")}
+
+
+def set_summary(rows: list[dict]) -> dict:
+    """Geometric mean and worst folded error of some scored rows, overall and per dtype."""
+    scored = [r for r in rows if r["relative_error"] is not None]
+    summary: dict = {"count": len(scored)}
+    if not scored:
+        return summary
+    errs = [fold(r["relative_error"]) for r in scored]
+    summary["geomean"] = geomean(errs)
+    summary["worst"] = max(errs)
+    worst = max(scored, key=lambda r: fold(r["relative_error"]))
+    summary["worst_row"] = f"{worst['group']} {worst['gpu']}"
+    summary["meets_targets"] = summary["geomean"] <= TARGET_GEOMEAN and summary["worst"] <= TARGET_WORST
     for dtype in ("fp32", "fp16", "bf16"):
-        sub = [fold(r["relative_error"]) for r in rows if r["relative_error"] is not None and r["dtype"] == dtype]
+        sub = [fold(r["relative_error"]) for r in scored if r["dtype"] == dtype]
         if sub:
-            summary[f"{dtype}_geomean"] = math.exp(sum(math.log(e) for e in sub) / len(sub))
+            summary[f"{dtype}_geomean"] = geomean(sub)
             summary[f"{dtype}_worst"] = max(sub)
     return summary
 
 
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+UNITS = {"layer_ms": "ms", "layer_fwd_ms": "ms fwd", "samples_per_s": "samples/s", "tokens_per_s": "tokens/s"}
+SET_TITLES = {"fit": "Fitting set", "held_out": "Held-out set", "measured": "Measured tables"}
+
+
 def markdown(rows: list[dict], summary: dict) -> str:
-    lines = ["| group | gpu (as measured) | dtype | mb | derived ms | measured | derived / measured | speed vs reference: derived | measured | error |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        unit = "ms" if r["metric"] == "layer_ms" else "samples/s"
-        dtype = r["dtype"] + (" (TF32)" if r["tf32"] else "")
-        d_over_m = f"{r['derived_over_measured']:.2f}" if r["derived_over_measured"] is not None else "-"
-        if r["relative_error"] is None:
-            rel = "reference" if r["gpu"] == r["reference_gpu"] else "-"
-            lines.append(f"| {r['group']} | {r['gpu']} ({r['device_as_named']}) | {dtype} | {r['micro_batch']} | {r['derived_ms']:.2f} | "
-                         f"{r['measured_value']:g} {unit} | {d_over_m} | {rel} | | |")
-        else:
-            lines.append(f"| {r['group']} | {r['gpu']} ({r['device_as_named']}) | {dtype} | {r['micro_batch']} | {r['derived_ms']:.2f} | "
-                         f"{r['measured_value']:g} {unit} | {d_over_m} | {r['derived_relative']:.2f}x | {r['measured_relative']:.2f}x | "
-                         f"{fold(r['relative_error']):.2f} |")
-    lines.append("")
-    if summary.get("count"):
-        lines.append(f"Relative speed over {summary['count']} GPU figures: geometric mean error {summary['geomean']:.2f}x, worst "
-                     f"{summary['worst']:.2f}x ({summary['worst_row']}); targets {TARGET_GEOMEAN}x / {TARGET_WORST}x. "
-                     + "; ".join(f"{d}: {summary[d + '_geomean']:.2f}x / {summary[d + '_worst']:.2f}x"
-                                 for d in ("fp32", "fp16", "bf16") if d + "_geomean" in summary) + ".")
-    lines.append("Times are one layer, forward + backward, per the row's micro-batch. 'speed vs reference' is the time per "
-                 "sample relative to the group's reference GPU (lower is faster); error is derived / measured of that, "
-                 "folded to >= 1. Throughput rows compare ratios only (derived / measured is '-').")
+    lines = []
+    for name in (*SETS, "measured"):
+        part = [r for r in rows if r.get("set") == name]
+        if not part:
+            continue
+        lines += [f"## {SET_TITLES[name]}", "",
+                  "| group | gpu (as measured) | dtype | mb | derived ms | measured | derived / measured | speed vs reference: derived | measured | error |",
+                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in part:
+            unit = UNITS[r["metric"]]
+            dtype = r["dtype"] + (" (TF32)" if r["tf32"] else "")
+            d_over_m = f"{r['derived_over_measured']:.2f}" if r["derived_over_measured"] is not None else "-"
+            head = (f"| {r['group']} | {r['gpu']} ({r['device_as_named']}) | {dtype} | {r['micro_batch']} | {r['derived_ms']:.2f} | "
+                    f"{r['measured_value']:g} {unit} | {d_over_m} | ")
+            if r["relative_error"] is None:
+                rel = "reference" if r["gpu"] == r["reference_gpu"] else "-"
+                lines.append(head + f"{rel} | | |")
+            else:
+                lines.append(head + f"{r['derived_relative']:.2f}x | {r['measured_relative']:.2f}x | {fold(r['relative_error']):.2f} |")
+        lines += ["", summary_line(SET_TITLES[name], summary[name]), ""]
+    lines.append("Times are one layer, forward + backward ('ms fwd': the forward alone), per the row's micro-batch. 'speed vs "
+                 "reference' is the time per sample relative to the group's reference GPU (lower is faster); error is derived / "
+                 "measured of that, folded to >= 1. Throughput rows compare ratios only (derived / measured is '-'). The fitted "
+                 "fractions in baton/catalog.py were chosen on the fitting set alone.")
     return "\n".join(lines) + "\n"
+
+
+def summary_line(title: str, s: dict) -> str:
+    if not s.get("count"):
+        return f"{title}: no relative figures."
+    verdict = "meets" if s["meets_targets"] else "misses"
+    return (f"{title}: relative speed over {s['count']} GPU figures, geometric mean error {s['geomean']:.2f}x, worst "
+            f"{s['worst']:.2f}x ({s['worst_row']}); {verdict} the targets {TARGET_GEOMEAN}x / {TARGET_WORST}x. "
+            + "; ".join(f"{d}: {s[d + '_geomean']:.2f}x / {s[d + '_worst']:.2f}x" for d in ("fp32", "fp16", "bf16")
+                        if d + "_geomean" in s) + ".")
 
 
 def main() -> None:
@@ -198,9 +264,12 @@ def main() -> None:
     ap.add_argument("--no-cpu", action="store_true", help="do not time the layer on this CPU")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="profiles", help="file stem of the results")
+    ap.add_argument("--score-passes", choices=tuple(SCORE_PASSES), default=None,
+                    help="derive every reference row's eager attention with these passes over the scores instead of the "
+                         "row's own (fused_softmax: the accounting before the passes were priced)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    rows = reference_rows(Path(args.reference))
+    rows = reference_rows(Path(args.reference), score_passes=args.score_passes)
     rows += measured_table_rows(ROOT / "profiles" / "measured", profiles_dir() / "measured")  # shipped, then the user's
     if not args.no_cpu:
         rows.append(local_cpu_row())

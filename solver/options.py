@@ -23,7 +23,7 @@ import numpy as np
 from baton.costmodel import DeviceSlot, LayerCost, fitting_layers, layer_cost_of, layer_prices
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec, unit_counts
-from baton.profile import Profile
+from baton.profile import HOST_COLUMNS, Profile
 
 
 @functools.lru_cache(maxsize=256)
@@ -176,7 +176,7 @@ def monotone_in_share(profile: Profile) -> bool:
     df = profile.df
     for (_, _), g in df.groupby(["op", "micro_batch"]):
         g = g.sort_values("tp_share")
-        for col in ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes"):
+        for col in ("fwd_ms", "bwd_ms", "saved_bytes", "output_bytes", "param_bytes", *(c for c in HOST_COLUMNS if c in df)):
             v = g[col].to_numpy()
             if len(v) > 1 and np.any(np.diff(v) < -1e-12 * max(1.0, float(np.abs(v).max()))):
                 return False

@@ -72,3 +72,15 @@ def _own_user_directories(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real process group of this process alone (gloo, file rendezvous): an engine's collectives run over one rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -86,3 +86,29 @@ def test_result_rows_and_table_from_a_report():
     md = bench_gpu.markdown([both], env)
     assert md.count("-50.0%") == 2 and "timed back to back: mean absolute error 50.0%" in md
     assert "Cut short" not in md and "Cut short: 1 of 3 plans ran." in bench_gpu.markdown([both], {**env, "plans_asked": 3})
+
+
+def test_cpu_mode_runs_the_whole_benchmark_end_to_end(tmp_path):
+    """``--device cpu`` runs what a lent GPU runs, at tiny sizes: both tables, the plans, Baton against the reference
+    loop, the cost model's report of every plan, the files. So a GPU run can fail only on the GPU."""
+    import json
+
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--device", "cpu", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    env, rows = data["environment"], data["plans"]
+    assert "failed" not in env, env.get("failed")
+    assert [r["plan"] for r in rows] == [f"tiny mb {mb} x {4 // mb}, recompute {label}" for mb in (1, 2) for label in ("none", "all")]
+    assert env["plans_asked"] == len(rows) and env["models"][0]["model"] == "tiny-bf16-s32"
+    for r in rows:
+        assert r["iteration_ms"] > 0 and r["iteration_ms_predicted"] > 0 and r["back_to_back"] is not None
+        assert r["reference"]["tokens_per_s"] > 0 and r["ratio"] == pytest.approx(r["reference"]["median_ms"] / r["baton_median_ms"])
+        assert {"pipeline_ms", "optimizer_ms"} <= set(r["phases_ms"])
+        # The same computation: bf16 weights with fp32 masters on both sides, the same first batch.
+        assert r["losses"]["baton"] == pytest.approx(r["losses"]["reference"], rel=1e-3)
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| tiny mb 2 x 2, recompute all |" in md and "Baton / reference tokens/s: median" in md
+    assert (tmp_path / "profiles" / "measured" / "h100__tiny-bf16-s32__s32.csv").is_file()
+    assert (tmp_path / "profiles" / "measured" / "h100__tiny-bf16-s32__s32.command.json").is_file()
+    assert (tmp_path / "gpu_table_back_to_back.csv").is_file()

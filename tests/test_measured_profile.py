@@ -283,6 +283,10 @@ def test_back_to_back_times_pieces_of_repetitions_without_a_sync_between(monkeyp
             clock["timed"].append(clock["ms"] - start)
             return clock["ms"] - start
 
+        def both(self, fn):  # device and host, one reading as on a CPU
+            t = self(fn)
+            return t, t
+
     meters, keys = [], []
 
     class KeptMeter(op_profiler.SavedBytes):

@@ -69,10 +69,10 @@ def test_master_weights_take_the_bytes_of_eq7(dtype):
 def test_chunked_master_step_equals_one_adamw_step_over_all_masters(dtype):
     """The mixed-precision step unscales and updates a chunk of parameters at a time (the fp32 gradients
     never exist whole), each chunk's gradients unscaled and its weights rounded back in one call. It must equal, bit for
-    bit, one AdamW step over every master with every gradient unscaled: weight-decay groups split across
+    bit, one AdamW step (the same kernel) over every master with every gradient unscaled: weight-decay groups split across
     chunks, a parameter without a gradient, gradient clipping's factor and fp16's loss scale included; and
     the optimizer's groups are whole again afterwards (checkpoints and the learning rate read them)."""
-    from runtime.train.precision import MasterWeights, compute_dtype
+    from runtime.train.precision import CPU_ADAMW_KERNEL, MasterWeights, compute_dtype
 
     g = torch.Generator().manual_seed(0)
     shapes = [(48,), (96, 48), (96,), (48, 48), (48,), (192, 48), (48, 192), (300, 48)] * 3
@@ -85,7 +85,7 @@ def test_chunked_master_step_equals_one_adamw_step_over_all_masters(dtype):
     ref = [torch.nn.Parameter(t.clone()) for t in full]
     opt = torch.optim.AdamW([{"params": [r for r, d in zip(ref, decays) if d]},
                              {"params": [r for r, d in zip(ref, decays) if not d], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **CPU_ADAMW_KERNEL)
     want, clip = compute_dtype(dtype), 0.5
     sizes = [len(group["params"]) for group in mw.optimizer.param_groups]
     for step, gs in enumerate(grads):

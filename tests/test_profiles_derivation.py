@@ -1,6 +1,7 @@
 """The calibrated derivation (catalog fractions, TF32, fixed costs), calibration, and per-node NICs."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -10,8 +11,12 @@ from baton.catalog import ARCHITECTURES, CATALOG
 from baton.cluster import from_mapping
 from baton.errors import BatonError
 from baton.model_spec import PRESETS
-from baton.operators import layer_operators
-from baton.profile import calibrate, calibration_summary, derive_table, same_architecture
+from baton.operators import RUNTIME_SCORE_PASSES, SCORE_PASSES, dims, layer_operators, score_pass_bytes
+from baton.profile import _time_ms, calibrate, calibration_summary, derive_table, launch_ms, same_architecture
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_profiles  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parent.parent / "profiles" / "reference" / "layers.csv"
 GPT13_FP32 = PRESETS["gpt3-1.3b"].with_overrides(seq_len=512, dtype="fp32", attention="eager")  # as the issue-14 figures ran
@@ -38,18 +43,14 @@ def test_derivation_ranks_gpus_in_the_measured_order_of_the_reference_layer():
 
 
 def test_every_reference_group_is_ranked_in_the_measured_order():
-    ref = pd.read_csv(REFERENCE)
-    for group, rows in ref.groupby("group"):
-        spec = PRESETS[rows.base_model.iloc[0]].with_overrides(seq_len=int(rows.seq_len.iloc[0]), dtype=rows.dtype.iloc[0],
-                                                               attention=rows.attention.iloc[0])
-        per_sample_measured, per_sample_derived = {}, {}
-        for r in rows.itertuples():
-            tf32 = str(r.tf32).lower() == "true"
-            per_sample_derived[r.gpu] = layer_ms(spec, r.gpu, mb=int(r.micro_batch), tf32=tf32) / r.micro_batch
-            per_sample_measured[r.gpu] = r.value / r.micro_batch if r.metric == "layer_ms" else 1 / r.value
-        gpus = sorted(per_sample_measured)
-        bad = [(a, b) for a in gpus for b in gpus
-               if per_sample_measured[a] < 0.9 * per_sample_measured[b] and per_sample_derived[a] > per_sample_derived[b]]
+    """Fitting and held-out figures alike, each derived as bench/bench_profiles.py derives it (the row's layer
+    shape, attention, TF32 setting and metric): a GPU measured more than 10% faster than another in its group
+    is derived faster too."""
+    rows = bench_profiles.reference_rows(REFERENCE)
+    for group in {r["group"] for r in rows}:
+        measured = {r["gpu"]: r["measured_per_sample"] for r in rows if r["group"] == group}
+        derived = {r["gpu"]: r["derived_per_sample"] for r in rows if r["group"] == group}
+        bad = [(a, b) for a in measured for b in measured if measured[a] < 0.9 * measured[b] and derived[a] > derived[b]]
         assert not bad, f"{group}: measured faster but derived slower: {bad}"
 
 
@@ -76,6 +77,53 @@ def test_small_operators_cost_the_generations_fixed_costs():
     assert ln.fwd_ms == pytest.approx((volta.small_op_us + volta.launch_us) * 1e-3)
     gelu = df[df.op == "gelu"].iloc[0]
     assert volta.launch_us * 1e-3 < gelu.fwd_ms < ln.fwd_ms
+
+
+def _attention_ms(spec, gpu, impl, mb=1):
+    df = derive_table(spec, gpu, micro_batches=(mb,), shares=(1.0,), score_pass_impl=impl).set_index("op")
+    return {op: (float(df.loc[op, "fwd_ms"]), float(df.loc[op, "bwd_ms"])) for op in ("attn_scores", "softmax", "attn_v")}
+
+
+@pytest.mark.parametrize("impl", sorted(SCORE_PASSES))
+def test_eager_attention_pays_each_pass_over_the_scores_as_a_kernel_of_its_own(impl):
+    """Each separate pass (the scale, the mask) reads and writes the (b, a, s, s) scores in a kernel with its own
+    launch, added to the operator's main kernel: a derivation that counts the runtime's scores written once, or
+    folds a pass into the bmm's roofline (where V100's compute time would hide it), fails here."""
+    spec = GPT13_FP32.with_overrides(seq_len=2048)
+    gpu = CATALOG["v100-16gb"]
+    base, priced = _attention_ms(spec, gpu, "fused_softmax"), _attention_ms(spec, gpu, impl)
+    moved = score_pass_bytes(dims(spec, 1))
+    one_pass = _time_ms(moved / (2 * spec.dtype_bytes), moved, "elementwise", gpu, spec.dtype) + launch_ms(gpu)
+    for op in ("attn_scores", "softmax", "attn_v"):
+        fwd, bwd = SCORE_PASSES[impl].get(op, (0, 0))
+        assert priced[op][0] == pytest.approx(base[op][0] + fwd * one_pass)
+        assert priced[op][1] == pytest.approx(base[op][1] + bwd * one_pass)
+
+
+def test_the_runtimes_passes_are_the_default_and_a_fused_softmax_has_none():
+    """Baton's runtime scales in one kernel and adds the causal bias in another (forward), and the scale has a
+    backward pass; derived tables for planning price that. A fused scale-mask-softmax adds nothing."""
+    assert SCORE_PASSES[RUNTIME_SCORE_PASSES] == {"attn_scores": (1, 1), "softmax": (1, 0)}
+    assert SCORE_PASSES["fused_softmax"] == {}
+    default = derive_table(GPT13_FP32, "a100-40gb", micro_batches=(1,), shares=(1.0,))
+    runtime = derive_table(GPT13_FP32, "a100-40gb", micro_batches=(1,), shares=(1.0,), score_pass_impl=RUNTIME_SCORE_PASSES)
+    pd.testing.assert_frame_equal(default, runtime)
+    with pytest.raises(ValueError, match="unknown score-pass"):
+        derive_table(GPT13_FP32, "a100-40gb", micro_batches=(1,), shares=(1.0,), score_pass_impl="flash")
+
+
+def test_reference_rows_name_the_passes_their_code_made():
+    """Every reference row says how its code scaled and masked the scores, and bench_profiles derives it that way."""
+    ref = pd.read_csv(REFERENCE)
+    assert set(ref.score_passes) <= set(SCORE_PASSES)
+    by_source = ref.groupby(ref.group.str.split("-").str[0]).score_passes.agg(set).to_dict()
+    assert by_source["aceso"] == {"fused_softmax"}  # Megatron's fused kernel, fp16
+    assert by_source["metis"] == {"scale_fill_mask"}  # Megatron's unfused path, fp32
+    rows = bench_profiles.reference_rows(REFERENCE)
+    aceso = next(r for r in rows if r["group"].startswith("aceso") and r["gpu"] == "a100-40gb")
+    assert aceso["score_passes"] == "fused_softmax"
+    runtime = bench_profiles.reference_rows(REFERENCE, score_passes=RUNTIME_SCORE_PASSES)
+    assert next(r for r in runtime if r["group"] == aceso["group"] and r["gpu"] == "a100-40gb")["derived_ms"] > aceso["derived_ms"]
 
 
 def test_every_achievable_figure_has_a_source():

@@ -2,7 +2,8 @@
 
 Tables are measured in the model's dtype, as ``baton train`` runs it (``runtime.train.precision``): bf16 runs on
 CPUs and GPUs, fp16 on GPUs only (CPUs do not train in it), and the optimizer row times the runtime's
-own step (fp32 master weights for fp16/bf16).
+own step (fp32 master weights for fp16/bf16). Each layer is timed as a training iteration runs it, with the
+host's time to launch it beside (``runtime.measure.op_profiler.time_in_step``; eq. 2h of docs/cost-model.md).
 
 The ``profile`` command itself belongs to the planning core, which derives tables from the catalog
 (``--analytic``); measuring runs the runtime's own layer, so the runtime hands the core this branch
@@ -68,7 +69,8 @@ def measure(req: MeasureRequest) -> None:
                   + (f"{req.concurrent} profilers at once, one thread each" if req.concurrent > 1
                      else f"{torch.get_num_threads()} threads")
                   + f", median of {req.reps} after {req.warmup} warm-up"
-                  + (", layers, embedding and head back to back in pieces)" if req.back_to_back else ")"))
+                  + ", layers timed in a step with the host's launch times beside"
+                  + ("; embedding and head back to back in pieces)" if req.back_to_back else ")"))
     if req.comm:
         _measure_link(spec, dev, req.micro_batches, req.comm_ranks, path)
 

@@ -7,6 +7,7 @@ over the catalog peaks of the devices used, as the evaluator's MFU).
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,12 +31,75 @@ class Meter:
     in_backward: bool = False
     saved: "SavedBytes | None" = None
     recompute_spans: list | None = None
-    """When a list (``--trace``): (start, end) perf_counter seconds of every recomputed segment."""
+    """When a list (``--trace``): (start, end) perf_counter seconds of every recomputed segment (CPU; on CUDA
+    the spans come from ``clock``)."""
+    clock: "PhaseClock | None" = None
+    """The step's clock (set by the engine for a step): recomputed segments are timed on it, under
+    ``("recompute", backward_mb)``."""
+    backward_mb: int = 0
+    """The micro-batch whose backward runs now (meaningful while ``in_backward``)."""
 
     def reset(self) -> None:
         self.calls.clear()
         self.recomputed.clear()
         self.recompute_s = 0.0
+
+
+class PhaseClock:
+    """Times the phases of one step (passes, recomputation, collectives) without reading the device inside it.
+
+    On CPU every op has finished when it returns, so ``perf_counter`` around a phase is its time. On CUDA a
+    ``perf_counter`` around a phase times its launches only, and a ``torch.cuda.synchronize()`` per phase
+    would stall the host once per micro-batch (the GPU then idles while the host launches the next pass):
+    instead a pair of ``torch.cuda.Event``s is recorded on the current stream around each phase, and the
+    events are read by ``resolve`` once the step's one host read has waited for the stream, when every
+    event is complete (``elapsed_time`` then reads the recorded times without waiting for the device).
+    With ``enabled`` False (CUDA, nothing asked for the times) nothing is recorded at all.
+
+    A span's host times (trace spans) on CUDA are the clock's host start plus the event's time after the
+    clock's first event: exact when the stream was idle at the clock's start, else shifted by the wait."""
+
+    def __init__(self, *, events: bool, enabled: bool = True):
+        self.events = events
+        """Time with CUDA events (else ``perf_counter``)."""
+        self.enabled = enabled
+        self.spans: list[tuple[object, object, object]] = []
+        """(key, start, end): perf_counter seconds, or recorded events until ``resolve``."""
+        self.host_start_s = time.perf_counter()
+        self._origin = self._mark() if events and enabled else None
+
+    def _mark(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream, behind the work launched so far
+        return event
+
+    def start(self):
+        """A phase begins: a token for ``stop`` (None when disabled)."""
+        return self._mark() if self.enabled else None
+
+    def stop(self, token, key) -> None:
+        """The phase begun at ``token`` ends; its time counts under ``key``."""
+        if token is not None:
+            self.spans.append((key, token, self._mark()))
+
+    def resolve(self) -> list[tuple[object, float, float]]:
+        """Every span as (key, start, end) host perf_counter seconds, in the order they were stopped. On CUDA
+        call it only after a host read that waited for the stream (``Event.elapsed_time`` refuses an event
+        the GPU has not reached)."""
+        if not self.events:
+            return list(self.spans)
+        o, h = self._origin, self.host_start_s
+        return [(key, h + o.elapsed_time(a) / 1e3, h + o.elapsed_time(b) / 1e3) for key, a, b in self.spans]
+
+    @staticmethod
+    def totals_ms(spans) -> dict:
+        """Key -> summed milliseconds of resolved ``spans``."""
+        out: dict = {}
+        for key, a, b in spans:
+            out[key] = out.get(key, 0.0) + (b - a) * 1e3
+        return out
 
 
 class SavedBytes:

@@ -3,7 +3,10 @@
 Each operator of ``runtime.parallel.tp_layer.ParallelBlock`` (the code ``baton train`` runs) is called on its
 own, with inputs made by running the layer's earlier operators once, at every requested micro-batch
 size and tensor-parallel share. Forward and backward are timed after warm-up over several
-repetitions and the median is kept; on CUDA with events, on CPU with a monotonic clock. Saved bytes
+repetitions and the median is kept; on CUDA with events, on CPU with a monotonic clock. The operators' times
+are then scaled to add up to the layer timed as a step runs it (``in_step``: every layer of a small stack
+forward, then backward, each layer's passes between CUDA events), and the host's time to launch each pass
+is timed beside the device's (eq. 2h). Saved bytes
 are what autograd keeps for the operator's backward (storages counted once, parameters excluded).
 Every measurement seeds its own inputs, so the table does not depend on the order of the runs.
 The table also holds one timed step after the passes (gradient norm and AdamW update, row ``optimizer``),
@@ -24,10 +27,12 @@ import torch
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, layer_operators, operator_param_bytes
-from baton.profile import COLUMNS, OPTIMIZER, validate_table
+from baton.costmodel import segments_per_block
+from baton.memory import recompute_space
+from baton.profile import COLUMNS, HOST_COLUMNS, OPTIMIZER, validate_table
 from runtime.launch.affinity import pin_rank
 from runtime.launch.host_memory import keep_freed_memory
-from runtime.measure.meters import SavedBytes
+from runtime.measure.meters import Meter, SavedBytes
 from runtime.train.precision import MasterWeights, compute_dtype
 from runtime.train.optim_settings import grad_square_sum
 from runtime.launch.processes import die_with_parent, stop_processes
@@ -49,6 +54,12 @@ class Measurement:
     """Bytes autograd keeps for this operator's backward."""
     output_bytes: int
     """Bytes of the operator's outputs."""
+    fwd_host_ms: float = 0.0
+    """Median host time of the forward call, not waiting for the device (on a CPU the forward time itself)."""
+    bwd_host_ms: float = 0.0
+    """The same for the backward."""
+    seg_host_ms: float = 0.0
+    """Host cost of a recomputed segment ending at this operator, beyond its operators' launches (eq. 2h)."""
 
 
 class _Timer:
@@ -58,17 +69,25 @@ class _Timer:
         self.cuda = device.type == "cuda"
 
     def __call__(self, fn: Callable[[], object]) -> float:
+        return self.both(fn)[0]
+
+    def both(self, fn: Callable[[], object]) -> tuple[float, float]:
+        """(device ms, host ms) of ``fn`` from an idle device. The host's is the wall time of the call, which
+        returns once its kernels are launched; on a CPU, whose operators run in the call, the two are one reading."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
+            t0 = time.perf_counter()
             start.record()
             fn()
             end.record()
+            host = (time.perf_counter() - t0) * 1e3
             torch.cuda.synchronize()
-            return start.elapsed_time(end)
+            return start.elapsed_time(end), host
         t0 = time.perf_counter()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        t = (time.perf_counter() - t0) * 1e3
+        return t, t
 
 
 def _saved_bytes(fn: Callable[[], object], params: list[torch.Tensor]) -> tuple[int, object]:
@@ -174,18 +193,20 @@ def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[],
 
     for p in params:
         p.grad = torch.zeros_like(p) if as_trained else None
-    fwd, bwd = [], []
+    fwd, bwd, fwd_host, bwd_host = [], [], [], []
     for i in range(warmup + (0 if back_to_back else reps)):
         inputs = make_inputs()
-        t_f = timer(lambda: forward(inputs))
+        t_f, h_f = timer.both(lambda: forward(inputs))
         outs, grads = graph(inputs)
         fresh_gradients()
-        t_b = timer(lambda: torch.autograd.backward(outs, grads)) if outs else 0.0
+        t_b, h_b = timer.both(lambda: torch.autograd.backward(outs, grads)) if outs else (0.0, 0.0)
         if meter is not None:
             meter.release(0)
         if i >= warmup:
             fwd.append(t_f)
             bwd.append(t_b)
+            fwd_host.append(h_f)
+            bwd_host.append(h_b)
     if back_to_back:
         # At least three pieces where there are repetitions enough, so one stall cannot make the figure.
         at_once = min(reps_at_once(device, saved + 3 * output_bytes, reps), max(1, -(-reps // 3)))
@@ -197,7 +218,9 @@ def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[],
                 for k, x in zip(keys, batch):
                     forward(x, k)
 
-            fwd.append(timer(forwards) / len(keys))
+            t_f, h_f = timer.both(forwards)
+            fwd.append(t_f / len(keys))
+            fwd_host.append(h_f / len(keys))
             graphs = [graph(x, k) for k, x in zip(keys, batch)]
 
             def backwards():
@@ -205,7 +228,9 @@ def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[],
                     fresh_gradients()
                     torch.autograd.backward(outs, grads)
 
-            bwd.append(timer(backwards) / len(keys) if graphs[0][0] else 0.0)
+            t_b, h_b = timer.both(backwards) if graphs[0][0] else (0.0, 0.0)
+            bwd.append(t_b / len(keys))
+            bwd_host.append(h_b / len(keys))
             del graphs
             if meter is not None:
                 for k in keys:
@@ -213,7 +238,9 @@ def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[],
     for p in params:
         p.grad = None
     bwd_ms = max(statistics.median(bwd) - backward_overhead_ms, 0.0) if any(bwd) else 0.0
-    return Measurement(fwd_ms=statistics.median(fwd), bwd_ms=bwd_ms, saved_bytes=saved, output_bytes=output_bytes)
+    bwd_host_ms = max(statistics.median(bwd_host) - backward_overhead_ms, 0.0) if any(bwd) else 0.0
+    return Measurement(fwd_ms=statistics.median(fwd), bwd_ms=bwd_ms, saved_bytes=saved, output_bytes=output_bytes,
+                       fwd_host_ms=statistics.median(fwd_host), bwd_host_ms=bwd_host_ms)
 
 
 def local_sizes(spec: ModelSpec, share: float) -> tuple[int, int]:
@@ -245,18 +272,26 @@ def _init(module: torch.nn.Module, seed: int) -> None:
 
 def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share: float, *, warmup: int, reps: int,
                   seed: int = 0, backward_overhead_ms: float = 0.0,
-                  back_to_back_overhead_ms: float | None = None) -> dict[str, Measurement]:
-    """Measure every operator of one layer at one (micro-batch, share). Given ``back_to_back_overhead_ms``, the
-    whole layer, which the operators' times are scaled to, is timed back to back (``measure``), its backward
-    less that; each operator alone still gives its share."""
+                  back_to_back_overhead_ms: float | None = None, in_step: bool = False,
+                  segment: bool = False) -> dict[str, Measurement]:
+    """Measure every operator of one layer at one (micro-batch, share), then scale the operators to the whole
+    layer: with ``in_step`` timed as a step runs it (``in_step``), device and host apart; otherwise from an idle
+    device (``measure``), back to back in pieces given ``back_to_back_overhead_ms``, its backward less that.
+    Each operator alone gives its share. With ``in_step`` and ``segment``, every operator's ``seg_host_ms`` is
+    the host cost of one recomputed segment (``segment_host_ms``), the same wherever a segment ends."""
     dtype = compute_dtype(spec.dtype)
     nh, nf = local_sizes(spec, share)
-    block = parallel_block(spec, 0, heads=range(nh), ffn_cols=range(nf))
-    _init(block, seed)
-    block = block.to(device=device, dtype=dtype)
-    block.train()
+
+    def make_block(layer: int, recompute=frozenset()) -> ParallelBlock:
+        blk = parallel_block(spec, layer, heads=range(nh), ffn_cols=range(nf), recompute=recompute)
+        _init(blk, seed + layer)
+        blk = blk.to(device=device, dtype=dtype)
+        blk.train()
+        return blk
+
+    block = make_block(0)
     params = list(block.parameters())
-    mb = MicroBatch(seed=seed, step=0, samples=torch.arange(micro_batch))
+    mb = MicroBatch(seed=seed, step=0, samples=torch.arange(micro_batch).to(device))  # on the device, as the engine's
     g = _seeded(seed + 1)
     env = {LAYER_INPUT: torch.randn(micro_batch, spec.seq_len, spec.hidden_dim, generator=g).to(device=device, dtype=dtype)}
     results = {}
@@ -275,8 +310,118 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
         for partial_name, full_name in ALLREDUCE_OUTPUTS.items():
             if partial_name in env:
                 env[full_name] = env[partial_name]  # one device: the all-reduce is the identity
-    return _in_context(results, block, mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps,
-                       **_whole_timing(backward_overhead_ms, back_to_back_overhead_ms))
+    if not in_step:
+        return _in_context(results, block, mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps,
+                           **_whole_timing(backward_overhead_ms, back_to_back_overhead_ms))
+    whole = time_in_step(make_block, mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps)
+    scaled = _scaled(results, whole)
+    if segment:
+        everything = frozenset(o.name for o in layer_operators(spec))
+        rec = time_in_step(lambda i: make_block(i, everything), mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps)
+        ms = segment_host_ms(spec, whole, rec)
+        scaled = {name: replace(m, seg_host_ms=ms) for name, m in scaled.items()}
+    return scaled
+
+
+STACK_LAYERS = 4
+"""Layers of the stack ``time_in_step`` runs. Its first layer's forward starts from an idle device and its last
+layer's backward starts the backward pass, which a stage of many layers pays once; each pass's figure is the
+median over the other layers, each of which follows another layer's pass as in a step."""
+
+
+def time_in_step(make_block: Callable[..., ParallelBlock], mb: MicroBatch, x: torch.Tensor, device: torch.device, *,
+                 warmup: int, reps: int) -> Measurement:
+    """One layer's passes timed as a training iteration runs them: ``STACK_LAYERS`` layers (``make_block(i)``)
+    forward one after another, then one backward through them all, adding into gradients that exist, with
+    the saved-activation meter on (``runtime.train.engine``), and no synchronisation inside the iteration.
+    Each layer's forward and backward lies between two marks: a host clock reading and, on a GPU, a CUDA
+    event recorded there (in the backward, in a hook on the gradient of each layer's input, which autograd
+    calls once that layer's backward is done).
+
+    Device time is the events' difference: how long the layer holds the device's stream in a step, its
+    kernels back to back where the host has run ahead, with the waits for launches where it has not. Host
+    time is the clock's difference: the Python calls, which return once their kernels are queued (plus
+    whatever the layer's own code waits for, as a step waits for it too). On a CPU the operators run inside
+    the calls, so both are the clock's one reading. The result has each pass's median over repetitions and
+    layers, and no bytes (the operators' own give them).
+    """
+    cuda = device.type == "cuda"
+    blocks = [make_block(i) for i in range(STACK_LAYERS)]
+    params = [p for blk in blocks for p in blk.parameters()]
+    saved = SavedBytes(params)
+    for blk in blocks:
+        blk.meter = Meter(saved=saved)
+    for p in params:
+        p.grad = torch.zeros_like(p)  # the engine's gradient buffer: backward adds into it
+    fwd, bwd, fwd_host, bwd_host = [], [], [], []
+
+    def mark(events: list, clocks: list) -> None:
+        if cuda:
+            events[len(clocks)].record()
+        clocks.append(time.perf_counter())
+
+    for i in range(warmup + reps):
+        f_ev = [torch.cuda.Event(enable_timing=True) for _ in range(STACK_LAYERS + 1)] if cuda else []
+        b_ev = [torch.cuda.Event(enable_timing=True) for _ in range(STACK_LAYERS + 1)] if cuda else []
+        f_clock: list[float] = []
+        b_clock: list[float] = []
+        xs = [x.detach().requires_grad_()]
+        if cuda:
+            torch.cuda.synchronize()
+        with saved.record(0):
+            mark(f_ev, f_clock)
+            for blk in blocks:
+                xs.append(blk(xs[-1], mb))
+                mark(f_ev, f_clock)
+        # Gradients of the layers' inputs, last layer first: b_clock[k + 1] closes layer STACK_LAYERS - 1 - k.
+        for k in reversed(range(STACK_LAYERS)):
+            xs[k].register_hook(lambda g: mark(b_ev, b_clock))
+        grad = torch.ones_like(xs[-1])
+        mark(b_ev, b_clock)
+        torch.autograd.backward(xs[-1], grad)
+        saved.release(0)
+        if cuda:
+            torch.cuda.synchronize()
+        # Not the first layer's forward (from an idle device) nor the last layer's backward (starting the pass).
+        f_host = [(b - a) * 1e3 for a, b in zip(f_clock, f_clock[1:])][1:]
+        b_host = [(b - a) * 1e3 for a, b in zip(b_clock, b_clock[1:])][1:]
+        f_dev = [a.elapsed_time(b) for a, b in zip(f_ev, f_ev[1:])][1:] if cuda else f_host
+        b_dev = [a.elapsed_time(b) for a, b in zip(b_ev, b_ev[1:])][1:] if cuda else b_host
+        if i >= warmup:
+            fwd += f_dev
+            bwd += b_dev
+            fwd_host += f_host
+            bwd_host += b_host
+    for p in params:
+        p.grad = None
+    return Measurement(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), saved_bytes=0, output_bytes=0,
+                       fwd_host_ms=statistics.median(fwd_host), bwd_host_ms=statistics.median(bwd_host))
+
+
+def segment_host_ms(spec: ModelSpec, plain: Measurement, recomputed: Measurement) -> float:
+    """Host cost of one recomputed segment beyond its operators' launches, from a layer timed in a step with
+    nothing and with every operator recomputed (``time_in_step``). Eq. 2h charges the second layer
+    fwd_host + bwd_host + fwd_host (the replay) + segments x this, all of the segments' cost in the backward,
+    so this is what makes eq. 2h give the measured host time of the whole layer; 0 where noise makes it less."""
+    everything = frozenset(o.name for o in layer_operators(spec))
+    attn, mlp = segments_per_block(spec, recompute_space(spec, (everything,)))
+    segments = float(attn[0] + mlp[0])
+    extra = (recomputed.fwd_host_ms + recomputed.bwd_host_ms) - (2 * plain.fwd_host_ms + plain.bwd_host_ms)
+    return max(extra / segments, 0.0)
+
+
+def _scaled(results: dict[str, Measurement], whole: Measurement) -> dict[str, Measurement]:
+    """Operators scaled to add up to ``whole``, device and host times each to their own total."""
+    def factor(total: float, parts: float) -> float:
+        return total / parts if parts > 0 else 1.0
+
+    kf = factor(whole.fwd_ms, sum(m.fwd_ms for m in results.values()))
+    kb = factor(whole.bwd_ms, sum(m.bwd_ms for m in results.values()))
+    kfh = factor(whole.fwd_host_ms, sum(m.fwd_host_ms for m in results.values()))
+    kbh = factor(whole.bwd_host_ms, sum(m.bwd_host_ms for m in results.values()))
+    return {name: Measurement(fwd_ms=m.fwd_ms * kf, bwd_ms=m.bwd_ms * kb, saved_bytes=m.saved_bytes, output_bytes=m.output_bytes,
+                              fwd_host_ms=m.fwd_host_ms * kfh, bwd_host_ms=m.bwd_host_ms * kbh)
+            for name, m in results.items()}
 
 
 def _whole_timing(backward_overhead_ms: float, back_to_back_overhead_ms: float | None) -> dict:
@@ -398,12 +543,20 @@ def profile_optimizer(spec: ModelSpec, device: torch.device, *, warmup: int, rep
 
 def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2), shares=(1.0,), warmup: int = 2, reps: int = 5,
                   gpu_name: str | None = None, progress=None, concurrent: int = 1, timeout_s: float | None = None,
-                  back_to_back: bool = False) -> pd.DataFrame:
+                  back_to_back: bool = False, in_step: bool = True) -> pd.DataFrame:
     """The measured table (schema of ``baton.profile``) for the local device.
 
-    With ``back_to_back`` each layer, embedding and head is timed in pieces of several repetitions run one
-    after another (``measure``), not one repetition from an idle device: on a GPU whose kernels are short,
-    the host's launches then overlap the kernels as they do in a training step.
+    With ``in_step`` (the default) each layer is timed as a training iteration runs it (``time_in_step``) and
+    the table has the host columns (``baton.profile.HOST_COLUMNS``: each operator's, embedding's and head's
+    launch time, and a recomputed segment's host cost), which eq. 2h compares with the device times. Timed
+    instead from an idle device, a layer whose kernels are shorter than their launches counts the launches
+    as device time, which a step hides behind the previous layer's kernels (19% off on average, 48% at
+    worst, against steps on an H200, bench/results/gpu-2026-11-26.md); without ``in_step`` the table is
+    the one made before host times were, with no host columns.
+
+    With ``back_to_back`` each embedding and head (and without ``in_step`` each layer) is timed in pieces of
+    several repetitions run one after another (``measure``), not one repetition from an idle device: on a
+    GPU whose kernels are short, the host's launches then overlap the kernels as they do in a training step.
 
     With ``concurrent`` > 1, that many profilers run at once, one per core (``BATON_PIN_CPUS=1``) or one
     per GPU (``cuda``: devices 0..n-1), in step with each other, and each time in the table is the
@@ -433,11 +586,12 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
             raise BatonError(f"GPUs 0..{concurrent - 1} are of different types ({', '.join(sorted(kinds))}): one table is one "
                              "type; profile each type on its own", field="--concurrent")
     if concurrent == 1:
-        return _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, lambda: None, back_to_back)
-    return _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, concurrent, timeout_s, back_to_back)
+        return _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, lambda: None, back_to_back, in_step)
+    return _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, concurrent, timeout_s, back_to_back,
+                             in_step)
 
 
-def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync, back_to_back=False) -> pd.DataFrame:
+def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync, back_to_back=False, in_step=True) -> pd.DataFrame:
     if dev.type == "cpu":
         keep_freed_memory()  # host memory in the state training runs in (runtime.train.engine, runtime.launch.host_memory)
     ops = {o.name: o for o in layer_operators(spec)}
@@ -451,14 +605,18 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
               "back_to_back_overhead_ms": backward_call_overhead_ms(dev, back_to_back=True) if back_to_back else None}
     opt_bytes, opt_ms = profile_optimizer(spec, dev, warmup=warmup, reps=reps)
     rows = []
+    segment_ms: dict[int, float] = {}
     total = len(micro_batches) * (len(shares) + 1)
     done = 0
     for b in sorted(micro_batches):
         for share in sorted(shares):
             sync()
-            measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, **timing)
+            measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, in_step=in_step,
+                                     segment=in_step and share == max(shares), **timing)
+            if in_step and share == max(shares):
+                segment_ms[b] = next(iter(measured.values())).seg_host_ms
             if other_ops:
-                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, **timing)
+                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, in_step=in_step, **timing)
                 measured.update({n: layer[n] for n in other_ops})
             for op_name, m in measured.items():
                 op = ops.get(op_name) or other_ops[op_name]
@@ -466,7 +624,8 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
                     continue  # replicated operators are the same at every share: one row at share 1
                 row_share = share if op.tp_split else 1.0
                 params = operator_param_bytes(spec, op, share)
-                rows.append((name, spec.name, op_name, b, spec.seq_len, row_share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params, "measured"))
+                rows.append((name, spec.name, op_name, b, spec.seq_len, row_share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params,
+                             "measured", m.fwd_host_ms, m.bwd_host_ms, 0.0))
             done += 1
             if progress:
                 progress(done, total)
@@ -474,16 +633,23 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
         for share in sorted(shares):  # the vocabulary is split like the units
             for op_name, (m, params) in profile_edges(spec, dev, b, share, warmup=warmup, reps=reps, **timing).items():
                 rows.append((name, spec.name, op_name, b, spec.seq_len, share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes,
-                             params, "measured"))
-        rows.append((name, spec.name, OPTIMIZER, b, spec.seq_len, 1.0, opt_ms, 0.0, 0, 0, opt_bytes, "measured"))
+                             params, "measured", m.fwd_host_ms, m.bwd_host_ms, 0.0))
+        rows.append((name, spec.name, OPTIMIZER, b, spec.seq_len, 1.0, opt_ms, 0.0, 0, 0, opt_bytes, "measured", 0.0, 0.0, 0.0))
         done += 1
         if progress:
             progress(done, total)
-    return validate_table(pd.DataFrame(rows, columns=COLUMNS), source=f"<measured {name}/{spec.name}>")
+    table = pd.DataFrame(rows, columns=COLUMNS + HOST_COLUMNS)
+    # A segment's cost, measured at the largest share, at every share of the layer's operators (either attention's).
+    layer_rows = table["op"].isin(list(ops) + list(other_ops))
+    for b, ms in segment_ms.items():
+        table.loc[layer_rows & (table["micro_batch"] == b), "seg_host_ms"] = ms
+    if not in_step:  # the table as it was before host times: their columns absent, so eq. 2h is eq. 2
+        table = table[COLUMNS]
+    return validate_table(table, source=f"<measured {name}/{spec.name}>")
 
 
 def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, warmup, reps, barrier, results, progress_q,
-                       parent_pid, back_to_back=False) -> None:
+                       parent_pid, back_to_back=False, in_step=True) -> None:
     die_with_parent(parent_pid)  # a killed `baton profile` must not leave profilers holding the cores
     try:
         torch.set_num_threads(1)
@@ -492,7 +658,8 @@ def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, war
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         report = (lambda done, total: progress_q.put((done, total))) if rank == 0 else None
-        df = _table(spec, dev, name, micro_batches, shares, warmup, reps, report, lambda: barrier.wait(timeout=600), back_to_back)
+        df = _table(spec, dev, name, micro_batches, shares, warmup, reps, report, lambda: barrier.wait(timeout=600), back_to_back,
+                    in_step)
         results.put((rank, df.to_dict("list")))
     except threading.BrokenBarrierError:
         results.put((rank, None))  # a peer failed and says why
@@ -501,7 +668,8 @@ def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, war
         barrier.abort()
 
 
-def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, n, timeout_s, back_to_back=False) -> pd.DataFrame:
+def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, n, timeout_s, back_to_back=False,
+                      in_step=True) -> pd.DataFrame:
     import queue
 
     import torch.multiprocessing as mp
@@ -509,7 +677,8 @@ def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, prog
     ctx = mp.get_context("spawn")
     barrier, results, progress_q = ctx.Barrier(n), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_concurrent_worker, args=(r, spec, dev.type, name, tuple(micro_batches), tuple(shares), warmup, reps,
-                                                          barrier, results, progress_q, os.getpid(), back_to_back), daemon=True)
+                                                          barrier, results, progress_q, os.getpid(), back_to_back, in_step),
+                          daemon=True)
              for r in range(n)]
     for p in procs:
         p.start()
@@ -541,7 +710,7 @@ def median_of_tables(tables: list[pd.DataFrame]) -> pd.DataFrame:
     """One table from several measurements of the same structure: times are medians, bytes the first's."""
     key = ["op", "micro_batch", "tp_share"]
     first = tables[0].set_index(key)
-    for col in ("fwd_ms", "bwd_ms"):
+    for col in ("fwd_ms", "bwd_ms", *(c for c in HOST_COLUMNS if c in first.columns)):
         stacked = pd.concat([t.set_index(key)[col] for t in tables], axis=1)
         first[col] = stacked.median(axis=1)
     return validate_table(first.reset_index(), source="<measured>")

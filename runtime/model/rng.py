@@ -77,7 +77,9 @@ def _uniform(base: int, samples: torch.Tensor, rows: torch.Tensor, cols: int, de
 def attention_keep(key: DropoutKey, samples: torch.Tensor, heads: range, seq_len: int, p: float,
                    device=None) -> torch.Tensor:
     """Boolean keep-mask (B, len(heads), T, T) for attention dropout on heads ``heads`` of the layer."""
-    rows = (torch.arange(heads.start, heads.stop)[:, None] * seq_len + torch.arange(seq_len)[None, :]).reshape(-1)
+    # Built on the device: a copy from pageable host memory would make the host wait for the stream at every dropout.
+    rows = (torch.arange(heads.start, heads.stop, device=device)[:, None] * seq_len
+            + torch.arange(seq_len, device=device)[None, :]).reshape(-1)
     u = _uniform(key.base("attn_dropout"), samples, rows, seq_len, device)
     return (u >= p).view(len(samples), len(heads), seq_len, seq_len)
 
@@ -85,7 +87,7 @@ def attention_keep(key: DropoutKey, samples: torch.Tensor, heads: range, seq_len
 def residual_keep(key: DropoutKey, op: str, samples: torch.Tensor, seq_len: int, hidden: int, p: float,
                   device=None) -> torch.Tensor:
     """Boolean keep-mask (B, T, h) for the dropout on a residual branch (``resid1`` or ``resid2``)."""
-    return _uniform(key.base(op), samples, torch.arange(seq_len), hidden, device) >= p
+    return _uniform(key.base(op), samples, torch.arange(seq_len, device=device), hidden, device) >= p
 
 
 def scaled(keep: torch.Tensor, p: float, dtype=torch.float32) -> torch.Tensor:

@@ -34,6 +34,11 @@ def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def group_size(group) -> int:
+    """Ranks of a tensor-parallel group (None: this rank alone)."""
+    return _world(group)
+
+
 def _reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """All-reduce (sum, or ``op``) across the group; bypassed for one rank."""
     if _world(group) == 1:

@@ -33,7 +33,7 @@ from baton.operators import ALLREDUCE_OUTPUTS, LAYER_INPUT, layer_operators
 from runtime.measure.meters import Meter
 from runtime.model.gpt import LN_EPS
 from runtime.model.rng import DropoutKey, attention_keep, dropout, residual_keep
-from runtime.parallel.tensor_parallel import copy_to_tp, reduce_from_tp
+from runtime.parallel.tensor_parallel import copy_to_tp, group_size, reduce_from_tp
 
 
 FUSED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
@@ -77,6 +77,9 @@ class ParallelBlock(nn.Module):
         self.spec, self.layer, self.heads, self.tp_group = spec, layer, heads, tp_group
         self.meter = meter or Meter()
         self._make_parameters(spec, len(heads), len(ffn_cols))
+        # Alone in its group a row-parallel product is whole, so its bias goes into the matrix product (one addmm,
+        # as nn.Linear does) instead of a separate pass after an all-reduce that does not happen.
+        self.bias_in_product = group_size(tp_group) == 1 and hasattr(self.attn.c_proj, "bias")
         self.program = _program(layer_operators(spec), frozenset(recompute))
 
     def _make_parameters(self, spec: ModelSpec, nl: int, fl: int) -> None:
@@ -142,7 +145,8 @@ class ParallelBlock(nn.Module):
 
     def _out_proj(self, mb, ctx):
         B, nl, T, hs = ctx.shape
-        return (F.linear(ctx.transpose(1, 2).reshape(B, T, nl * hs), self.attn.c_proj.weight),)  # partial (B, T, C)
+        bias = self.attn.c_proj.bias if self.bias_in_product else None
+        return (F.linear(ctx.transpose(1, 2).reshape(B, T, nl * hs), self.attn.c_proj.weight, bias),)  # partial (B, T, C)
 
     def _resid(self, name, bias, mb, branch, x):
         y = branch if bias is None else branch + bias
@@ -153,7 +157,7 @@ class ParallelBlock(nn.Module):
         return (x + y,)
 
     def _resid1(self, mb, attn_out, x):
-        return self._resid("resid1", self.attn.c_proj.bias, mb, attn_out, x)
+        return self._resid("resid1", None if self.bias_in_product else self.attn.c_proj.bias, mb, attn_out, x)
 
     def _ln2(self, mb, x):
         return (F.layer_norm(x, x.shape[-1:], self.ln_2.weight, self.ln_2.bias, LN_EPS),)
@@ -165,10 +169,10 @@ class ParallelBlock(nn.Module):
         return (F.gelu(h, approximate="tanh"),)
 
     def _fc2(self, mb, h):
-        return (F.linear(h, self.mlp.c_proj.weight),)  # partial (B, T, C)
+        return (F.linear(h, self.mlp.c_proj.weight, self.mlp.c_proj.bias if self.bias_in_product else None),)  # partial (B, T, C)
 
     def _resid2(self, mb, mlp_out, x_mid):
-        return self._resid("resid2", self.mlp.c_proj.bias, mb, mlp_out, x_mid)
+        return self._resid("resid2", None if self.bias_in_product else self.mlp.c_proj.bias, mb, mlp_out, x_mid)
 
     # Execution.
     def _run_ops(self, ops, mb, env):
@@ -181,14 +185,20 @@ class ParallelBlock(nn.Module):
             env.update(zip(op.outputs, outs))
 
     def _replay(self, seg: _Segment, mb, *inputs):
+        meter = self.meter
+        clock = meter.clock if meter.in_backward else None
+        # On CUDA the engine's clock records events (no host wait inside the backward pass).
+        token = clock.start() if clock is not None else None
         start = time.perf_counter()
         env = dict(zip(seg.inputs, inputs))
         self._run_ops(seg.ops, mb, env)
-        if self.meter.in_backward:
+        if meter.in_backward:
             end = time.perf_counter()
-            self.meter.recompute_s += end - start
-            if self.meter.recompute_spans is not None:
-                self.meter.recompute_spans.append((start, end))
+            meter.recompute_s += end - start
+            if clock is not None:
+                clock.stop(token, ("recompute", meter.backward_mb))
+            elif meter.recompute_spans is not None:
+                meter.recompute_spans.append((start, end))
         return tuple(env[n] for n in seg.outputs)
 
     def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

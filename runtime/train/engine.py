@@ -24,6 +24,13 @@ exactly once (each piece in the first peer group that holds it, by the group's f
 all-reduce, and clips the update when ``clip_grad`` is set: the update of any plan is the
 single-device one.
 
+The host reads the device once a step (``Engine._read_step``): the micro-batches' losses are summed on the
+device, and that sum, the overflow flag, the squared gradient norm, the stage times and the ranks' peak memory
+ride on the one small all-reduce, whose result the host reads once, before the update (the clip coefficient
+and the skip come from it). On CUDA nothing else waits for the GPU: the passes and collectives are timed with
+CUDA events read after that read (``runtime.measure.meters.PhaseClock``; none recorded when no report or trace
+wants them), so the host keeps launching while the GPU runs, as the plainest fast PyTorch loop does.
+
 With a ``tracer`` (``runtime.measure.trace``, ``baton train --trace``) the step also records its spans: forward,
 backward and recompute per micro-batch, receives and sends, tensor-parallel and gradient all-reduces,
 the optimizer.
@@ -51,10 +58,10 @@ from baton.schedules import (WHOLE, Backward, Forward, Gather, OptimizerStep, Re
 from runtime.launch.host_memory import keep_freed_memory
 from runtime.train.layered import UnitShards
 from runtime.model.family import init_parameter, parameter_shapes
-from runtime.measure.meters import SavedBytes
+from runtime.measure.meters import PhaseClock, SavedBytes
 from runtime.train.precision import LossScaleSettings, MasterWeights, compute_dtype
 from runtime.train.replica_sync import ReplicaSync
-from runtime.train.optim_settings import LRSchedule, clip_coefficient, decays, grad_square_sum
+from runtime.train.optim_settings import LRSchedule, clip_coefficient, decays
 from runtime.train.sharded_optimizer import ShardedAdamW
 from runtime.parallel.slicing import parameter_slice, take_slice
 from runtime.parallel.stage import StageModel
@@ -87,7 +94,8 @@ class StepStats:
     """Per micro-batch time re-running recomputed operators (part of backward_ms)."""
     stage_ms: list[float] = field(default_factory=list)
     """Compute time (forward + backward) of each stage (interleaved: each device group) of pipeline 0, from its
-    TP rank 0."""
+    TP rank 0. On CUDA the step before's (0 at a run's first step): a stage's time is known only after the step's
+    one read, which also carries it to the other ranks (``Engine._read_step``)."""
     tp_allreduce_ms: float | None = 0.0
     """Time in tensor-parallel all-reduces over the step's passes, waits for peers included (None on
     CUDA, where the call returns before the GPU runs it)."""
@@ -96,7 +104,8 @@ class StepStats:
     ``zero_stage`` 1 the reduce-scatters; waits for peers included)."""
     optimizer_ms: float = 0.0
     """The step after the passes on this rank (eq. 10): the gradient norm it counts (``norm_ms``) and the
-    AdamW update (at ``zero_stage`` 1 with the all-gathers of the updated weights)."""
+    AdamW update (at ``zero_stage`` 1 with the all-gathers of the updated weights). On CUDA the update's time is
+    the step before's, read with this step's one read (the host's launch time at a run's first step)."""
     norm_ms: float = 0.0
     """The sum of squares of the gradients this rank counts for the global norm (part of optimizer_ms)."""
     gather_ms: float = 0.0
@@ -139,7 +148,9 @@ class StepStats:
     """The update was scaled down by ``clip_grad``."""
     memory_bytes: list[float] = field(default_factory=list)
     """Peak memory of every rank, in rank order: CUDA memory allocated, or on CPU the process's peak
-    resident set (filled in by ``train_step``)."""
+    resident set. This rank's own is its peak over the whole step; another rank's is its peak up to the step's
+    all-reduce or, if larger, over its whole step before (the update runs after the one read that carries them,
+    and from one step to the next its transient is the same)."""
     val_loss: float | None = None
     """Validation loss measured after this step (``--eval-every``), else None."""
 
@@ -225,6 +236,17 @@ class Engine:
         self.samples_per_step = plan.global_batch
         self.tracer = None
         """A ``runtime.measure.trace.Tracer`` to record this rank's spans into (``--trace``), or None."""
+        self.events = self.device.type == "cuda"
+        """Time the step's phases with CUDA events read after the step's one host read (``PhaseClock``), not
+        ``perf_counter`` (exact on CPU, where every op has finished when it returns)."""
+        self._carried_stage_ms = 0.0
+        """With events: this rank's compute time of the step before, which the next step's all-reduce carries."""
+        self._carried_peak_bytes = 0
+        """This rank's peak memory of the step before, update included (see ``_memory_now``)."""
+        self._update_events = None
+        """With events: the (start, end) events of the last update, read at the next step's host read."""
+        self._last_update_ms: float | None = None
+        """With events: the GPU time of the last update read so far (None before the first was read)."""
 
     def load_full(self, full) -> None:
         """Set this rank's weights (and fp32 master weights) from ``full(name) -> full fp32 tensor``."""
@@ -307,9 +329,15 @@ class Engine:
         self._bind_grads()
         return buffer
 
-    def _grad_square_sum(self) -> float:
-        """Sum of squares of the gradients this rank counts (as they are: loss-scaled in fp16)."""
-        return grad_square_sum(self._norm_views)
+    def _grad_square_sum(self) -> torch.Tensor:
+        """Sum of squares of the gradients this rank counts (as they are: loss-scaled in fp16), a float64 scalar
+        on the device: ``runtime.train.optim_settings.grad_square_sum``'s arithmetic (fp32 norms per view, their
+        squares summed in fp64) without its read to the host, which the step's all-reduce makes once."""
+        views = [v for v in self._norm_views if v.numel()]
+        if not views:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        # One multi-tensor kernel for every view (a norm per view launched one by one cost 2 ms a step on a CPU).
+        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double().pow(2).sum()
 
     def _bind_grads(self) -> None:
         """Make every ``.grad`` its view of the buffer again (a ``zero_grad()`` elsewhere sets them to
@@ -348,11 +376,14 @@ class Engine:
     # --- one step ----------------------------------------------------------------------------------
     def forward_backward(self, step: int, data) -> StepStats:
         """Run the schedule of one step and leave the synchronised gradients in ``.grad`` (stages 2 and
-        3: the layered passes, leaving the summed gradients in the owners' shards, ``runtime.train.layered``)."""
-        plan, spec, pos = self.plan, self.plan.model, self.pos
+        3: the layered passes, leaving the summed gradients in the owners' shards, ``runtime.train.layered``).
+
+        The step reads the device once (``_read_step``): until then the losses, the overflow flag, the squared
+        gradient norm and (on CUDA) the phases' times stay on the device."""
+        spec = self.plan.model
         m = self.num_microbatches
         denom = self.samples_per_step * spec.seq_len
-        sync = self.device.type == "cuda"
+        cuda = self.device.type == "cuda"
         if not self.layered:
             self._bind_grads()
         meter = self.model.meter
@@ -362,61 +393,120 @@ class Engine:
         scale = self.precision.loss_scale
         stats = StepStats(step=step, loss=0.0, iteration_ms=0.0, forward_ms=[0.0] * m, backward_ms=[0.0] * m,
                           recompute_ms=[0.0] * m, tokens=self.samples_per_step * spec.seq_len, loss_scale=scale)
-        if sync:
+        if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         AllReduceClock.reset()
         tracer = self.tracer
         if tracer is not None:
-            AllReduceClock.spans, meter.recompute_spans = [], []
+            AllReduceClock.spans = []
+        # perf_counter costs nothing on CPU; CUDA events are recorded only when a report or trace wants the times.
+        clock = PhaseClock(events=self.events, enabled=not self.events or self.measure or tracer is not None)
+        meter.clock = clock
+        if self.units is not None:
+            self.units.clock = clock
         start = time.perf_counter()
-        loss_sum = self._interpret(step, data, stats, saved, scale, denom)
-        if tracer is not None:
-            for a, b in meter.recompute_spans:
-                tracer.add("recompute", "recompute", a, b, step=step)
-            for a, b in AllReduceClock.spans:
-                tracer.add("tp all-reduce", "allreduce", a, b, step=step)
-            AllReduceClock.spans, meter.recompute_spans = None, None
-        stats.tp_allreduce_ms = None if sync else AllReduceClock.seconds * 1e3
-        if self.layered:  # the reduce-scatters ran inside the backward pass, unit by unit
-            stats.grad_sync_ms = sum(self.units.reduce_ms.values())
-        else:
-            t0 = time.perf_counter()
-            self._sync_grads()
-            if sync:
-                torch.cuda.synchronize()
-            stats.grad_sync_ms = (time.perf_counter() - t0) * 1e3
-        if tracer is not None and not self.layered:
-            tracer.add("gradient sync (tied, data-parallel)" if not self.sharded else
-                       "gradient sync (tied, data-parallel reduce-scatter)", "allreduce", t0, t0 + stats.grad_sync_ms / 1e3, step=step)
-        t_metrics = time.perf_counter()
-        my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
-        # One small all-reduce carries the global loss, every stage's compute time and (fp16) the count of
-        # ranks whose gradients overflowed to all ranks, so every rank skips an overflowing step together.
-        # The same all-reduce sums the squared gradient norm (each element counted once over all ranks).
-        metrics = torch.zeros(3 + len(plan.pipelines[0].device_stages), dtype=torch.float64)
-        if self.last and pos.tp_rank == 0:
-            metrics[0] = loss_sum
-        if pos.pipeline == 0 and pos.tp_rank == 0:
-            metrics[3 + pos.stage] = my_ms
-        if self.precision.scaler is not None and not (
-                self.units.all_finite() if self.layered else bool(torch.isfinite(self.grad_buffer).all())):
-            metrics[1] = 1.0
-        t_norm = time.perf_counter()
-        metrics[2] = self._grad_square_sum()
-        stats.norm_ms = (time.perf_counter() - t_norm) * 1e3
-        metrics = self._all_reduce_cpu(metrics)
-        if tracer is not None:
-            tracer.add("grad norm, step all-reduce", "allreduce", t_metrics, time.perf_counter(), step=step)
-        stats.loss = float(metrics[0])
-        stats.skipped = bool(metrics[1] > 0)
-        stats.grad_norm = math.sqrt(float(metrics[2])) / scale if math.isfinite(float(metrics[2])) else math.inf
-        stats.stage_ms = [float(v) for v in metrics[3:]]
+        try:
+            loss_sum = self._interpret(step, data, stats, saved, scale, denom, clock)
+            if tracer is not None:
+                for a, b in AllReduceClock.spans:
+                    tracer.add("tp all-reduce", "allreduce", a, b, step=step)
+            stats.tp_allreduce_ms = None if cuda else AllReduceClock.seconds * 1e3
+            if not self.layered:  # stages 2 and 3: the reduce-scatters ran inside the backward pass, unit by unit
+                t0 = clock.start()
+                self._sync_grads()
+                clock.stop(t0, ("grad sync",))
+            self._read_step(step, stats, clock, loss_sum, scale)
+        finally:
+            AllReduceClock.spans, meter.clock, meter.saved = None, None, None
+            if self.units is not None:
+                self.units.clock = None
         stats.peak_saved_bytes = saved.peak if saved is not None else 0
-        stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device) if sync else 0
+        stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device) if cuda else 0
         stats.recomputed_ops = dict(meter.recomputed)
         stats.iteration_ms = (time.perf_counter() - start) * 1e3
-        meter.saved = None
         return stats
+
+    def _read_step(self, step: int, stats: StepStats, clock: PhaseClock, loss_sum: torch.Tensor, scale: float) -> None:
+        """The step's one small all-reduce and its one read to the host: the global loss, (fp16) the count of
+        ranks whose gradients overflowed, so every rank skips an overflowing step together, the squared global
+        gradient norm (each element counted once over all ranks), every stage's compute time and every rank's
+        peak memory. Fills ``stats`` from it and from the clock.
+
+        On CPU the clock's times are known before the all-reduce, which carries this step's stage times. With
+        CUDA events a time is known only after a read that waited for the stream, which is this one: the
+        all-reduce carries each stage's time of the step before (``stage_ms`` lags one step; 0 at the first),
+        as a second all-reduce and read after it would stall every step once more. Peak memory is likewise each
+        rank's peak so far in this step or, if larger, its whole previous step's (update included; a rank's own
+        ``peak_allocated_bytes`` is exact): the update runs after the read."""
+        pos, tracer = self.pos, self.tracer
+        t_metrics = time.perf_counter()
+        t_norm = clock.start()
+        square_sum = self._grad_square_sum()
+        clock.stop(t_norm, ("norm",))
+        if self.precision.scaler is not None:
+            finite = self.units.all_finite() if self.layered else torch.isfinite(self.grad_buffer).all()
+            overflow = (~finite).double()
+        else:
+            overflow = torch.zeros((), dtype=torch.float64, device=self.device)
+        if not clock.events:
+            self._take_times(clock.resolve(), stats, step)
+            my_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
+        else:
+            my_ms = self._carried_stage_ms
+        num_stages, world = len(self.plan.pipelines[0].device_stages), dist.get_world_size()
+        metrics = torch.zeros(3 + num_stages + world, dtype=torch.float64, device=self.device)
+        if not (self.last and pos.tp_rank == 0):
+            loss_sum = torch.zeros_like(loss_sum)  # the loss counts once, from the last stage's TP rank 0
+        metrics[:3] = torch.stack([loss_sum, overflow, square_sum])
+        # The two slots known on the host are filled by kernels taking the value as an argument: a copy from
+        # pageable host memory would make the host wait for the stream (torch synchronises such a copy).
+        if pos.pipeline == 0 and pos.tp_rank == 0:
+            metrics[3 + pos.stage].fill_(my_ms)
+        metrics[3 + num_stages + dist.get_rank()].fill_(float(max(self._memory_now(), self._carried_peak_bytes)))
+        dist.all_reduce(metrics)
+        values = metrics.tolist()  # the step's one host read
+        if tracer is not None:
+            tracer.add("grad norm, step all-reduce", "allreduce", t_metrics, time.perf_counter(), step=step)
+        if clock.events:
+            self._take_times(clock.resolve(), stats, step)
+            self._carried_stage_ms = sum(stats.forward_ms) + sum(stats.backward_ms)
+            if self._update_events is not None:  # the last update ran before this read: its events are complete
+                a, b = self._update_events
+                self._last_update_ms, self._update_events = a.elapsed_time(b), None
+        if self.layered:
+            stats.grad_sync_ms = sum(self.units.reduce_ms.values())
+        stats.loss = values[0]
+        stats.skipped = values[1] > 0
+        stats.grad_norm = math.sqrt(values[2]) / scale if math.isfinite(values[2]) else math.inf
+        stats.stage_ms = values[3:3 + num_stages]
+        stats.memory_bytes = values[3 + num_stages:]
+
+    def _take_times(self, spans, stats: StepStats, step: int) -> None:
+        """Add the clock's resolved ``spans`` to ``stats`` (and the unit collectives' to ``self.units``), and to
+        the trace."""
+        tracer = self.tracer
+        for key, a, b in spans:
+            kind, ms = key[0], (b - a) * 1e3
+            if kind in ("forward", "backward"):
+                (stats.forward_ms if kind == "forward" else stats.backward_ms)[key[1]] += ms
+                if tracer is not None:
+                    tracer.add(key[2], kind, a, b, step=step, mb=key[1])
+            elif kind == "recompute":
+                stats.recompute_ms[key[1]] += ms
+                if tracer is not None:
+                    tracer.add("recompute", "recompute", a, b, step=step)
+            elif kind == "grad sync":
+                stats.grad_sync_ms += ms
+                if tracer is not None:
+                    tracer.add("gradient sync (tied, data-parallel)" if not self.sharded else
+                               "gradient sync (tied, data-parallel reduce-scatter)", "allreduce", a, b, step=step)
+            elif kind == "norm":
+                stats.norm_ms += ms
+            elif kind in ("reduce", "gather"):
+                (self.units.reduce_ms if kind == "reduce" else self.units.gather_ms)[key[1]] += ms
+                if tracer is not None:
+                    what = "reduce-scatter" if kind == "reduce" else "gather"
+                    tracer.add(f"{what} {_unit_name(key[1])}", "allreduce", a, b, step=step)
 
     def _run_stage(self, stage: int, x: torch.Tensor, mb: MicroBatch, targets: torch.Tensor | None) -> torch.Tensor:
         """A whole (virtual) stage's forward, as ``StageModel.forward`` runs this rank's: the embedding on the first
@@ -428,10 +518,12 @@ class Engine:
             x = model.h[str(layer)](x, mb)
         return model.head(x, targets) if stage == len(self.stage_layers) - 1 else x
 
-    def _interpret(self, step: int, data, stats: StepStats, saved, scale: float, denom: int) -> float:
+    def _interpret(self, step: int, data, stats: StepStats, saved, scale: float, denom: int,
+                   clock: PhaseClock) -> torch.Tensor:
         """The one interpreter of ``baton.schedules``: runs this rank's actions of its replica's schedule (1F1B, or
         layer by layer at stages 2 and 3) up to the optimizer step; returns the summed loss (where the schedule
-        computes it).
+        computes it, else 0), a float64 scalar on the device: the micro-batches' losses are never read here.
+        The passes are timed on ``clock`` (``_take_times`` reads it).
 
         A forward runs on a detached copy of its input (tokens, a received activation, or this rank's output of
         the part before), so autograd runs one pass at a time and its backward leaves the input's gradient for
@@ -441,7 +533,6 @@ class Engine:
         them as activations."""
         pos, model, meter, tracer = self.pos, self.model, self.model.meter, self.tracer
         mbs, dev, actions = self.micro_batch_size, self.device, self.actions
-        cuda = dev.type == "cuda"
         last_stage = self.replica_schedule.num_stages - 1
         recvs = [a for a in actions if isinstance(a, Recv)]
         sources = {False: self.topo.forward_source(pos), True: self.topo.backward_source(pos)}
@@ -452,13 +543,18 @@ class Engine:
         params = list(model.parameters())
         batches: dict = {}
 
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            """A host tensor on the device. On CUDA through pinned memory without waiting: torch makes the host wait
+            for the stream after a copy from pageable memory, which here would be once per micro-batch."""
+            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
         def batch(i):
             """(tokens, targets, dropout key) of micro-batch ``i``: samples [first + i b, + b) of the batch."""
             if i not in batches:
                 samples = torch.arange(mbs) + self.first_sample + i * mbs
                 tokens, targets = data.batch(step, samples) if (self.first or self.last) else (None, None)
-                batches[i] = (tokens.to(dev) if self.first else None, targets.to(dev) if self.last else None,
-                              MicroBatch(self.seed, step, samples.to(dev)))
+                batches[i] = (to_device(tokens) if self.first else None, to_device(targets) if self.last else None,
+                              MicroBatch(self.seed, step, to_device(samples)))
             return batches[i]
 
         def run_part(stage, part, x, mb, targets, loss_end):
@@ -471,19 +567,16 @@ class Engine:
             else:
                 y = model.h[str(part)](x, mb)
             if not loss_end:
-                return y, 0.0
+                return y, None
             # The summed vocabulary-parallel cross-entropy, computed in fp32 (the softmax it keeps is fp32 in
             # every dtype).
             y = y / denom
-            return (y * scale if scale != 1.0 else y), y.item()
+            return (y * scale if scale != 1.0 else y), y.detach()
 
-        def collective(action, fn, what):
-            t0 = time.perf_counter()
-            fn(action.unit)
+        def collective(action, fn):
+            fn(action.unit)  # timed (and traced) on the clock by ``UnitShards``
             if isinstance(action, Gather) and saved is not None:
                 saved.track_params(params)  # gathered storages have new addresses
-            if tracer is not None:
-                tracer.add(f"{what} {_unit_name(action.unit)}", "allreduce", t0, time.perf_counter(), step=step)
 
         def ends_in_loss(a) -> bool:
             return a.part == HEAD or (a.part == WHOLE and a.stage == last_stage)
@@ -495,7 +588,7 @@ class Engine:
 
         # Per micro-batch, the activation its next forward takes and the gradient its next backward takes; per
         # pass (stage, part, micro-batch), its (input, output) until its backward.
-        pending, loss_sum = [], 0.0
+        pending, loss_sum = [], torch.zeros((), dtype=torch.float64, device=dev)
         acts, grads, graph = {}, {}, {}
         for a in actions:
             if isinstance(a, Forward):
@@ -504,20 +597,17 @@ class Engine:
                 loss_end = ends_in_loss(a)
                 takes_tokens = a.part == EMBEDDING or (a.part == WHOLE and a.stage == 0)
                 x = tokens if takes_tokens else acts.pop(i).detach().requires_grad_()
-                (y, loss), t0, t1 = _timed_forward(stats, i, saved, key, cuda,
-                                                   lambda: run_part(a.stage, a.part, x, mb, targets, loss_end))
-                loss_sum += loss
-                if tracer is not None:
-                    tracer.add(span_name(a), "forward", t0, t1, step=step, mb=i)
+                y, loss = _timed_forward(clock, i, span_name(a), saved, key,
+                                         lambda: run_part(a.stage, a.part, x, mb, targets, loss_end))
+                if loss is not None:
+                    loss_sum += loss.double()  # fp32 losses summed in fp64, on the device
                 graph[key] = (None if takes_tokens else x, y)
                 if not loss_end:
                     acts[i] = y
             elif isinstance(a, Backward):
                 i, key = a.micro, (a.stage, a.part, a.micro)
                 x, y = graph.pop(key)
-                t0, t1 = _timed_backward(meter, stats, i, y, None if ends_in_loss(a) else grads.pop(i), cuda)
-                if tracer is not None:
-                    tracer.add(span_name(a), "backward", t0, t1, step=step, mb=i)
+                _timed_backward(meter, clock, i, span_name(a), y, None if ends_in_loss(a) else grads.pop(i))
                 if saved is not None:
                     saved.release(key)
                 if x is not None:
@@ -529,11 +619,11 @@ class Engine:
             elif isinstance(a, Recv):
                 (grads if a.grad else acts)[a.micro] = inbox[a.grad].take((a.micro, a.stage))
             elif isinstance(a, Gather):
-                collective(a, self.units.gather, "gather")
+                collective(a, self.units.gather)
             elif isinstance(a, Release):
                 self.units.release(a.unit)
             elif isinstance(a, ReduceScatter):
-                collective(a, self.units.reduce_scatter, "reduce-scatter")
+                collective(a, self.units.reduce_scatter)
             elif isinstance(a, OptimizerStep):
                 break  # the step and what follows it: ``train_step``
         if pending:
@@ -607,7 +697,13 @@ class Engine:
 
     def train_step(self, step: int, data) -> StepStats:
         """Forward, backward, gradient sync, clipping and one AdamW update at the schedule's learning
-        rate (skipped on every rank when fp16 gradients overflowed on any)."""
+        rate (skipped on every rank when fp16 gradients overflowed on any).
+
+        The host reads the device once (``_read_step``, before the update: the clip coefficient and the skip
+        come from it) and does not wait for the update. On CUDA the host's next step then waits at its own read
+        for this update, so ``iteration_ms`` is the host's pace (exact on average over steps), and
+        ``optimizer_ms`` times the update of the step before with CUDA events (the host's launch time at the
+        first step)."""
         t0 = time.perf_counter()
         if self.layered:
             self.units.start_step()  # the gradients were freed unit by unit: nothing to zero
@@ -620,17 +716,23 @@ class Engine:
         # Every rank computes the same coefficient from the same all-reduced norm.
         factor = clip_coefficient(stats.grad_norm, self.clip_grad) if self.clip_grad > 0 else 1.0
         stats.clipped = factor < 1.0
+        update = PhaseClock(events=self.events, enabled=self.events and (self.measure or self.tracer is not None))
+        u0 = update.start()
         self.precision.step(overflow=stats.skipped, grad_factor=factor)
         for action in self.after_step:
             # Stage 3's release of the edges (their owners' updated shards cut out, the rest freed); stage 2's
             # gathers of the updated weights are the step's own (``ShardedAdamW.step``, unit by unit in this order).
             if isinstance(action, Release):
                 self.units.release(action.unit)
+        if u0 is not None:
+            update.stop(u0, ("update",))
+            self._update_events = update.spans[-1][1:]  # read at the next step's host read
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)  # the update included
+            # The allocator's counters live on the host: the update's allocations are in them without a wait.
+            stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
         t2 = time.perf_counter()
-        stats.optimizer_ms = stats.norm_ms + (t2 - t1) * 1e3
+        update_ms = (t2 - t1) * 1e3 if not self.events or self._last_update_ms is None else self._last_update_ms
+        stats.optimizer_ms = stats.norm_ms + update_ms
         stats.gather_ms = getattr(self.precision, "gather_ms", 0.0)
         if self.layered:
             gathers = self.units.gather_ms if self.plan.zero_stage == 3 else self.precision.unit_gather_ms
@@ -643,15 +745,17 @@ class Engine:
         held = self.precision.state_bytes()
         stats.weights_bytes, stats.grads_bytes = held.weights_bytes, held.grads_bytes
         stats.master_bytes, stats.moments_bytes = held.master_bytes, held.moments_bytes
-        stats.memory_bytes = self._memory_of_ranks(stats.peak_allocated_bytes)
+        self._carried_peak_bytes = max(self._memory_now(), stats.peak_allocated_bytes)
+        if stats.memory_bytes:
+            stats.memory_bytes[dist.get_rank()] = float(self._carried_peak_bytes)  # this rank's own is known whole
         return stats
 
-    def _memory_of_ranks(self, cuda_peak: int) -> list[float]:
-        """Every rank's peak memory (one small all-reduce): what the metrics log reports per device."""
-        mine = cuda_peak if self.device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        held = torch.zeros(dist.get_world_size(), dtype=torch.float64)
-        held[dist.get_rank()] = float(mine)
-        return [float(v) for v in self._all_reduce_cpu(held)]
+    def _memory_now(self) -> int:
+        """This rank's peak memory so far: CUDA memory allocated since the step began (the allocator's host-side
+        counter, no wait for the device), or on CPU the process's peak resident set."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _Inbox:
@@ -713,33 +817,25 @@ def _part_name(part) -> str:
     return f" {part}" if isinstance(part, str) else f" {_unit_name(part)}"
 
 
-def _timed_forward(stats: StepStats, i: int, saved, key, cuda: bool, fn):
-    """A forward of micro-batch ``i`` (``fn()``), the tensors it saves recorded under ``key``; adds its time to
-    ``stats`` (a micro-batch's forward may come in several pieces, one per layer when run layer by layer).
-    Returns (what ``fn`` returned, start, end perf_counter seconds)."""
-    t0 = time.perf_counter()
+def _timed_forward(clock: PhaseClock, i: int, name: str, saved, key, fn):
+    """A forward of micro-batch ``i`` (``fn()``), the tensors it saves recorded under ``key``, timed on ``clock`` as
+    ``name`` (a micro-batch's forward may come in several pieces, one per layer when run layer by layer).
+    Returns what ``fn`` returned. No wait for the device: on CUDA the clock records events."""
+    token = clock.start()
     with saved.record(key) if saved is not None else nullcontext():
         out = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    stats.forward_ms[i] += (t1 - t0) * 1e3
-    return out, t0, t1
+    clock.stop(token, ("forward", i, name))
+    return out
 
 
-def _timed_backward(meter, stats: StepStats, i: int, y, grad, cuda: bool) -> tuple[float, float]:
-    """Backward of micro-batch ``i`` from ``y`` with the meter told recomputation runs now; adds its time and
-    its recomputation's to ``stats`` (a micro-batch's backward may come in several pieces, one per layer when
-    run layer by layer). Returns its (start, end) perf_counter seconds."""
-    t0, r0 = time.perf_counter(), meter.recompute_s
-    meter.in_backward = True
+def _timed_backward(meter, clock: PhaseClock, i: int, name: str, y, grad) -> None:
+    """Backward of micro-batch ``i`` from ``y`` with the meter told recomputation runs now (the recomputed
+    segments time themselves on ``clock``), timed on ``clock`` as ``name`` (a micro-batch's backward may come
+    in several pieces, one per layer when run layer by layer)."""
+    token = clock.start()
+    meter.in_backward, meter.backward_mb = True, i
     try:
         torch.autograd.backward(y, grad)
     finally:
         meter.in_backward = False
-    if cuda:
-        torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    stats.backward_ms[i] += (t1 - t0) * 1e3
-    stats.recompute_ms[i] += (meter.recompute_s - r0) * 1e3
-    return t0, t1
+    clock.stop(token, ("backward", i, name))

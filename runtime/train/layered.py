@@ -76,6 +76,10 @@ class UnitShards:
         parameters are whole and the shard is part of them: the edges during a step)."""
         self.whole = set(self.unit_params)
         """Units whose parameters hold their full storage now."""
+        self.clock = None
+        """The engine's ``runtime.measure.meters.PhaseClock`` during a step: the collectives are timed on it (under
+        ``("reduce", unit)`` and ``("gather", unit)``) and the engine adds the times to ``reduce_ms`` and
+        ``gather_ms`` once it has read them; outside a step (validation) ``perf_counter`` adds them here."""
         if zero_stage == 3:
             for u in self.units:
                 self.release(u)
@@ -106,6 +110,17 @@ class UnitShards:
         if self.measure:
             self.peak_grads_bytes = max(self.peak_grads_bytes, self.grads_bytes())
 
+    def _start(self):
+        return self.clock.start() if self.clock is not None else time.perf_counter()
+
+    def _stop(self, token, kind: str, unit) -> None:
+        """No host wait for the device here: on CUDA the clock's events are read after the step's one read."""
+        if self.clock is not None:
+            self.clock.stop(token, (kind, unit))
+        else:
+            times = self.reduce_ms if kind == "reduce" else self.gather_ms
+            times[unit] += (time.perf_counter() - token) * 1e3
+
     def whole_at_step(self, sg: SyncGroup) -> bool:
         """The optimizer updates this group's owned elements in the module's parameters (stage 2, and the
         edges at stage 3, which are whole until after the step), else in the flat weight shard."""
@@ -126,7 +141,7 @@ class UnitShards:
         """Sum the holders' gradients of ``unit`` into the owners' gradient shards (every holder divides
         by its ``copies``), then free the unit's full gradients."""
         self._measure_grads()
-        t0 = time.perf_counter()
+        t0 = self._start()
         for sg in self.groups[unit]:
             shard = self.grad_shards[sg.index]
             lo, hi = sg.owned
@@ -137,9 +152,7 @@ class UnitShards:
                 shard.copy_(mine[:hi - lo])
         for p in self.unit_params[unit]:
             p.grad = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.reduce_ms[unit] += (time.perf_counter() - t0) * 1e3
+        self._stop(t0, "reduce", unit)
 
     def norm_views(self) -> list[torch.Tensor]:
         """Views of the gradient shards this rank adds to the global norm: its owned share of each group's
@@ -152,10 +165,11 @@ class UnitShards:
                 out += [self.grad_shards[sg.index][x - lo:y - lo] for _, x, y, _ in entry_spans(sg, a, b)]
         return out
 
-    def all_finite(self) -> bool:
+    def all_finite(self) -> torch.Tensor:
         """No inf/NaN in this rank's gradient shards (after the reduce-scatters every holder's overflow has
-        reached the owner of the element)."""
-        return all(bool(torch.isfinite(t).all()) for t in self.grad_shards.values() if t.numel())
+        reached the owner of the element), as a device bool: the engine reads it with the step's one read."""
+        flags = [torch.isfinite(t).all() for t in self.grad_shards.values() if t.numel()]
+        return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=self.device)
 
     # --- weights (stage 3) ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -163,7 +177,7 @@ class UnitShards:
         """Give ``unit``'s parameters their storage back and all-gather the owners' weight shards into it."""
         if unit in self.whole:
             return
-        t0 = time.perf_counter()
+        t0 = self._start()
         for p in self.unit_params[unit]:
             p.untyped_storage().resize_(self.full_nbytes[id(p)])
         for sg in self.groups[unit]:
@@ -177,9 +191,7 @@ class UnitShards:
             if unit is EDGES:
                 self.weight_shards[sg.index] = None  # the owned shard is part of the whole edges now
         self.whole.add(unit)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.gather_ms[unit] += (time.perf_counter() - t0) * 1e3
+        self._stop(t0, "gather", unit)
         self._measure_weights()
 
     @torch.no_grad()

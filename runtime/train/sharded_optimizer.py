@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as _adam
 
-from runtime.train.precision import LossScaler, LossScaleSettings, StateBytes, _storage_bytes, compute_dtype
+from runtime.train.precision import LossScaler, LossScaleSettings, StateBytes, _storage_bytes, adamw_kernel, compute_dtype
 from runtime.train.replica_sync import ReplicaSync, SyncGroup, entry_spans
 from runtime.parallel.slicing import take_slice
 
@@ -160,28 +160,35 @@ class ShardedAdamW:
                 master = shard.master[a:a + n].view(shape)
             else:
                 master = p
-            if inv_scale != 1.0:
-                g.mul_(inv_scale)
             batch = batches[entry.decays]
             batch.add(master, g, shard.exp_avg[a:a + n].view(shape), shard.exp_avg_sq[a:a + n].view(shape),
                       p if self.mixed else None)
             if self.mixed and batch.numel >= self._batch_limit:
-                self._run(batch, entry.decays)
+                self._run(batch, entry.decays, inv_scale)
         for decay, batch in batches.items():
-            self._run(batch, decay)
+            self._run(batch, decay, inv_scale)
 
-    def _run(self, batch: "_Batch", decay: bool) -> None:
+    def _run(self, batch: "_Batch", decay: bool, inv_scale: float) -> None:
+        """Unscale the batch's gradients, run torch's AdamW over it (fused where ``adamw_kernel`` allows, else
+        foreach), round the masters into the module's pieces (fp16/bf16): each a multi-tensor call."""
         if not batch.params:
             return
+        if inv_scale != 1.0:
+            torch._foreach_mul_(batch.grads, inv_scale)  # in fp32 the gradients themselves, as before
         b1, b2 = self.betas
-        _adam(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, [],
-              [torch.tensor(float(self.steps - 1)) for _ in batch.params], foreach=None, capturable=False,
-              differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
+        kernel = adamw_kernel(batch.params + batch.grads + batch.exp_avgs + batch.exp_avg_sqs)
+        device = batch.params[0].device
+        # The step count before this step, one tensor per piece (each is incremented in place); the fused
+        # kernel reads it on the parameters' device, the foreach one on the host.
+        steps = torch.full((len(batch.params),), float(self.steps - 1), dtype=torch.float32,
+                           device=device if kernel.get("fused") else "cpu").unbind()
+        _adam(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, [], list(steps), capturable=False,
+              differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
               decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2, lr=self.lr,
-              weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, maximize=False)
-        for module_piece, master in zip(batch.rounded, batch.params):
-            if module_piece is not None:
-                module_piece.copy_(master)  # the compute-dtype weights are the updated masters, rounded
+              weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, maximize=False, **kernel)
+        rounded = [(piece, master) for piece, master in zip(batch.rounded, batch.params) if piece is not None]
+        if rounded:  # the compute-dtype weights are the updated masters, rounded
+            torch._foreach_copy_([p for p, _ in rounded], [m for _, m in rounded])
         batch.clear()
 
     # --- what it holds ------------------------------------------------------------------------------
