@@ -63,6 +63,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from baton.model_spec import PRESETS, ModelSpec  # noqa: E402
 from baton.plan import Plan, simple_plan  # noqa: E402
+from runtime.train.precision import storage_bytes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 DEVICE_ID = "gpu:0"
@@ -112,16 +113,6 @@ def one_rank_group(device: torch.device):
     finally:
         dist.destroy_process_group()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def adamw_kwargs(device: torch.device) -> dict:
@@ -208,7 +199,7 @@ class ReferenceLoop:
     def resident_bytes(self) -> int:
         """Bytes it holds between steps: weights, masters, AdamW state (the gradients are freed)."""
         state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-        return _storage_bytes([*self.params, *(self.masters or []), *state])
+        return storage_bytes([*self.params, *(self.masters or []), *state])
 
 
 class BatonContender:

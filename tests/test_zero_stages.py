@@ -40,7 +40,7 @@ def _worker(rank, world, plan, steps):
     from runtime.train.checkpoint import _gather_full_state
     from runtime.data.source import TokenSource
     from runtime.train.engine import Engine
-    from runtime.train.precision import _storage_bytes
+    from runtime.train.precision import storage_bytes
 
     engine = Engine(plan, rank, seed=SEED, lr=LR, weight_decay=WD, schedule=schedule(), clip_grad=CLIP)
     data = TokenSource(plan.model, seed=SEED, global_batch=plan.global_batch)
@@ -52,7 +52,7 @@ def _worker(rank, world, plan, steps):
             "position": engine.pos, "full": _gather_full_state(engine), "held": engine.precision.state_bytes(),
             "owned": engine.precision.owned_params(), "recomputed": history[0].recomputed_ops, "history": history,
             # What a rank holds between steps: at stage 3 no parameter storage, only the owned shards.
-            "rest": {"params": _storage_bytes(params), "grads": [p.grad is None for p in params],
+            "rest": {"params": storage_bytes(params), "grads": [p.grad is None for p in params],
                      "weight_shards": sum(t.nbytes for t in units.weight_shards.values() if t is not None),
                      "grad_shards": sum(t.nbytes for t in units.grad_shards.values())},
             "param_dtypes": {p.dtype for p in params},

@@ -26,13 +26,8 @@ class Meter:
     """Operator executions (forward and recompute) by operator name."""
     recomputed: Counter = field(default_factory=Counter)
     """Operator executions during the backward pass (recomputation) by operator name."""
-    recompute_s: float = 0.0
-    """Seconds spent re-running recomputed segments."""
     in_backward: bool = False
     saved: "SavedBytes | None" = None
-    recompute_spans: list | None = None
-    """When a list (``--trace``): (start, end) perf_counter seconds of every recomputed segment (CPU; on CUDA
-    the spans come from ``clock``)."""
     clock: "PhaseClock | None" = None
     """The step's clock (set by the engine for a step): recomputed segments are timed on it, under
     ``("recompute", backward_mb)``."""
@@ -42,7 +37,6 @@ class Meter:
     def reset(self) -> None:
         self.calls.clear()
         self.recomputed.clear()
-        self.recompute_s = 0.0
 
 
 class PhaseClock:

@@ -18,7 +18,6 @@ Shape legend: B micro-batch, T sequence, C hidden, nl local heads, hs head size,
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -186,19 +185,13 @@ class ParallelBlock(nn.Module):
 
     def _replay(self, seg: _Segment, mb, *inputs):
         meter = self.meter
+        # Timed on the engine's clock during a step's backward (events on CUDA: no host wait inside the pass).
         clock = meter.clock if meter.in_backward else None
-        # On CUDA the engine's clock records events (no host wait inside the backward pass).
         token = clock.start() if clock is not None else None
-        start = time.perf_counter()
         env = dict(zip(seg.inputs, inputs))
         self._run_ops(seg.ops, mb, env)
-        if meter.in_backward:
-            end = time.perf_counter()
-            meter.recompute_s += end - start
-            if clock is not None:
-                clock.stop(token, ("recompute", meter.backward_mb))
-            elif meter.recompute_spans is not None:
-                meter.recompute_spans.append((start, end))
+        if clock is not None:
+            clock.stop(token, ("recompute", meter.backward_mb))
         return tuple(env[n] for n in seg.outputs)
 
     def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

@@ -353,11 +353,14 @@ class CheckpointReader:
             return
         if steps == 0:
             return
+        # Where torch's own load_state_dict puts the step count: on the weights' device for the fused kernel, else
+        # on the host.
+        fused = bool(engine.optimizer.defaults.get("fused"))
         with self._open(file) as fh:
             for name, p in engine.master_parameters().items():
                 where = parameter_slice(self.spec, name, engine.pos.heads, engine.pos.ffn_cols)
                 engine.optimizer.state[p] = {
-                    "step": torch.tensor(float(steps)),
+                    "step": torch.tensor(float(steps), dtype=torch.float32, device=p.device if fused else "cpu"),
                     "exp_avg": take_slice(self._finite(file, f"exp_avg.{name}", fh.get_tensor(f"exp_avg.{name}")), where)
                     .to(p.device).clone(),
                     "exp_avg_sq": take_slice(self._finite(file, f"exp_avg_sq.{name}", fh.get_tensor(f"exp_avg_sq.{name}")), where)

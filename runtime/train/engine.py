@@ -61,7 +61,7 @@ from runtime.model.family import init_parameter, parameter_shapes
 from runtime.measure.meters import PhaseClock, SavedBytes
 from runtime.train.precision import LossScaleSettings, MasterWeights, compute_dtype
 from runtime.train.replica_sync import ReplicaSync
-from runtime.train.optim_settings import LRSchedule, clip_coefficient, decays
+from runtime.train.optim_settings import LRSchedule, clip_coefficient, decays, grad_square_sum
 from runtime.train.sharded_optimizer import ShardedAdamW
 from runtime.parallel.slicing import parameter_slice, take_slice
 from runtime.parallel.stage import StageModel
@@ -329,16 +329,6 @@ class Engine:
         self._bind_grads()
         return buffer
 
-    def _grad_square_sum(self) -> torch.Tensor:
-        """Sum of squares of the gradients this rank counts (as they are: loss-scaled in fp16), a float64 scalar
-        on the device: ``runtime.train.optim_settings.grad_square_sum``'s arithmetic (fp32 norms per view, their
-        squares summed in fp64) without its read to the host, which the step's all-reduce makes once."""
-        views = [v for v in self._norm_views if v.numel()]
-        if not views:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        # One multi-tensor kernel for every view (a norm per view launched one by one cost 2 ms a step on a CPU).
-        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double().pow(2).sum()
-
     def _bind_grads(self) -> None:
         """Make every ``.grad`` its view of the buffer again (a ``zero_grad()`` elsewhere sets them to
         None; a later backward would then leave the buffer the all-reduce reads stale)."""
@@ -441,7 +431,7 @@ class Engine:
         pos, tracer = self.pos, self.tracer
         t_metrics = time.perf_counter()
         t_norm = clock.start()
-        square_sum = self._grad_square_sum()
+        square_sum = grad_square_sum(self._norm_views, self.device)
         clock.stop(t_norm, ("norm",))
         if self.precision.scaler is not None:
             finite = self.units.all_finite() if self.layered else torch.isfinite(self.grad_buffer).all()

@@ -39,7 +39,7 @@ import time
 import torch
 
 from baton.peers import EDGES
-from runtime.train.precision import _storage_bytes
+from runtime.train.precision import storage_bytes
 from runtime.train.replica_sync import ReplicaSync, SyncGroup, entry_spans
 
 
@@ -96,11 +96,11 @@ class UnitShards:
 
     def weights_bytes(self) -> int:
         """Bytes of the parameters' storages and the weight shards held now."""
-        return _storage_bytes(self.params) + sum(t.nbytes for t in self.weight_shards.values() if t is not None)
+        return storage_bytes(self.params) + sum(t.nbytes for t in self.weight_shards.values() if t is not None)
 
     def grads_bytes(self) -> int:
         """Bytes of the parameters' gradients and the gradient shards held now."""
-        return _storage_bytes(p.grad for p in self.params) + sum(t.nbytes for t in self.grad_shards.values())
+        return storage_bytes(p.grad for p in self.params) + sum(t.nbytes for t in self.grad_shards.values())
 
     def _measure_weights(self) -> None:
         if self.measure:

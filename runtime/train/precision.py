@@ -162,7 +162,7 @@ class StateBytes:
         return self.master_bytes + self.moments_bytes
 
 
-def _storage_bytes(tensors) -> int:
+def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
@@ -258,7 +258,6 @@ class MasterWeights:
             self.scaler.update(overflow)
         if overflow:
             return False
-        self._steps_on_device()
         if not self.mixed:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grad_factor != 1.0 and grads:
@@ -277,21 +276,11 @@ class MasterWeights:
             torch._foreach_copy_([self.params[i] for i in chunk], [self.masters[i] for i in chunk])
         return True
 
-    def _steps_on_device(self) -> None:
-        """The fused kernel reads AdamW's step count on the weights' device, as torch's own ``load_state_dict``
-        puts it; a state set directly (``runtime.train.checkpoint`` sets a host tensor) is moved there once."""
-        if not self.optimizer.defaults.get("fused") or not self.masters or self.masters[0].device.type == "cpu":
-            return
-        for m in self.masters:
-            st = self.optimizer.state.get(m)
-            if st and "step" in st and st["step"].device != m.device:
-                st["step"] = st["step"].to(device=m.device, dtype=torch.float32)
-
     def state_bytes(self) -> StateBytes:
         moments = []
         for m in self.masters:
             st = self.optimizer.state.get(m, {})
             moments += [st.get("exp_avg"), st.get("exp_avg_sq")]
-        return StateBytes(weights_bytes=_storage_bytes(self.params), grads_bytes=_storage_bytes(p.grad for p in self.params),
-                          master_bytes=_storage_bytes(self.masters) if self.mixed else 0,
-                          moments_bytes=_storage_bytes(moments))
+        return StateBytes(weights_bytes=storage_bytes(self.params), grads_bytes=storage_bytes(p.grad for p in self.params),
+                          master_bytes=storage_bytes(self.masters) if self.mixed else 0,
+                          moments_bytes=storage_bytes(moments))

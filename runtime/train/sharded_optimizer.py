@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as _adam
 
-from runtime.train.precision import LossScaler, LossScaleSettings, StateBytes, _storage_bytes, adamw_kernel, compute_dtype
+from runtime.train.precision import LossScaler, LossScaleSettings, StateBytes, storage_bytes, adamw_kernel, compute_dtype
 from runtime.train.replica_sync import ReplicaSync, SyncGroup, entry_spans
 from runtime.parallel.slicing import take_slice
 
@@ -198,7 +198,7 @@ class ShardedAdamW:
         if self.store is not None:
             weights, grads = self.store.peak_weights_bytes, self.store.peak_grads_bytes
         else:
-            weights, grads = _storage_bytes(self.params), _storage_bytes(p.grad for p in self.params)
+            weights, grads = storage_bytes(self.params), storage_bytes(p.grad for p in self.params)
         return StateBytes(weights_bytes=weights, grads_bytes=grads,
                           master_bytes=sum(s.master.nbytes for s in self.shards if s.master is not None),
                           moments_bytes=sum(t.nbytes for s in self.shards for t in (s.exp_avg, s.exp_avg_sq) if t is not None))
