@@ -166,13 +166,17 @@ ENDPOINT = "127.77.0.2:29400"
 RUN_S = 240
 
 
-def _train_on(ms, plan_path: Path, tmp: Path, nodes: list[str], *extra, wait: bool = True, env=None, interface=False):
+def _train_on(ms, plan_path: Path, tmp: Path, nodes: list[str], *extra, wait: bool = True, env=None, interface=False,
+              only=None):
     """Start `baton train` on machine k as ``nodes[k]``; the first machine holds the rendezvous. Each machine's network
-    interface comes from the cluster file's node, or with ``interface`` from --interface (the machine's own)."""
+    interface comes from the cluster file's node, or with ``interface`` from --interface (the machine's own);
+    ``only``: the machines to start (default all)."""
     import os
 
     procs = []
     for k, node in enumerate(nodes):
+        if only is not None and k not in only:
+            continue
         args = [sys.executable, "-m", "cli", "train", "--plan", str(plan_path), "--node", node, "--rdzv-endpoint", ENDPOINT,
                 "--cluster", str(CLUSTER), "--device", "cpu", "--timeout", "30", *map(str, extra)]
         if interface:
@@ -336,6 +340,75 @@ def test_elastic_survivors_replan_resume_and_finish(tmp_path):
     assert sorted(last) == [1, 2, 3, 4, 5, 6]
     assert all(abs(last[s + 1] - want[s]) <= 1e-5 * abs(want[s]) for s in range(6)), (last, want)
     assert "resuming from step-000002 under the re-solved plan" in log
+
+
+@machines_needed
+@pytest.mark.long
+def test_a_machine_that_comes_back_is_taken_in_and_the_run_finishes_under_the_given_plan(tmp_path):
+    """m2 is SIGKILLed after the checkpoint of step 2; m1 goes on alone under a re-solved plan; m2, started again with
+    its first command, waits at the rendezvous, m1's processes restart with it and both finish under the given plan
+    from the newest checkpoint, every step's loss that of the uninterrupted curve. Catches a machine that comes back
+    starting from step 1 while the survivors resume (its first command says nothing of resuming)."""
+    plan = crossing_plan()
+    save_plan(plan, tmp_path / "p.json")
+    ck = tmp_path / "ck"
+    extra = ["--steps", REJOIN_STEPS, "--lr", 1e-3, "--save-dir", ck, "--save-every", 2, "--elastic"]
+    with harness.Machines(2) as ms:
+        procs = _train_on(ms, tmp_path / "p.json", tmp_path, ["m1", "m2"], *extra, wait=False)
+        _wait_for(lambda: (ck / "step-000002").is_dir(), RUN_S)
+        ms.machines[1].kill()
+        _wait_for(lambda: "under the re-solved plan" in _log(tmp_path, 1), RUN_S)
+        (tmp_path / "machine2.log").rename(tmp_path / "machine2-lost.log")
+        (tmp_path / "machine2.log.err").rename(tmp_path / "machine2-lost.log.err")
+        again = _train_on(ms, tmp_path / "p.json", tmp_path, ["m1", "m2"], *extra, wait=False, only=[1])
+        for p in procs[:1] + again:
+            p.wait(RUN_S)
+        assert [procs[0].returncode, again[0].returncode] == [0, 0], _log(tmp_path, 1) + _log(tmp_path, 2)
+        assert ms.leftovers() == []
+    log = _log(tmp_path, 1)
+    resumed = [ln for ln in log.splitlines() if "under the given plan" in ln]
+    assert resumed and "re-planned without machine(s) m2" in log, log
+    records = [json.loads(ln) for ln in (ck / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    last = {r["step"]: r["loss"] for r in records}  # steps trained again after a restart: the later record
+    assert sorted(last) == list(range(1, REJOIN_STEPS + 1))
+    want, _ = reference_run(plan.model, global_batch=plan.global_batch, steps=REJOIN_STEPS, seed=0, lr=1e-3)
+    assert all(abs(last[s + 1] - want[s]) <= 1e-5 * abs(want[s]) for s in range(REJOIN_STEPS)), (last, want)
+    print(resumed[-1].strip())
+
+
+@machines_needed
+@pytest.mark.long
+def test_ctrl_c_on_one_machine_saves_and_stops_every_machine_in_one_line_each(tmp_path):
+    """SIGINT to m1's launcher, which is what a Ctrl-C in its terminal reaches (torchelastic starts the processes in
+    sessions of their own): every rank of both machines finishes the step, they save one checkpoint together and
+    stop; each machine exits 130 with one line naming the checkpoint, m2 saying the stop came from elsewhere."""
+    import signal
+
+    ck = tmp_path / "ck"
+    save_plan(crossing_plan(), tmp_path / "p.json")
+    with harness.Machines(2) as ms:
+        procs = _train_on(ms, tmp_path / "p.json", tmp_path, ["m1", "m2"], "--steps", 400, "--save-dir", ck,
+                          "--save-every", 1000, wait=False)
+        metrics = ck / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, RUN_S)
+        procs[0].send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait(RUN_S)
+        assert [p.returncode for p in procs] == [130, 130], _log(tmp_path, 1) + _log(tmp_path, 2)
+        assert ms.leftovers() == []
+    from runtime.train.checkpoint import checkpoints
+
+    step = len([ln for ln in metrics.read_text().splitlines() if ln.strip()])
+    assert [c.name for c in checkpoints(ck)] == [f"step-{step:06d}"] and step < 400
+    for k, where in ((1, ""), (2, " (asked on another machine)")):
+        lines = _errors(tmp_path, k)
+        assert len(lines) == 1 and lines[0].startswith(f"interrupted: stopped after step {step}{where}; saved "), lines
+        assert lines[0].endswith(f"step-{step:06d}"), lines
+
+
+REJOIN_STEPS = 160
+"""Enough that the survivor is still training alone when the lost machine comes back: it had reached step 63 of 300
+when m2 was back, on 2 busy cores."""
 
 
 def _wait_for(condition, timeout_s: float) -> None:

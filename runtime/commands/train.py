@@ -61,6 +61,10 @@ def train(ctx: typer.Context, **options) -> None:
 
     Ctrl-C or SIGTERM with --save-dir: the ranks finish the current step and save a checkpoint (a second
     one stops at once); without --save-dir they stop at once."""
+    if options.get("node") or options.get("rdzv_endpoint"):
+        # A machine's launcher: c10d's C++ warnings (a store whose holder left, each with its stack) would bury the one
+        # line it prints, as they would its processes' (runtime.launch.machines); torch reads the level at its import.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from runtime.commands.train_config import resolve_options
     from runtime.commands.train_options import train_config
 

@@ -34,6 +34,7 @@ import queue as queue_mod
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -507,14 +508,28 @@ def _train_joined(cfg: TrainConfig, rank: int, world: int, device: torch.device,
         dist.barrier()
         if "stopped_after" in outcome:
             kind = Terminated if signalled and signalled[0] == signal.SIGTERM else KeyboardInterrupt
-            raise kind(f"stopped after step {outcome['stopped_after']}; saved {outcome.get('saved')}")
+            where = " (asked on another machine)" if seat is not None and not signalled else ""
+            stop = kind(f"stopped after step {outcome['stopped_after']}{where}; saved {outcome.get('saved')}")
+            stop.agreed = True
+            raise stop
         return history
     except BaseException as exc:
         if seat is None:
             raise
         from runtime.launch.machine_train import ended
 
-        raise ended(exc, seat) from None
+        out = ended(exc, seat)
+        if isinstance(out, SystemExit):
+            # The line is with the machine's launcher. Tearing down a gloo group whose peers died can abort in C++
+            # ("terminate called without an active exception", on stderr beside that line), so this process leaves
+            # without its group's destructors; nothing of it is left to save.
+            from runtime.launch.plan_ranks import release
+
+            release(seat)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(out.code)
+        raise out from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

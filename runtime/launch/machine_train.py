@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from baton.errors import BatonError
-from runtime.launch.machines import (MACHINE_ENV, check_devices, find_machine, interface_address, interface_of,
-                                     machine_preflight, parse_endpoint, run_machine, write_report)
+from runtime.launch.machines import (MACHINE_ENV, check_devices, clear_report, find_machine, interface_address,
+                                     interface_of, machine_preflight, parse_endpoint, run_machine, write_report)
 from runtime.launch.plan_ranks import Seat, elastic, lost_machine_line, take_seat
 
 
@@ -71,6 +71,7 @@ def join(cfg, prepare, notice=lambda line: None):
     """(cfg, seat, device, pre-flight) of this process after the rendezvous: the plan it runs (re-solved under --elastic when
     machines are missing, resuming from the newest checkpoint, which ``prepare(cfg, notice)``, the launcher's,
     resolves), its plan rank and its device; None when the re-solved plan leaves its device out."""
+    clear_report()
     node = cfg.node or os.environ.get(MACHINE_ENV)
     machine = find_machine(cfg.plan, node)
     cluster = _cluster(cfg)
@@ -80,8 +81,10 @@ def join(cfg, prepare, notice=lambda line: None):
                      profiles_dir=cfg.profiles_dir, notice=notice)
     if seat is None:
         return None
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if seat.plan is not cfg.plan or (elastic() and restarted):
+    # Under --elastic every process of a round resumes from the newest intact checkpoint, however it came: a survivor
+    # restarted by its agent and a machine that came back with the command it was first started with (its restart
+    # count is 0) must agree, and at a rendezvous nobody is writing one.
+    if seat.plan is not cfg.plan or (elastic() and _has_checkpoint(cfg.save_dir)):
         cfg = replace(cfg, plan=seat.plan, resume=_has_checkpoint(cfg.save_dir) or cfg.resume, resume_from=None)
         cfg = prepare(cfg, notice if seat.rank == 0 else None)
         if seat.rank == 0 and cfg.resume_from:
@@ -114,6 +117,15 @@ def ended(exc: BaseException, seat: Seat | None) -> BaseException:
     """What ends this process: its line left for the machine's launcher (which prints one line for the machine) and
     a silent exit, or ``exc`` itself outside the machine launcher."""
     if isinstance(exc, KeyboardInterrupt):
+        from runtime.launch.machines import STOP_KINDS
+
+        kind = STOP_KINDS[getattr(exc, "exit_code", 130) == 143]
+        node = seat.node if seat is not None else os.environ.get(MACHINE_ENV, "?")
+        detail = exc.args[0] if exc.args and exc.args[0] else f"machine {node}'s processes were stopped"
+        if write_report(detail, kind):
+            # A stop every rank agreed on and saved at ends this process without failing: an elastic agent must not
+            # restart it (its launcher says the run was interrupted); any other interrupt exits as one.
+            return SystemExit(0 if getattr(exc, "agreed", False) else getattr(exc, "exit_code", 130))
         return exc
     line = str(exc) if isinstance(exc, BatonError) else f"{type(exc).__name__}: {exc}".splitlines()[0]
     if seat is not None and not isinstance(exc, BatonError):

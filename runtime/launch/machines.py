@@ -252,23 +252,33 @@ def run_machine(plan: Plan, machine: Machine, argv: list[str], *, endpoint: str,
            **({ELASTIC_ENV: "1"} if elastic else {}), **interface_env(interface)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    # torchelastic logs every restart and failure at length; the one line below says what matters.
+    # torchelastic logs every restart, failure and signal at length; the one line below says what matters. Its modules
+    # set their loggers' own levels, so the parent's level alone does not reach them.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = launch_config(plan, machine, endpoint, run_id=run_id, elastic=elastic, timeout_s=timeout_s,
                            local_addr=local_addr, log_dir=str(run_dir / "logs"))
+    from runtime.launch.processes import Terminated
+
     try:
         elastic_launch(config, sys.executable)("-m", "cli", "train", *argv)
-    except SignalException as exc:  # Ctrl-C or SIGTERM: the agent passed it on to the processes and stopped them
-        from runtime.launch.processes import Terminated
-
+    except SignalException as exc:  # Ctrl-C or SIGTERM: the agent passed it on to the processes and waited for them
+        stop = _stop_report(reports)
         raise (Terminated if exc.sigval == signal.SIGTERM else KeyboardInterrupt)(
-            f"machine {machine.node}'s processes were stopped") from None
+            stop[1] if stop else f"machine {machine.node}'s processes were stopped") from None
     except ChildFailedError:
         raise BatonError(_first_report(reports) or f"machine {machine.node}: its processes failed without a report") from None
     except Exception as exc:  # the rendezvous: no store at the endpoint, or machines that never came
         line = f"{type(exc).__name__}: {exc}".splitlines()[0]
         raise BatonError(f"machine {machine.node} could not meet the others at {endpoint}: {line}",
                          field="--rdzv-endpoint") from None
+    else:
+        # A stop every machine agreed on (Ctrl-C or SIGTERM on another machine, or on this one's processes alone):
+        # they saved and left without failing, so an elastic agent restarts nothing; the run still ends interrupted.
+        stop = _stop_report(reports)
+        if stop:
+            raise (Terminated if stop[0] == "terminated" else KeyboardInterrupt)(stop[1])
     finally:
         for k, v in saved.items():
             if v is None:
@@ -278,25 +288,57 @@ def run_machine(plan: Plan, machine: Machine, argv: list[str], *, endpoint: str,
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _first_report(reports: Path) -> str | None:
-    """The line of the process that explains the failure: one naming a lost machine, else the first written."""
-    lines = []
+STOP_KINDS = ("interrupted", "terminated")
+"""Report kinds of a process that stopped on Ctrl-C or SIGTERM, beside ``error``."""
+
+
+def _reports(reports: Path) -> list[tuple[str, str]]:
+    """(kind, line) of every process's report, in the order they were written."""
+    out = []
     for path in sorted(reports.glob("*.txt"), key=lambda p: p.stat().st_mtime):
-        text = path.read_text().strip()
-        if text:
-            lines.append(text.splitlines()[0])
-    lost = [ln for ln in lines if " was lost" in ln]
-    return (lost or lines or [None])[0]
+        kind, _, line = path.read_text().strip().partition("\t")
+        if line:
+            out.append((kind, line.splitlines()[0]))
+    return out
 
 
-def write_report(line: str) -> bool:
-    """Under the machine launcher: leave the line that ends this process for the launcher to print (True), rather
-    than every process of every machine printing its own."""
+def _first_report(reports: Path) -> str | None:
+    """The line of the process that explains the failure: one naming a lost machine, else the first error written,
+    else the first line."""
+    lines = _reports(reports)
+    lost = [ln for kind, ln in lines if kind == "error" and " was lost" in ln]
+    errors = [ln for kind, ln in lines if kind == "error"]
+    return (lost or errors or [ln for _, ln in lines] or [None])[0]
+
+
+def _stop_report(reports: Path) -> tuple[str, str] | None:
+    """(kind, line) of a stop: the report of a process that saved at the stop (it names the checkpoint), else any."""
+    stops = [(kind, ln) for kind, ln in _reports(reports) if kind in STOP_KINDS]
+    saved = [s for s in stops if "saved" in s[1]]
+    return (saved or stops or [None])[0]
+
+
+def _report_path() -> Path | None:
     where = os.environ.get(REPORT_DIR_ENV)
-    if not where:
+    return Path(where, f"local-{os.environ.get('LOCAL_RANK', '0')}.txt") if where else None
+
+
+def clear_report() -> None:
+    """A process starting: what its local rank reported in an earlier round (torchelastic stops every process to
+    take a returning machine in, and they save as at a stop) no longer says how the run ends."""
+    path = _report_path()
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def write_report(line: str, kind: str = "error") -> bool:
+    """Under the machine launcher: leave the line that ends this process (``kind``: 'error' or one of
+    ``STOP_KINDS``) for the launcher to print (True), rather than every process of every machine printing its own."""
+    path = _report_path()
+    if path is None:
         return False
     try:
-        Path(where, f"local-{os.environ.get('LOCAL_RANK', '0')}.txt").write_text(line + "\n")
+        path.write_text(f"{kind}\t{line}\n")
     except OSError:
         return False
     return True
