@@ -122,6 +122,16 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+PCIE_GB_PER_S = {3: 12.0, 4: 24.0, 5: 48.0}
+"""Effective rate of a pinned host<->device copy over a x16 link per PCIe generation, each direction, 10^9 bytes/s:
+about 3/4 of the link's 15.75, 31.5 and 63 GB/s (128b/130b coding, packet headers and the DMA engine; CUDA's
+bandwidthTest reports 12-13 GB/s on gen 3 and 24-26 GB/s on gen 4 hosts, ~50 GB/s on gen 5). SXM modules reach
+the host over PCIe too (A100: gen 4, H100/H200: gen 5, V100: gen 3)."""
+CPU_COPY_GB_PER_S = 5.0
+"""A CPU process's offload is a copy within host memory by the process itself, on its one thread: a 64 MiB
+``torch.Tensor.copy_`` took 12.7 ms (5.3 GB/s, median of 10) on this project's 2-core test VM."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuType:
     """One kind of accelerator and the figures the analytic profiler and MFU need."""
@@ -148,6 +158,9 @@ class GpuType:
     """Share of the boost clock (the one the peaks assume) the GPU holds under sustained GEMM load."""
     clock_source: str = "estimate: holds near its boost clock at its power limit"
     """Where ``clock_fraction`` comes from."""
+    host_link_gb_per_s: float = PCIE_GB_PER_S[3]
+    """What a pinned copy between host memory and the device sustains in each direction, 10^9 bytes/s: its host
+    link's effective rate (eq. 2o; a cluster node's ``host_link_gb_per_s`` overrides it)."""
 
     @property
     def architecture(self) -> Architecture:
@@ -182,7 +195,8 @@ class GpuType:
         return self.memory_bandwidth_gb_per_s * self.architecture.bandwidth
 
 
-def _gpu(name, mem_gib, fp16, bf16, fp32, bw, note="", *, arch, tf32=None, clock=1.0, clock_source=None):
+def _gpu(name, mem_gib, fp16, bf16, fp32, bw, note="", *, arch, tf32=None, clock=1.0, clock_source=None, pcie=3,
+         host_link=None):
     return GpuType(
         name=name,
         memory_bytes=int(mem_gib * GIB),
@@ -194,6 +208,7 @@ def _gpu(name, mem_gib, fp16, bf16, fp32, bw, note="", *, arch, tf32=None, clock
         arch=arch,
         peak_tf32_tflops=tf32,
         clock_fraction=clock,
+        host_link_gb_per_s=host_link if host_link is not None else PCIE_GB_PER_S[pcie],
         **({"clock_source": clock_source} if clock_source else {}),
     )
 
@@ -201,15 +216,17 @@ def _gpu(name, mem_gib, fp16, bf16, fp32, bw, note="", *, arch, tf32=None, clock
 CATALOG: dict[str, GpuType] = {
     g.name: g
     for g in [
-        _gpu("a100-40gb", 40, 312.0, 312.0, 19.5, 1555.0, "NVIDIA A100 SXM4 40GB datasheet", arch="ampere-ga100", tf32=156.0),
-        _gpu("a100-80gb", 80, 312.0, 312.0, 19.5, 2039.0, "NVIDIA A100 SXM4 80GB datasheet", arch="ampere-ga100", tf32=156.0),
+        _gpu("a100-40gb", 40, 312.0, 312.0, 19.5, 1555.0, "NVIDIA A100 SXM4 40GB datasheet", arch="ampere-ga100", tf32=156.0,
+             pcie=4),
+        _gpu("a100-80gb", 80, 312.0, 312.0, 19.5, 2039.0, "NVIDIA A100 SXM4 80GB datasheet", arch="ampere-ga100", tf32=156.0,
+             pcie=4),
         _gpu("a800-80gb", 80, 312.0, 312.0, 19.5, 1935.0, "NVIDIA A800 PCIe 80GB: A100 compute, NVLink capped at 400 GB/s",
              arch="ampere-ga100", tf32=156.0, clock=0.9,
-             clock_source="estimate: PCIe card at 300 W holds less clock than the 400 W SXM4 A100"),
+             clock_source="estimate: PCIe card at 300 W holds less clock than the 400 W SXM4 A100", pcie=4),
         _gpu("h100", 80, 989.0, 989.0, 67.0, 3350.0, "NVIDIA H100 SXM5 80GB datasheet (dense)", arch="hopper", tf32=494.7,
-             clock=0.9, clock_source="estimate: sustained GEMM load at 700 W runs ~10% below the 1.98 GHz boost"),
+             clock=0.9, clock_source="estimate: sustained GEMM load at 700 W runs ~10% below the 1.98 GHz boost", pcie=5),
         _gpu("h200", 141, 989.0, 989.0, 67.0, 4800.0, "NVIDIA H200 SXM 141GB datasheet (dense)", arch="hopper", tf32=494.7,
-             clock=0.9, clock_source="estimate: as H100 SXM"),
+             clock=0.9, clock_source="estimate: as H100 SXM", pcie=5),
         _gpu("v100-16gb", 16, 125.0, None, 15.7, 900.0, "NVIDIA V100 SXM2 16GB datasheet", arch="volta"),
         _gpu("v100-32gb", 32, 125.0, None, 15.7, 900.0, "NVIDIA V100 SXM2 32GB datasheet", arch="volta"),
         _gpu("v100s-32gb", 32, 130.0, None, 16.4, 1134.0, "NVIDIA V100S PCIe 32GB datasheet", arch="volta"),
@@ -217,23 +234,27 @@ CATALOG: dict[str, GpuType] = {
         _gpu("t4", 16, 65.0, None, 8.1, 320.0, "NVIDIA T4 datasheet (70 W)", arch="turing", clock=0.67,
              clock_source=f"{_FIT} (T4 2.9x V100); 70 W cap: sustained GEMM clocks ~1.0 GHz of the 1.59 GHz boost"),
         _gpu("l4", 24, 121.0, 121.0, 30.3, 300.0, "NVIDIA L4 datasheet (dense; 242 with sparsity)", arch="ada", tf32=60.0,
-             clock=0.55, clock_source=f"{_FIT} (L4 1.9x V100); 72 W cap: sustained GEMM clocks ~1.0 GHz of the 2.04 GHz boost"),
+             clock=0.55, clock_source=f"{_FIT} (L4 1.9x V100); 72 W cap: sustained GEMM clocks ~1.0 GHz of the 2.04 GHz boost",
+             pcie=4),
         _gpu("a10g", 24, 70.0, 70.0, 31.2, 600.0, "AWS A10G as reported for g5 instances (dense tensor ~70 TFLOPS)",
              arch="ampere-ga10x", tf32=35.0, clock=0.94,
-             clock_source=f"{_FIT} (A10G ~1.1x V100); power-capped card, ~1.6 of 1.71 GHz under GEMM load"),
+             clock_source=f"{_FIT} (A10G ~1.1x V100); power-capped card, ~1.6 of 1.71 GHz under GEMM load", pcie=4),
         _gpu("a6000", 48, 154.8, 154.8, 38.7, 768.0, "NVIDIA RTX A6000 datasheet (dense)", arch="ampere-ga10x", tf32=77.4,
-             clock=0.95, clock_source=f"{_FIT} (A6000 ~0.9x V100); 300 W, ~1.7 of 1.8 GHz under GEMM load"),
+             clock=0.95, clock_source=f"{_FIT} (A6000 ~0.9x V100); 300 W, ~1.7 of 1.8 GHz under GEMM load", pcie=4),
         _gpu("p100", 16, 21.2, None, 10.6, 732.0, "NVIDIA P100 SXM2 16GB datasheet (no tensor cores)", arch="pascal"),
         _gpu("p40", 24, 0.18, None, 11.8, 346.0, "NVIDIA P40 datasheet: fp16 runs at 1/64 rate; train it in fp32", arch="pascal",
              clock=0.85, clock_source="estimate: 250 W passively cooled card, below its 1.53 GHz boost under load"),
         _gpu("rtx3090", 24, 71.0, 71.0, 35.6, 936.0, "GeForce RTX 3090: dense fp16 tensor with fp32 accumulate",
              arch="ampere-ga10x", tf32=35.6, clock=1.05,
-             clock_source=f"{_FIT} (RTX 3090, Lambda); GeForce cards run above their rated boost clock when power allows"),
+             clock_source=f"{_FIT} (RTX 3090, Lambda); GeForce cards run above their rated boost clock when power allows",
+             pcie=4),
         _gpu("rtx4090", 24, 165.2, 165.2, 82.6, 1008.0,
              "GeForce RTX 4090 (Ada whitepaper): dense fp16/bf16 tensor with fp32 accumulate 165.2, TF32 82.6",
              arch="ada", tf32=82.6, clock=1.05,
-             clock_source=f"{_FIT} (RTX 4090, Lambda); GeForce cards run above their rated boost clock when power allows"),
-        _gpu("cpu", 24, 0.2, 0.2, 0.2, 20.0, "stand-in for a CPU process; measure it with 'baton profile --device cpu'", arch="cpu"),
+             clock_source=f"{_FIT} (RTX 4090, Lambda); GeForce cards run above their rated boost clock when power allows",
+             pcie=4),
+        _gpu("cpu", 24, 0.2, 0.2, 0.2, 20.0, "stand-in for a CPU process; measure it with 'baton profile --device cpu'", arch="cpu",
+             host_link=CPU_COPY_GB_PER_S),
     ]
 }
 

@@ -90,6 +90,9 @@ class Device:
     """Usable capacity: the catalog memory unless the spec overrides it."""
     reserve_bytes: int
     """Held back for the CUDA context, allocator fragmentation and communication buffers."""
+    host_link_gb_per_s: float = 0.0
+    """What a pinned copy between host memory and the device sustains each way (eq. 2o), 10^9 bytes/s: its node's
+    ``host_link_gb_per_s``, else its catalog type's (``GpuType.host_link_gb_per_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +118,9 @@ class ClusterSpec:
     interfaces: dict = field(default_factory=dict)
     """Node name -> the network interface its processes talk through (gloo's and NCCL's socket interface, e.g.
     ``eth0``); nodes without one let the libraries choose."""
+    host_memory: dict = field(default_factory=dict)
+    """Node name -> bytes of host memory its devices may fill with offloaded activations (pinned buffers, eq. 8o);
+    nodes without one are not limited."""
 
     @property
     def has_ring_pass_figures(self) -> bool:
@@ -225,7 +231,7 @@ FIELDS = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description
 """The top-level fields of a cluster file."""
 MAX_REPLICA_TIME_CV = 0.5
 """Beyond this the normal noise model of eq. 19 would give replicas negative times a few % of the steps."""
-_NODE = {"name", "gpus", "intra_node_link", "count", "nic", "nics", "interface"}
+_NODE = {"name", "gpus", "intra_node_link", "count", "nic", "nics", "interface", "host_memory_gib", "host_link_gb_per_s"}
 _NIC_COUNT = "count"
 """How many identical NICs one ``nics`` entry stands for."""
 _GPUS = {"type", "count", "memory_gib", "memory_reserve_gib"}
@@ -264,6 +270,7 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
     intra: dict[str, Link] = {}
     nics: dict[str, Link] = {}
     interfaces: dict[str, str] = {}
+    host_memories: dict[str, int] = {}
     node_names: set[str] = set()
     node_names_in_order: list[str] = []
     for i, raw_node in enumerate(top.sequence("nodes")):
@@ -274,6 +281,8 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
         link = _link(node.mapping("intra_node_link")) if node.has("intra_node_link") else None
         nic = _node_nic(node)
         interface = _interface(node) if node.has("interface") else None
+        host_memory = int(node.number("host_memory_gib") * GIB) if node.has("host_memory_gib") else None
+        host_link = node.number("host_link_gb_per_s") if node.has("host_link_gb_per_s") else None
         entries = node.sequence("gpus")
         parsed = []
         for j, raw_gpu in enumerate(entries):
@@ -303,10 +312,13 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
                 nics[name] = nic
             if interface is not None:
                 interfaces[name] = interface
+            if host_memory is not None:
+                host_memories[name] = host_memory
             k = 0
             for gpu, count, memory, reserve in parsed:
                 for _ in range(count):
-                    devices.append(Device(id=f"{name}:{k}", node=name, gpu=gpu, memory_bytes=memory, reserve_bytes=reserve))
+                    devices.append(Device(id=f"{name}:{k}", node=name, gpu=gpu, memory_bytes=memory, reserve_bytes=reserve,
+                                          host_link_gb_per_s=host_link or gpu.host_link_gb_per_s))
                     k += 1
     inter = _link(top.mapping("inter_node_link")) if top.has("inter_node_link") else None
     if len(node_names) > 1 and inter is None:
@@ -319,6 +331,7 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
     return ClusterSpec(
         name=top.string("name", default=Path(source).stem),
         devices=tuple(devices), intra_links=intra, inter_link=inter, source=source, nics=nics, interfaces=interfaces,
+        host_memory=host_memories,
         replica_time_cv=top.number("replica_time_cv", default=0.0, allow_zero=True, maximum=MAX_REPLICA_TIME_CV),
     )
 

@@ -100,6 +100,14 @@ def render_report(report: PlanReport, *, title: str) -> None:
         devs.add_row(Text(name), Text(cells[0]), cells[1], cells[2], Text(cells[3]), *cells[4:-1],
                      "[green]yes[/]" if cells[-1] else "[bold red]NO[/]")
     console.print(devs)
+    for d in report.devices:
+        if d.offload:
+            console.print(f"{d.id} keeps {', '.join(d.offload)} in host memory: {_gib(d.host_activation_bytes)} GiB at its peak, "
+                          f"copies adding {d.offload_ms:.2f} ms per micro-batch beyond the compute they overlap", highlight=False)
+    for h in report.host_memory:
+        room = "no host_memory_gib given" if h.capacity_bytes is None else f"of {_gib(h.capacity_bytes)} GiB"
+        console.print(f"node {h.node}: {_gib(h.activation_bytes)} GiB of offloaded activations in host memory ({room})"
+                      + ("" if h.fits else " [bold red]does not fit[/]"), highlight=False)
     console.print(
         f"iteration [bold]{report.iteration_time_ms:.1f} ms[/] ({'compute and waits, layer by layer' if report.zero_stage >= 2 else 'pipeline'} "
         f"{report.pipeline_ms:.1f}"

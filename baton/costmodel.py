@@ -22,13 +22,13 @@ Two levels:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 
 from baton.cluster import ClusterSpec, Link
-from baton.memory import RecomputeSpace, recompute_space, tensor_bytes
+from baton.memory import RecomputeSpace, recompute_space, tensor_blocks, tensor_bytes
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, layer_operators, operator_flops, padded_vocab
 from baton.peers import (EDGES, final_norm_param_count, held_params, owned_fractions, owned_params, peer_groups,
@@ -83,9 +83,8 @@ def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: flo
     between callers: the arrays must not be modified.
     """
     ops = layer_operators(spec)
-    costs = {o.name: profile.cost(o.name, micro_batch, share if o.tp_split else 1.0) for o in ops}
-    sizes = tensor_bytes(spec, micro_batch, share, {k: v.saved_bytes for k, v in costs.items()},
-                         {k: v.output_bytes for k, v in costs.items()}, profile.seq_len)
+    costs = _op_costs(profile, spec, micro_batch, share)
+    sizes = layer_tensor_bytes(profile, spec, micro_batch, share)
     sz = np.array([sizes[t] for t in space.tensors])
     attn = np.array([b == "attn" for b in space.blocks])
 
@@ -113,6 +112,20 @@ def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: flo
         fwd_ms=fwd, bwd_ms=bwd, rec_attn_ms=rec_attn, rec_mlp_ms=rec_mlp,
         held_bytes=(space.held * sz).sum(axis=1), transient_bytes=(space.remat * sz).sum(axis=1),
         param_bytes=sum(c.param_bytes for c in costs.values()))
+
+
+def _op_costs(profile: Profile, spec: ModelSpec, micro_batch: int, share: float) -> dict[str, OpCost]:
+    """Every operator's table row: a TP-split one at ``share``, a replicated one at share 1."""
+    return {o.name: profile.cost(o.name, micro_batch, share if o.tp_split else 1.0) for o in layer_operators(spec)}
+
+
+@functools.lru_cache(maxsize=8192)
+def layer_tensor_bytes(profile: Profile, spec: ModelSpec, micro_batch: int, share: float) -> dict[str, float]:
+    """bytes_d(t) of eq. 3 for every tensor of a layer, scaled to the table's saved and output bytes
+    (``baton.memory.tensor_bytes``). Memoised and shared: the mapping must not be modified."""
+    costs = _op_costs(profile, spec, micro_batch, share)
+    return tensor_bytes(spec, micro_batch, share, {k: v.saved_bytes for k, v in costs.items()},
+                        {k: v.output_bytes for k, v in costs.items()}, profile.seq_len)
 
 
 def segment_ends(spec: ModelSpec, space: RecomputeSpace) -> np.ndarray:
@@ -151,25 +164,57 @@ class LayerCost:
     """Block -> what recomputation adds to the block's backward: the forward ms of its recomputed operators
     (eq. 2), or with host times what they and their segments add to the larger of device and host time (eq. 2h)."""
     held_bytes: float
-    """Activation bytes kept per in-flight micro-batch."""
+    """Activation bytes kept in device memory per in-flight micro-batch (eq. 3o: the offloaded ones are not)."""
     transient_bytes: float
-    """Bytes re-created while this layer runs its backward."""
+    """Bytes re-created while this layer runs its backward, and the offloaded tensors of the layer it runs and of the
+    one it fetches ahead (eq. 4o)."""
     param_bytes: float
     """Parameter bytes this device holds for the layer."""
+    host_bytes: float = 0.0
+    """Activation bytes kept in host memory per in-flight micro-batch (eq. 3o)."""
+    offload_fwd_ms: dict = field(default_factory=lambda: dict.fromkeys(BLOCKS, 0.0))
+    """Block -> what copying its offloaded tensors to the host adds to its forward (eq. 2o)."""
+    offload_bwd_ms: dict = field(default_factory=lambda: dict.fromkeys(BLOCKS, 0.0))
+    """Block -> what copying them back adds to its backward (eq. 2o)."""
 
     def block_fwd_ms(self) -> tuple[float, float]:
         """Forward per block, as eq. 9 takes the max over a group."""
-        return tuple(self.fwd_ms[b] for b in BLOCKS)
+        return tuple(self.fwd_ms[b] + self.offload_fwd_ms[b] for b in BLOCKS)
 
     def block_bwd_ms(self) -> tuple[float, float]:
         """Backward plus recomputation per block, as eq. 9 takes the max over a group."""
-        return tuple(self.bwd_ms[b] + self.recompute_ms[b] for b in BLOCKS)
+        return tuple(self.bwd_ms[b] + self.recompute_ms[b] + self.offload_bwd_ms[b] for b in BLOCKS)
 
 
 def layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float,
-               recompute: frozenset[str] | set[str] | Sequence[str] = frozenset()) -> LayerCost:
-    """Row ``recompute`` of ``layer_prices``: the evaluator's view of eq. 2-4 for one device."""
-    return _layer_cost(profile, spec, micro_batch, share, frozenset(recompute))
+               recompute: frozenset[str] | set[str] | Sequence[str] = frozenset(),
+               offload: frozenset[str] | set[str] | Sequence[str] = frozenset(), host_link_gb_per_s: float = 0.0) -> LayerCost:
+    """Row ``recompute`` of ``layer_prices``: the evaluator's view of eq. 2-4 for one device; with tensors to
+    ``offload`` over a host link of ``host_link_gb_per_s``, eq. 2o-4o."""
+    if not offload:
+        return _layer_cost(profile, spec, micro_batch, share, frozenset(recompute))
+    return _offloaded(profile, spec, micro_batch, share, frozenset(recompute), frozenset(offload), host_link_gb_per_s)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _offloaded(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, recompute: frozenset[str],
+               offload: frozenset[str], host_link_gb_per_s: float) -> LayerCost:
+    """Eq. 2o-4o: ``offload`` (tensors that ``recompute`` holds) spends the time between the passes in host
+    memory. A block's copies to the host overlap its forward and its copies back its backward; only what they take
+    beyond the block's own time is added, on a ``Profile.SYNCHRONOUS`` device (a CPU process copying by itself) all
+    of it."""
+    if host_link_gb_per_s <= 0:
+        raise ValueError("offloading needs the device's host link rate (host_link_gb_per_s)")
+    base = _layer_cost(profile, spec, micro_batch, share, recompute)
+    sizes, blocks = layer_tensor_bytes(profile, spec, micro_batch, share), tensor_blocks(spec)
+    moved = {b: sum(sizes[t] for t in offload if blocks[t] == b) for b in BLOCKS}
+    copy_ms = {b: moved[b] / (host_link_gb_per_s * 1e9) * 1e3 for b in BLOCKS}
+    fwd, bwd = dict(zip(BLOCKS, base.block_fwd_ms())), dict(zip(BLOCKS, base.block_bwd_ms()))
+    inline = profile.gpu in Profile.SYNCHRONOUS
+    host = sum(moved.values())
+    return replace(base, held_bytes=base.held_bytes - host, transient_bytes=base.transient_bytes + 2 * host, host_bytes=host,
+                   offload_fwd_ms={b: copy_ms[b] if inline else max(0.0, copy_ms[b] - fwd[b]) for b in BLOCKS},
+                   offload_bwd_ms={b: copy_ms[b] if inline else max(0.0, copy_ms[b] - bwd[b]) for b in BLOCKS})
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -408,6 +453,16 @@ def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes,
     peak = kept + grads + opt + activ + transient + sync_buffer_bytes + slot.reserve_bytes
     return DeviceMemory(weights_bytes=kept, grads_bytes=grads, optimizer_bytes=opt, held_weights_bytes=weights,
                         activation_bytes=activ, transient_bytes=transient, reserve_bytes=slot.reserve_bytes, peak_bytes=peak)
+
+
+def host_activation_bytes(slot: DeviceSlot, num_layers, host_bytes, *, schedule: Schedule | None = None, group: int = 0,
+                          layers: Sequence[int] = ()) -> float:
+    """Eq. 8o: what a device keeps in host memory at its peak, ``host_bytes`` per layer and micro-batch in flight,
+    counted like eq. 8's activations (under an interleaved ``schedule``, its own peak over the ``layers`` of its
+    virtual stages)."""
+    if schedule is not None:
+        return scheduled_activation_bytes(schedule, group, layers, host_bytes, NO_EDGE)
+    return slot.in_flight * num_layers * host_bytes
 
 
 def held_weights_bytes(num_layers, param_bytes, edge: EdgeCost):

@@ -1,13 +1,14 @@
 """The independent plan evaluator: time and memory of a plan under the cost model, no solver involved."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import (device_memory, device_optimizer_ms, device_slot, edge_cost, embedding_sync_ms, group_passes,
-                             interleaved_timing, layer_cost, layer_train_ms, layered_iteration_of, layered_parts,
-                             model_flops_per_s, peak_flops, scheduled_activation_bytes, stage_constants, sync_terms)
+                             host_activation_bytes, interleaved_timing, layer_cost, layer_train_ms, layered_iteration_of,
+                             layered_parts, model_flops_per_s, peak_flops, scheduled_activation_bytes, stage_constants,
+                             sync_terms)
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import EMBEDDING, HEAD
@@ -69,6 +70,14 @@ class DeviceReport:
     and 3 of its largest unit group's (eq. 18), alive beside the activations."""
     micro_batch_size: int
     """Its replica's micro-batch size."""
+    offload: list = field(default_factory=list)
+    """Tensors of its layers it keeps in host memory between the passes."""
+    host_activation_bytes: float = 0.0
+    """Activations it keeps in host memory at its peak: in-flight micro-batches x its layers x offloaded bytes per
+    layer (eq. 8o); pinned buffers on its node."""
+    offload_ms: float = 0.0
+    """What its copies to and from host memory add to its forward and backward per micro-batch, beyond the compute
+    they overlap (eq. 2o)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,17 +144,36 @@ class PlanReport:
     global_batch: int
     """Samples per iteration."""
     fits: bool
-    """Every device within capacity."""
+    """Every device within capacity, and every node's host memory (eq. 8o)."""
     stages: list
     """StageReport per stage of every replica (an interleaved replica: per virtual stage)."""
     devices: list
     """DeviceReport per device."""
+    host_memory: list = field(default_factory=list)
+    """HostMemory of every node whose devices offload activations."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def over_capacity(self) -> list[DeviceReport]:
         return [d for d in self.devices if not d.fits]
+
+    def over_host_capacity(self) -> list["HostMemory"]:
+        return [h for h in self.host_memory if not h.fits]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostMemory:
+    """One node's host memory holding its devices' offloaded activations (eq. 8o)."""
+
+    node: str
+    """Cluster node name."""
+    activation_bytes: float
+    """The sum of its devices' ``host_activation_bytes``."""
+    capacity_bytes: float | None
+    """The cluster file's ``host_memory_gib`` of the node; None: not stated, not limited."""
+    fits: bool
+    """activation_bytes <= capacity_bytes (True without a capacity)."""
 
 
 def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_source: str = "<plan>") -> PlanReport:
@@ -174,7 +202,8 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                      for i in ids]
             const = stage_constants(cluster, spec, mb, ids, first=si == 0, last=si == p - 1)
             shares = [d.units / stage.units_per_layer for d in stage.devices]
-            costs = [layer_cost(slot.profile, spec, mb, r, frozenset(d.recompute)) for slot, d, r in zip(slots, stage.devices, shares)]
+            costs = [layer_cost(slot.profile, spec, mb, r, frozenset(d.recompute), frozenset(d.offload),
+                                cluster.device(d.id).host_link_gb_per_s) for slot, d, r in zip(slots, stage.devices, shares)]
             edges = [edge_cost(slot, spec, mb, r) for slot, r in zip(slots, shares)]
             L = sum(layers[si::p])  # every chunk of the group
             if layered:
@@ -189,6 +218,8 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                                     sync_buffer_bytes=sync.buffer_bytes[d.id], zero_stage=plan.zero_stage,
                                     owned_layer_fraction=sync.owned_layer_fraction.get(d.id), activation_bytes=activations)
                 dev = cluster.device(d.id)
+                host = host_activation_bytes(slot, L, lc.host_bytes, **({} if pipe.chunks == 1 else
+                                                                        dict(schedule=schedule, group=si, layers=layers)))
                 device_reports.append(DeviceReport(
                     id=d.id, gpu=dev.gpu.name, pipeline=pi, stage=si, units=d.units, share=d.units / stage.units_per_layer,
                     recompute=list(d.recompute),
@@ -200,7 +231,9 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                     peak_memory_bytes=float(mem.peak_bytes), capacity_bytes=float(slot.memory_bytes),
                     fits=bool(mem.peak_bytes <= slot.memory_bytes),
                     optimizer_ms=float(device_optimizer_ms(slot, mem.held_weights_bytes, own)), owned_fraction=own,
-                    sync_buffer_bytes=sync.buffer_bytes[d.id], micro_batch_size=mb))
+                    sync_buffer_bytes=sync.buffer_bytes[d.id], micro_batch_size=mb, offload=list(d.offload),
+                    host_activation_bytes=float(host),
+                    offload_ms=L * (sum(lc.offload_fwd_ms.values()) + sum(lc.offload_bwd_ms.values()))))
         timing = interleaved_timing(groups, layers)
         last = len(layers) - 1
         for k, stage in enumerate(pipe.stages):
@@ -232,13 +265,30 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
     for r, pipe in enumerate(plan.pipelines):
         gpus = [cluster.device(d).gpu.name for st in pipe.device_stages for d in st.device_ids]
         ideal += ideal_tokens_per_s(spec, gpus, profiles, plan.batch(r)[0])
+    hosts = host_memory_of(cluster, device_reports)
     return PlanReport(
         iteration_time_ms=total, pipeline_ms=pipe_ms, replica_pipeline_ms=pipeline_times,
         replica_samples=[plan.samples(i) for i in range(len(plan.pipelines))],
         embedding_sync_ms=emb_sync, arrival_wait_ms=wait, dp_sync_ms=dp_sync, zero_stage=plan.zero_stage,
         optimizer_ms=opt, tokens_per_s=tokens_per_s, mfu=mfu, ideal_tokens_per_s=ideal,
         efficiency_vs_ideal=tokens_per_s / ideal, global_batch=plan.global_batch,
-        fits=all(r.fits for r in device_reports), stages=stage_reports, devices=device_reports)
+        fits=all(r.fits for r in device_reports) and all(h.fits for h in hosts), stages=stage_reports, devices=device_reports,
+        host_memory=hosts)
+
+
+def host_memory_of(cluster: ClusterSpec, devices: list[DeviceReport]) -> list[HostMemory]:
+    """Eq. 8o per node: its devices' offloaded activations against its host memory."""
+    used: dict[str, float] = {}
+    for d in devices:
+        if d.host_activation_bytes:
+            node = cluster.device(d.id).node
+            used[node] = used.get(node, 0.0) + d.host_activation_bytes
+    out = []
+    for node, total in used.items():
+        cap = cluster.host_memory.get(node)
+        out.append(HostMemory(node=node, activation_bytes=total, capacity_bytes=None if cap is None else float(cap),
+                              fits=cap is None or total <= cap))
+    return out
 
 
 def single_device_ms(spec: ModelSpec, profile: Profile, micro_batch: int) -> float:
@@ -259,6 +309,8 @@ def explain_over_capacity(report: PlanReport) -> str:
     gib = 1024**3
     parts = [f"{d.id} ({d.gpu}) needs {d.peak_memory_bytes / gib:.2f} GiB of {d.capacity_bytes / gib:.2f} GiB "
              f"(over by {(d.peak_memory_bytes - d.capacity_bytes) / gib:.2f} GiB)" for d in report.over_capacity()]
+    parts += [f"node {h.node}'s host memory holds {h.activation_bytes / gib:.2f} GiB of offloaded activations, more than "
+              f"its {h.capacity_bytes / gib:.2f} GiB" for h in report.over_host_capacity()]
     return "; ".join(parts)
 
 

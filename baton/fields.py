@@ -36,6 +36,8 @@ LIMITS: dict[str, float] = {
     "count": 1024,                      # GPUs of one kind in a node entry; copies of a node entry
     "memory_gib": 65536,                # per device
     "memory_reserve_gib": 65536,
+    "host_memory_gib": 1048576,         # per node: 1 PiB
+    "host_link_gb_per_s": 1e9,          # as every bandwidth
     # 10^9 GB/s, a million times any link built today: anything above it is a typo. Every
     # *_bandwidth_gb_per_s field.
     "bandwidth_gb_per_s": 1e9,

@@ -197,3 +197,46 @@ def recompute_space(spec: ModelSpec, universe: tuple[frozenset[str], ...] | None
     per model.
     """
     return RecomputeSpace(spec, None if universe is None else list(universe))
+
+
+FUSED_QKV = ("q", "k", "v")
+"""Fused GPT attention's q, k and v: views of one qkv storage, offloaded all together or not at all."""
+
+
+def offload_problem(spec: ModelSpec, recompute: frozenset[str], offload: frozenset[str]) -> str | None:
+    """Why a layer of ``spec`` under ``recompute`` cannot keep exactly the tensors ``offload`` in host memory between
+    its passes (None: it can). Offloaded tensors must exist and be held (eq. 3): a tensor nobody holds has nothing
+    to move; and a storage moves whole, so fused attention's q, k and v go together."""
+    roles = tensor_roles(spec)
+    unknown = sorted(set(offload) - set(roles))
+    if unknown:
+        return f"unknown tensors {', '.join(unknown)} of a layer (known: {', '.join(roles)})"
+    order = layer_order(spec)
+    idle = sorted(n for n in offload if not is_held(roles[n], frozenset(recompute), order))
+    if idle:
+        return (f"{', '.join(idle)} not held from the forward to the backward pass under recompute "
+                f"[{', '.join(sorted(recompute))}]: there is nothing to offload")
+    if spec.attention == "fused" and not spec.llama and 0 < len(set(FUSED_QKV) & set(offload)) < 3:
+        return (f"{', '.join(sorted(set(FUSED_QKV) & set(offload)))} but not all of q, k, v: in fused attention they are "
+                "views of one qkv storage, which stays on the device while any of them is kept")
+    return None
+
+
+def tensor_blocks(spec: ModelSpec) -> dict[str, str]:
+    """Block ('attn' or 'mlp') of every tensor of ``tensor_roles``: its producer's, an all-reduce result that of the
+    partial sum it completes, the layer input the first block's. Its offload copies run beside that block (eq. 2o)."""
+    ops = layer_operators(spec)
+    block = {o.name: o.block for o in ops}
+    made_in = {t: o.block for o in ops for t in o.outputs}
+    full_of = {full: made_in[partial] for partial, full in ALLREDUCE_OUTPUTS.items() if partial in made_in}
+    first = ops[0].block
+    return {t: first if r.producer == LAYER_INPUT else full_of[t] if r.producer == ALLREDUCE else block[r.producer]
+            for t, r in tensor_roles(spec).items()}
+
+
+def held_tensors(spec: ModelSpec, recompute: frozenset[str]) -> tuple[str, ...]:
+    """The tensors a layer holds from its forward to its backward under ``recompute`` (eq. 3), in ``tensor_roles``
+    order: under every operator recomputed, its boundary (what Cephalo offloads)."""
+    roles, order = tensor_roles(spec), layer_order(spec)
+    return tuple(t for t, role in roles.items() if is_held(role, frozenset(recompute), order))
+

@@ -19,6 +19,7 @@ from pathlib import Path
 from baton.atomic import write_atomically
 from baton.errors import BatonError
 from baton.fields import Fields, excerpt, load_json
+from baton.memory import offload_problem
 from baton.model_spec import ModelSpec, from_mapping as model_from_mapping, splits_into
 from baton.operators import operator_names
 from baton.peers import peer_groups
@@ -59,6 +60,9 @@ class DeviceShare:
     """With ``zero_stage`` >= 1: this device's weight in the split of the optimizer state of every peer set
     it belongs to (the part it owns is its ratio over the sum of the set's ratios; 0 owns nothing). None:
     equal parts. For replicas of one shape, the ratios at each position add up to 1."""
+    offload: tuple[str, ...] = ()
+    """Tensors of every layer (``baton.memory.tensor_roles``) this device holds from the forward to the backward
+    pass in host memory instead of its own (docs/cost-model.md, eq. 3o); each must be held under ``recompute``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,6 +180,7 @@ class Plan:
             {"first_layer": s.first_layer, "num_layers": s.num_layers} if k >= groups else
             {"first_layer": s.first_layer, "num_layers": s.num_layers, "units_per_layer": s.units_per_layer,
              "devices": [{"id": d.id, "units": d.units, "recompute": list(d.recompute),
+                          **({"offload": list(d.offload)} if d.offload else {}),
                           **({"shard_ratio": d.shard_ratio} if d.shard_ratio is not None else {})} for d in s.devices]}
             for k, s in enumerate(p.stages)]
         return out
@@ -222,11 +227,15 @@ def from_dict(data, *, source: str = "<plan>") -> Plan:
             devices = []
             for di, raw_d in enumerate(sf.sequence("devices")):
                 df = Fields(raw_d, source=source, prefix=f"{sf.prefix}.devices[{di}]")
-                df.check_known({"id", "units", "recompute", "shard_ratio"}, what="a stage device")
+                df.check_known({"id", "units", "recompute", "offload", "shard_ratio"}, what="a stage device")
                 recompute = df.raw("recompute", default=[])
                 if not isinstance(recompute, list) or not all(isinstance(x, str) for x in recompute):
                     raise df.error("recompute", "expected a list of operator names")
+                offload = df.raw("offload", default=[])
+                if not isinstance(offload, list) or not all(isinstance(x, str) for x in offload):
+                    raise df.error("offload", "expected a list of tensor names")
                 devices.append(DeviceShare(id=df.string("id"), units=df.integer("units", maximum=1024), recompute=tuple(recompute),
+                                           offload=tuple(offload),
                                            shard_ratio=df.number("shard_ratio", allow_zero=True, maximum=1.0, default=None)))
             stages.append(Stage(
                 first_layer=sf.integer("first_layer", minimum=0, maximum=model.num_layers),
@@ -297,6 +306,11 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
                     if name not in known_ops:
                         raise err(f"{where}.devices[{di}].recompute",
                                   f"unknown operator {excerpt(name)} (known: {', '.join(sorted(known_ops))})")
+                problem = offload_problem(spec, frozenset(d.recompute), frozenset(d.offload)) if d.offload else None
+                if problem:
+                    raise err(f"{where}.devices[{di}].offload", f"offloads {problem}")
+                if len(set(d.offload)) != len(d.offload):
+                    raise err(f"{where}.devices[{di}].offload", "names a tensor more than once")
         if next_layer != spec.num_layers:
             raise err(f"pipelines[{pi}].stages", f"stages cover {next_layer} layers, the model has {spec.num_layers}")
     if plan.zero_stage not in SUPPORTED_ZERO_STAGES:

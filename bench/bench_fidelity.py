@@ -67,7 +67,8 @@ from baton.evaluate import evaluate  # noqa: E402
 from baton.profile import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
 from baton.plan import Pipeline, Plan, interleaved_pipeline, load_plan, simple_plan, validate  # noqa: E402
-from baton.operators import EMBEDDING, HEAD  # noqa: E402
+from baton.memory import held_tensors  # noqa: E402
+from baton.operators import EMBEDDING, HEAD, operator_names  # noqa: E402
 from baton.profile import OPTIMIZER, table_filename, write_table  # noqa: E402
 from runtime.measure.comm_profiler import measure_links, median_link  # noqa: E402
 from runtime.launch.launcher import TrainConfig, train  # noqa: E402
@@ -110,6 +111,12 @@ def plans(cluster_name: str, procs: int) -> dict[str, Plan]:
             SPEC, cluster=cluster_name, stages=[[(d[0], 3), (d[1], 1)]], layers=[6], units_per_layer=4,
             micro_batch_size=2, num_microbatches=2, recompute={d[0]: MLP_TAIL[SPEC.architecture]}),
     }
+    # Cephalo's way (docs/cost-model.md, section 4o): every layer recomputed, its boundary kept in host memory.
+    everything = operator_names(SPEC)
+    out["pp2 3+3, every layer recomputed, its boundary offloaded"] = with_offload(simple_plan(
+        SPEC, cluster=cluster_name, stages=[[(d[0], 1)], [(d[1], 1)]], layers=[3, 3], units_per_layer=1,
+        micro_batch_size=2, num_microbatches=4, recompute={d[0]: everything, d[1]: everything}),
+        held_tensors(SPEC, frozenset(everything)))
     # Data-parallel replicas (docs/cost-model.md, section 9): ranks that meet at every gradient sync.
     single = dict(stages=[[1]], layers=[6])
     out.update({
@@ -182,6 +189,13 @@ def run_on_machines(plan: Plan, cluster_path: Path, profiles: Path, steps: int, 
         if any(p.returncode for p in procs):
             raise RuntimeError("the run across machines failed: " + (work / "machine1.log.err").read_text()[-500:])
     return json.loads(report.read_text())
+
+
+def with_offload(plan: Plan, offload) -> Plan:
+    """``plan`` with every device keeping ``offload`` in host memory between the passes."""
+    return validate(replace(plan, pipelines=tuple(
+        replace(p, stages=tuple(replace(s, devices=tuple(replace(d, offload=tuple(offload)) for d in s.devices))
+                                for s in p.stages)) for p in plan.pipelines)))
 
 
 def interleaved_plan(cluster_name: str, ids: list[str], layers: list[int], *, m: int, mbs: int = 2) -> Plan:

@@ -39,7 +39,7 @@ from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_c
                              layer_param_count, layer_train_ms, sync_buffer_bytes)
 from baton.evaluate import evaluate
 from baton.lifetime import die_with_parent
-from baton.memory import recompute_space
+from baton.memory import held_tensors, recompute_space
 from baton.model_spec import ModelSpec
 from baton.operators import operator_names
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, plan_of_replicas, validate
@@ -189,14 +189,14 @@ def hap(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None =
 
 
 def _lone(spec, cluster, profiles, device_id: str, b: int, recompute: tuple, *, owned: float = 1.0, group: int = 1,
-          zero_stage: int = 0, num_microbatches: int = 1):
+          zero_stage: int = 0, num_microbatches: int = 1, offload: tuple = ()):
     """A device training the whole model alone on ``num_microbatches`` micro-batches of b (in flight together at
-    stages 2 and 3): (F + B ms per micro-batch, peak bytes owning ``owned`` of its state, bytes owning none of it
-    and without sync buffer, bytes owning all of it adds), from the cost model (eq. 2, 7-9, 14, 18). At stages 2
-    and 3 the buffer is the largest unit's (a layer or the edges)."""
+    stages 2 and 3), keeping ``offload`` in host memory: (F + B ms per micro-batch, peak bytes owning ``owned`` of
+    its state, bytes owning none of it and without sync buffer, bytes owning all of it adds), from the cost model
+    (eq. 2, 2o-4o, 7-9, 14, 18). At stages 2 and 3 the buffer is the largest unit's (a layer or the edges)."""
     slot = device_slot(cluster, profiles, spec, b, device_id, stage=0, num_stages=1, num_microbatches=num_microbatches,
                        layered=zero_stage >= 2)
-    lc = layer_cost(slot.profile, spec, b, 1.0, recompute)
+    lc = layer_cost(slot.profile, spec, b, 1.0, recompute, offload, cluster.device(device_id).host_link_gb_per_s)
     edge = edge_cost(slot, spec, b, 1.0)
     N = spec.num_layers
     ms = N * (sum(lc.block_fwd_ms()) + sum(lc.block_bwd_ms())) + edge.fwd_ms + edge.bwd_ms
@@ -219,11 +219,11 @@ def _sizes(cluster, profiles, device_id, global_batch, micro_batch):
     return [b for b in profiles[cluster.device(device_id).gpu.name].micro_batches("qkv") if b <= global_batch]
 
 
-def _dp_plan(spec, cluster, ids, batches, zero_stage, recompute, ratios=None) -> Plan:
+def _dp_plan(spec, cluster, ids, batches, zero_stage, recompute, ratios=None, offload=()) -> Plan:
     """Every device its own replica holding the whole model, with its own (micro-batch size, count)."""
     N = spec.num_layers
     replicas = [[Stage(first_layer=0, num_layers=N, units_per_layer=1, devices=(
-        DeviceShare(id=i, units=1, recompute=recompute, shard_ratio=None if ratios is None else ratios[k]),))]
+        DeviceShare(id=i, units=1, recompute=recompute, offload=offload, shard_ratio=None if ratios is None else ratios[k]),))]
         for k, i in enumerate(ids)]
     return validate(plan_of_replicas(spec, batches, zero_stage if len(ids) > 1 else 0, replicas, cluster=cluster.name))
 
@@ -301,10 +301,18 @@ accumulation (all micro-batches of one layer before the next); its paper has no 
 
 def _cephalo_memory(spec, cluster, profiles, device_id: str, b: int, l: int):
     """(bytes owning none of the training state, bytes owning all of it adds) of a device running l micro-batches
-    of b at Cephalo's stage with every layer recomputed: its compute memory and its training state (eq. 18)."""
-    _, _, bare, state = _lone(spec, cluster, profiles, device_id, b, tuple(operator_names(spec)), zero_stage=CEPHALO_STAGE,
-                              num_microbatches=l)
+    of b at Cephalo's stage with every layer recomputed and its boundary in host memory: its compute memory and its
+    training state (eq. 18, 3o)."""
+    full = tuple(operator_names(spec))
+    _, _, bare, state = _lone(spec, cluster, profiles, device_id, b, full, zero_stage=CEPHALO_STAGE, num_microbatches=l,
+                              offload=cephalo_offload(spec))
     return bare, state
+
+
+def cephalo_offload(spec) -> tuple[str, ...]:
+    """What Cephalo keeps in host memory: with every layer checkpointed, the layer boundary (every tensor a layer
+    then holds, ``baton.memory.held_tensors``)."""
+    return held_tensors(spec, frozenset(operator_names(spec)))
 
 
 def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_batch: int | None = None, skip: int = 0):
@@ -321,7 +329,7 @@ def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_ba
     for i in ids:
         row = []
         for b in _sizes(cluster, profiles, i, G, micro_batch):
-            ms = _lone(spec, cluster, profiles, i, b, full)[0]
+            ms = _lone(spec, cluster, profiles, i, b, full, offload=cephalo_offload(spec))[0]
             for l in range(1, G // b + 1):
                 bare, state = _cephalo_memory(spec, cluster, profiles, i, b, l)
                 free = cluster.device(i).memory_bytes - bare
@@ -407,9 +415,9 @@ def cephalo_ratios(spec, cluster, profiles, ids, batches) -> list[float] | None:
 def cephalo(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None, tries: int = 8) -> SolveResult:
     """Cephalo: every device its own replica at stage 3 with layered accumulation (FSDP; no tensor or pipeline
     parallelism), its batch from the dynamic programme, every layer recomputed, uneven training-state shards from
-    the greedy. Cephalo offloads the layer inputs it keeps to CPU memory; our plans keep them on the GPU (eq. 18).
-    When the units' staging buffer (eq. 18, which Cephalo's memory model lacks) does not fit, the next larger
-    time threshold is tried."""
+    the greedy, and the layer boundary it keeps in host memory (eq. 3o; Cephalo moves the boundary's gradients there
+    too, which eq. 18 does not count on the device either). When the units' staging buffer (eq. 18, which Cephalo's
+    memory model lacks) does not fit, the next larger time threshold is tried."""
     t0 = time.perf_counter()
     micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)
     ids = [d.id for d in cluster.devices]
@@ -421,7 +429,8 @@ def cephalo(spec, cluster, profiles, *, global_batch: int, micro_batch: int | No
             ratios = cephalo_ratios(spec, cluster, profiles, ids, batches) if batches else None
             if ratios is None:
                 break
-            best = _consider(best, _dp_plan(spec, cluster, ids, batches, CEPHALO_STAGE, full, ratios), cluster, profiles)
+            best = _consider(best, _dp_plan(spec, cluster, ids, batches, CEPHALO_STAGE, full, ratios, cephalo_offload(spec)),
+                             cluster, profiles)
             n_eval += 1
             if best is not None:
                 break

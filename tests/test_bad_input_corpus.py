@@ -55,6 +55,14 @@ def _plan_dict() -> dict:
     return json.loads(PLAN.read_text())
 
 
+def _offloading_plan(offload) -> dict:
+    """The hand plan with its first device offloading ``offload`` (recomputing nothing)."""
+    d = _plan_dict()
+    dev = d["pipelines"][0]["stages"][0]["devices"][0]
+    dev["recompute"], dev["offload"] = [], offload
+    return d
+
+
 def _write(tmp_path: Path, name: str, content: str | bytes) -> Path:
     path = tmp_path / name
     (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
@@ -121,6 +129,16 @@ CASES = {
          "--model", "tiny", "--out", t / "out.json"], ["c.yaml", "nodes[0].count", "4096"]),
     "memory_gib 1e300": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "c.yaml", _cluster(memory_gib=1e300))],
                                    ["c.yaml", "memory_gib"]),
+    "host_memory_gib 1e300": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "c.yaml", _cluster().replace(
+        '"name": "n",', '"name": "n", "host_memory_gib": 1e300,'))], ["c.yaml", "nodes[0].host_memory_gib"]),
+    "host_link_gb_per_s 0": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "c.yaml", _cluster().replace(
+        '"name": "n",', '"name": "n", "host_link_gb_per_s": 0,'))], ["c.yaml", "nodes[0].host_link_gb_per_s"]),
+    "offload of a tensor the device does not hold": lambda t: (
+        ["evaluate", _write(t, "p.json", json.dumps(_offloading_plan(["attn_partial"]))), "--cluster", CLUSTER],
+        ["p.json", "offload", "attn_partial"]),  # completed by the all-reduce at once: nobody keeps it
+    "offload not a list": lambda t: (
+        ["evaluate", _write(t, "p.json", json.dumps(_offloading_plan("layer_input"))), "--cluster", CLUSTER],
+        ["p.json", "offload", "list of tensor names"]),
     "bandwidth 1e300": lambda t: (["evaluate", PLAN, "--cluster",
                                    _write(t, "c.yaml", _cluster().replace('"bandwidth_gb_per_s": 10', '"bandwidth_gb_per_s": 1e300'))],
                                   ["c.yaml", "bandwidth_gb_per_s"]),

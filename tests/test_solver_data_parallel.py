@@ -147,6 +147,33 @@ def test_baselines_are_pure_data_parallel_and_never_beat_the_planner():
                for p in plan.pipelines)
 
 
+@pytest.mark.parametrize("name", ["cephalo_8gpu", "poplar_b"])
+def test_cephalo_plans_on_its_own_clusters_by_keeping_the_layer_boundary_in_host_memory(name):
+    """GPT-3 1.3B on Cephalo's cluster and Poplar's: with the boundary of every checkpointed layer in host memory
+    (Cephalo's mechanism) its rules find a plan; the same plan keeping the boundary on the devices does not fit."""
+    import dataclasses
+
+    from baton.cluster import load_cluster
+    from baton.evaluate import evaluate
+    from baton.model_spec import PRESETS
+    from baton.profile import ProfileSet
+    from solver.baselines import cephalo_offload
+    from tests.conftest import ROOT
+
+    spec, cluster = PRESETS["gpt3-1.3b"], load_cluster(ROOT / "clusters" / f"{name}.yaml")
+    profiles = ProfileSet(spec)
+    got = cephalo(spec, cluster, profiles, global_batch=64)
+    assert got.report.fits and got.plan.zero_stage == 3 and len(got.plan.pipelines) == len(cluster.devices)
+    boundary = cephalo_offload(spec)
+    assert set(boundary) == {"layer_input", "attn_out", "x_mid", "mlp_out"}
+    assert all(d.offload == boundary for p in got.plan.pipelines for d in p.stages[0].devices)
+    kept = dataclasses.replace(got.plan, pipelines=tuple(
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(s, devices=tuple(dataclasses.replace(d, offload=())
+                                                                                 for d in s.devices)) for s in p.stages))
+        for p in got.plan.pipelines))
+    assert not evaluate(kept, cluster, profiles).fits
+
+
 @pytest.mark.parametrize("strategy", [poplar, cephalo])
 def test_baselines_say_when_nothing_fits(strategy):
     mem = 0.2e6 / 2**30

@@ -125,7 +125,8 @@ def stand_in_cluster(plan: Plan) -> ClusterSpec:
     """Every plan device as the catalog's ``cpu`` stand-in on one node, no reserve: a cluster to price
     the plan's memory when its own cannot be found."""
     cpu = CATALOG["cpu"]
-    devices = tuple(Device(id=i, node="plan", gpu=cpu, memory_bytes=cpu.memory_bytes, reserve_bytes=0)
+    devices = tuple(Device(id=i, node="plan", gpu=cpu, memory_bytes=cpu.memory_bytes, reserve_bytes=0,
+                           host_link_gb_per_s=cpu.host_link_gb_per_s)
                     for i in plan.device_ids())
     return ClusterSpec(name=plan.cluster, devices=devices, intra_links={"plan": Link(bandwidth_gb_per_s=1.0, latency_us=0.0)},
                        inter_link=None, source="<stand-in>")

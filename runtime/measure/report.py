@@ -1,8 +1,10 @@
 """``baton train --report``: what the runtime measured next to what the evaluator predicts for the plan.
 
 Measured figures are medians over the steps after the first (the first pays for warm-up). Per device:
-forward, backward (recomputation included) and recomputation time per micro-batch, and the peak bytes
-of activations kept for backward; per stage: compute time of one micro-batch (TP rank 0's forward +
+forward, backward (recomputation included) and recomputation time per micro-batch, the peak bytes
+of activations kept for backward in device memory, and those kept in host memory (the plan's ``offload``:
+measured by the stage's ``OffloadStash``, predicted as the evaluator's ``host_activation_bytes``, in-flight
+micro-batches x layers x offloaded bytes per layer); per stage: compute time of one micro-batch (TP rank 0's forward +
 backward, all-reduces included); the iteration time, and its phases (1F1B pipeline, gradient
 all-reduces, optimizer step; at ``zero_stage`` 2 and 3 the passes, the units' reduce-scatters, their
 all-gathers and the optimizer step, and per unit its reduce-scatter and all-gather time next to eq. 16's
@@ -95,6 +97,8 @@ def _device_rows(plan: Plan, pred: PlanReport, per_rank: dict[int, list[StepStat
         bwd = statistics.median(statistics.mean(s.backward_ms) for s in hist) if hist else None
         rec = statistics.median(statistics.mean(s.recompute_ms) for s in hist) if hist else None
         saved = max(s.peak_saved_bytes for s in hist) if hist else None
+        host = max(s.peak_host_activation_bytes for s in hist) if hist else None
+        host_pred = p.host_activation_bytes
         alloc = max(s.peak_allocated_bytes for s in hist) if hist else 0
         last = per_rank[rank][-1] if per_rank.get(rank) else None
         state = {"weights_bytes": last.weights_bytes, "grads_bytes": last.grads_bytes,
@@ -103,11 +107,13 @@ def _device_rows(plan: Plan, pred: PlanReport, per_rank: dict[int, list[StepStat
         devices.append({
             "id": dev_id, "rank": rank, "pipeline": p.pipeline, "stage": p.stage,
             "measured": {"fwd_ms": fwd, "bwd_ms": bwd, "recompute_ms": rec, "peak_saved_bytes": saved,
-                         "peak_allocated_bytes": alloc, **state},
+                         "peak_host_activation_bytes": host, "peak_allocated_bytes": alloc, **state},
             "predicted": {"fwd_ms": p.fwd_ms, "bwd_ms": p.bwd_ms + p.recompute_ms, "recompute_ms": p.recompute_ms,
-                          "activation_bytes": p.activation_bytes, "peak_memory_bytes": p.peak_memory_bytes,
+                          "activation_bytes": p.activation_bytes, "host_activation_bytes": host_pred,
+                          "peak_memory_bytes": p.peak_memory_bytes,
                           "weights_bytes": p.weights_bytes, "grads_bytes": p.grads_bytes, "optimizer_bytes": p.optimizer_bytes},
             "activation_rel_error": _rel(saved, p.activation_bytes) if saved else None,
+            "host_activation_rel_error": _rel(host, host_pred) if host else None,
             "state_rel_error": {k: _rel(state[k], getattr(p, k)) for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")}
             if state else None,
         })
@@ -364,6 +370,10 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
         if d["measured"]["peak_saved_bytes"] is not None:
             rows.append((f"{d['id']} activations MiB", f"{d['measured']['peak_saved_bytes'] / 2**20:.2f}",
                          f"{d['predicted']['activation_bytes'] / 2**20:.2f}", pct(d["activation_rel_error"])))
+        host, host_pred = d["measured"].get("peak_host_activation_bytes"), d["predicted"].get("host_activation_bytes", 0.0)
+        if host or host_pred:  # only where the plan offloads
+            rows.append((f"{d['id']} host activations MiB", f"{(host or 0) / 2**20:.2f}", f"{host_pred / 2**20:.2f}",
+                         pct(d.get("host_activation_rel_error"))))
         if d.get("state_rel_error"):
             m, p = d["measured"], d["predicted"]
             got = m["weights_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]

@@ -13,6 +13,9 @@ forward and the head's input gradient one in backward (``copy_to_tp``).
 A Llama stage (``runtime.parallel.llama_layer``) has no position embedding: its layers share one
 ``RotaryTables``, computed once per sequence length and dtype. Its final norm is
 an RMSNorm, and an untied head has rows of its own (``lm_head.weight``, split like the embedding's).
+
+A stage that offloads (``offload``: the tensor names of its device's plan entry, the same for every layer) has one
+``OffloadStash`` (``offload.py``) shared by its layers: the engine runs each pass under ``stash.record(key)``.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from runtime.measure.meters import Meter
 from runtime.model.family import parameter_shapes
 from runtime.model.gpt import LN_EPS
 from runtime.parallel.llama_layer import RotaryTables, parallel_block, rms_norm
+from runtime.parallel.offload import OffloadStash
 from runtime.parallel.slicing import parameter_slice, take_slice, vocab_range
 from runtime.parallel.tensor_parallel import copy_to_tp, reduce_from_tp
 from runtime.parallel.tp_layer import MicroBatch, _Params
@@ -35,22 +39,27 @@ from runtime.parallel.vocab_parallel import sum_tied_gradient, vocab_embedding, 
 class StageModel(nn.Module):
     """Layers ``layers`` of the model at this rank's share; the embedding if ``first``, the final norm and
     the head if ``last`` (parameter names as in ``runtime.model.gpt.GPT`` or ``runtime.model.llama.Llama``;
-    ``wte.weight`` and an untied ``lm_head.weight`` hold this rank's rows of the padded vocabulary)."""
+    ``wte.weight`` and an untied ``lm_head.weight`` hold this rank's rows of the padded vocabulary).
+    ``offload``: tensors every layer keeps in host memory between its passes (``stash`` holds them)."""
 
     def __init__(self, spec: ModelSpec, *, layers: range, heads: range, ffn_cols: range, first: bool, last: bool,
-                 recompute=frozenset(), tp_group=None):
+                 recompute=frozenset(), tp_group=None, offload=frozenset()):
         super().__init__()
         self.spec, self.first, self.last, self.tp_group = spec, first, last, tp_group
         self.heads, self.ffn_cols = heads, ffn_cols
         self.vocab = vocab_range(spec, heads)
         self.meter = Meter()
+        self.offload = frozenset(offload)
+        self.stash = OffloadStash() if self.offload else None
+        """The host copies of every layer's offloaded tensors, by micro-batch in flight (None: nothing offloaded)."""
         if first or (last and spec.tie_embeddings):
             self.wte = nn.Embedding(len(self.vocab), spec.hidden_dim)
         if first and not spec.llama:
             self.wpe = nn.Embedding(spec.seq_len, spec.hidden_dim)
         shared = {"rotary": RotaryTables(spec)} if spec.llama else {}
         self.h = nn.ModuleDict({str(i): parallel_block(spec, i, heads=heads, ffn_cols=ffn_cols, recompute=recompute,
-                                                       tp_group=tp_group, meter=self.meter, **shared) for i in layers})
+                                                       tp_group=tp_group, meter=self.meter, offload=self.offload,
+                                                       stash=self.stash, **shared) for i in layers})
         if last:
             self.ln_f = _Params(weight=(spec.hidden_dim,)) if spec.llama else nn.LayerNorm(spec.hidden_dim, eps=LN_EPS)
         if last and not spec.tie_embeddings:

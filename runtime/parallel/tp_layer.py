@@ -13,6 +13,12 @@ one (ranks of a TP group recompute different operators; a collective in a recomp
 deadlock). Early stopping of recomputation is off, so every planned operator is re-executed in full,
 which is what the planner charges for.
 
+Offload (``offload.py``): a held tensor named in ``offload`` spends the time between the passes in host
+memory. Saved by a kept operator, it is caught by saved-tensor hooks around that operator (``OpCapture``);
+the input of a recomputed segment, it reaches the checkpointed function through a ``SegmentFeed`` instead
+of as a positional input (which the checkpoint would keep on the device), and the replay reads it back from
+the host. A layer's backward prefetches the layer below it (a hook on its output).
+
 Shape legend: B micro-batch, T sequence, C hidden, nl local heads, hs head size, fl local FFN width.
 """
 from __future__ import annotations
@@ -27,11 +33,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from baton.memory import is_held, layer_order, tensor_roles
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, LAYER_INPUT, layer_operators
 from runtime.measure.meters import Meter
 from runtime.model.gpt import LN_EPS
 from runtime.model.rng import DropoutKey, attention_keep, dropout, residual_keep
+from runtime.parallel.offload import (OffloadStash, OpCapture, SegmentFeed, check_offload, offloaded_of, prefetch_hook,
+                                      storage_names)
 from runtime.parallel.tensor_parallel import copy_to_tp, group_size, reduce_from_tp
 
 
@@ -68,13 +77,26 @@ class _Params(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """One transformer layer at this rank's heads and FFN columns (see the module docstring)."""
+    """One transformer layer at this rank's heads and FFN columns (see the module docstring).
+
+    ``offload``: names of ``baton.memory.tensor_roles`` the layer holds under ``recompute`` and keeps in host
+    memory between the passes (``check_offload`` says which sets are refused); ``stash``: the stage's
+    ``OffloadStash`` (a layer alone makes its own), in whose ``record(key)`` the forward must run."""
 
     def __init__(self, spec: ModelSpec, layer: int, *, heads: range, ffn_cols: range, recompute=frozenset(),
-                 tp_group=None, meter: Meter | None = None):
+                 tp_group=None, meter: Meter | None = None, offload: frozenset[str] = frozenset(),
+                 stash: OffloadStash | None = None):
         super().__init__()
         self.spec, self.layer, self.heads, self.tp_group = spec, layer, heads, tp_group
         self.meter = meter or Meter()
+        self.offload = frozenset(offload)
+        check_offload(spec, frozenset(recompute), self.offload)
+        roles, order = tensor_roles(spec), layer_order(spec)
+        self._held = frozenset(t for t, role in roles.items() if is_held(role, frozenset(recompute), order))
+        self.stash = stash if stash is not None or not self.offload else OffloadStash()
+        # Kept operators that save an offloaded tensor: the only ones run under saved-tensor hooks.
+        self._offload_ops = frozenset(o.name for o in layer_operators(spec)
+                                      if o.name not in recompute and self.offload & set(o.saves))
         self._make_parameters(spec, len(heads), len(ffn_cols))
         # Alone in its group a row-parallel product is whole, so its bias goes into the matrix product (one addmm,
         # as nn.Linear does) instead of a separate pass after an all-reduce that does not happen.
@@ -174,43 +196,73 @@ class ParallelBlock(nn.Module):
         return self._resid("resid2", None if self.bias_in_product else self.mlp.c_proj.bias, mb, mlp_out, x_mid)
 
     # Execution.
-    def _run_ops(self, ops, mb, env):
+    def _run_ops(self, ops, mb, env, key=None):
+        """Run ``ops`` on ``env``; ``key``: the micro-batch whose kept operators' saved tensors are offloaded
+        (None: nothing is)."""
         meter = self.meter
         for op in ops:
             meter.calls[op.name] += 1
             if meter.in_backward:
                 meter.recomputed[op.name] += 1
-            outs = getattr(self, "_" + op.name)(mb, *(env[n] for n in op.inputs))
+            fn, args = getattr(self, "_" + op.name), [env[n] for n in op.inputs]
+            if key is None or op.name not in self._offload_ops:
+                outs = fn(mb, *args)
+            else:
+                count = self.meter.saved.add if self.meter.saved is not None else None
+                params = {p.untyped_storage().data_ptr() for p in self.parameters()}
+                with OpCapture(self.stash, key, self.layer, op, env, self.offload, self._held, params, count).hooks() as capture:
+                    outs = fn(mb, *args)
+                capture.resolve(dict(zip(op.outputs, outs)))
             env.update(zip(op.outputs, outs))
 
-    def _replay(self, seg: _Segment, mb, *inputs):
+    def _replay(self, seg: _Segment, mb, feed: SegmentFeed | None, *inputs):
         meter = self.meter
         # Timed on the engine's clock during a step's backward (events on CUDA: no host wait inside the pass).
         clock = meter.clock if meter.in_backward else None
         token = clock.start() if clock is not None else None
-        env = dict(zip(seg.inputs, inputs))
+        env = dict(zip([n for n in seg.inputs if feed is None or n not in feed.parts], inputs))
+        if feed is not None:
+            env.update(feed.take())
         self._run_ops(seg.ops, mb, env)
         if clock is not None:
             clock.stop(token, ("recompute", meter.backward_mb))
         return tuple(env[n] for n in seg.outputs)
 
     def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        # Without autograd (validation) nothing is held, so nothing is offloaded.
+        key = self.stash.begin(self.layer) if self.offload and torch.is_grad_enabled() else None
         env = {LAYER_INPUT: x}
         for item in self.program:
             if isinstance(item, tuple):  # ("allreduce", partial sum, full tensor)
                 env[item[2]] = reduce_from_tp(env[item[1]], self.tp_group)
             elif isinstance(item, _Segment):
-                inputs = [env[n] for n in item.inputs]
+                fed = [n for n in item.inputs if n in self.offload] if key is not None else []
+                inputs = [env[n] for n in item.inputs if n not in fed]
                 if self.meter.saved is not None:
                     for t in inputs:
                         self.meter.saved.add(t)
+                feed = self._feed(key, fed, env) if fed else None
                 with set_checkpoint_early_stop(False):
-                    outs = checkpoint(partial(self._replay, item, mb), *inputs,
+                    outs = checkpoint(partial(self._replay, item, mb, feed), *inputs,
                                       use_reentrant=False, preserve_rng_state=False)
                 env.update(zip(item.outputs, outs))
             else:
-                self._run_ops((item,), mb, env)
-        return env["layer_output"]
+                self._run_ops((item,), mb, env, key)
+        y = env["layer_output"]
+        if key is not None:
+            self.stash.reap()
+            if y.requires_grad:
+                y.register_hook(partial(prefetch_hook, self.stash, key, self.layer))
+        return y
+
+    def _feed(self, key, names: list[str], env: dict) -> SegmentFeed:
+        """Offloaded segment inputs ``names``: copied to the host (once per storage) and fed to the segment."""
+        names_of = storage_names(env)
+        stored = {}
+        for n in names:
+            off = offloaded_of(names_of[env[n].untyped_storage().data_ptr()], self.offload, self._held)
+            stored[n] = self.stash.store(key, self.layer, "+".join(off), off, env[n])
+        return SegmentFeed(self.stash, {n: env[n] for n in names}, stored)
 
 
 def _program(ops, recompute: frozenset) -> list:

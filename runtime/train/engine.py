@@ -35,6 +35,15 @@ With a ``tracer`` (``runtime.measure.trace``, ``baton train --trace``) the step 
 backward and recompute per micro-batch, receives and sends, tensor-parallel and gradient all-reduces,
 the optimizer.
 
+Activation offload (a device's ``DeviceShare.offload``, ``runtime.parallel.offload``): each pass runs under its
+stage's ``OffloadStash.record`` with the key the saved-bytes meter uses, and its host copies are released after its
+backward. The copies back of a pass's top layer are started ahead of its backward: in a pipeline when the
+gradient's receive is posted, layer by layer (``zero_stage`` 2 and 3, one key per layer) before the backward ahead
+of it; each layer's backward then starts the copies of the layer below (``prefetch_ahead``). Where a part's input
+is a layer input the layers offload, it enters the part through ``_Boundary`` instead of as a leaf, so that nothing
+but the offloaded copy holds it: a leaf is kept alive by its gradient accumulator, and layer by layer the part
+before's output would be too.
+
 The step returns a ``StepStats`` with what the planner predicts (per micro-batch forward, backward and
 recompute time, per-stage time, iteration time, peak saved-activation bytes), so a report can put
 measurement next to prediction.
@@ -118,7 +127,17 @@ class StepStats:
     """At ``zero_stage`` 2 and 3, per unit: its all-gathers on this rank (stage 2 the one after the update,
     stage 3 the ones before its forward and backward), waits included (their sum is gather_ms)."""
     peak_saved_bytes: int = 0
-    """Peak bytes of activations kept for backward on this rank during the step."""
+    """Peak bytes of activations kept for backward on this rank during the step, in device memory (offloaded
+    tensors excluded)."""
+    peak_host_activation_bytes: int = 0
+    """Peak bytes of activations this rank kept in host memory during the step (its plan's ``offload``), over all
+    micro-batches in flight (``OffloadStash.peak_held_bytes``)."""
+    offload_out_bytes: int = 0
+    """Activation bytes copied device to host during the step (``OffloadStash.copied_out_bytes``)."""
+    offload_in_bytes: int = 0
+    """Activation bytes copied host to device during the step (``OffloadStash.copied_in_bytes``)."""
+    offload_late_bytes: int = 0
+    """Of ``offload_in_bytes``, those not prefetched: copied when the backward read them (on CUDA it waited)."""
     peak_allocated_bytes: int = 0
     """Peak CUDA memory allocated by this rank during the step (0 on CPU)."""
     recomputed_ops: dict[str, int] = field(default_factory=dict)
@@ -188,9 +207,12 @@ class Engine:
         """This replica's micro-batch size and count."""
         self.first_sample = sum(plan.samples(r) for r in range(self.pos.pipeline))
         """Index in the global batch of this replica's first sample."""
+        self.offload = frozenset(self.topo.stage(self.pos).devices[self.pos.tp_rank].offload)
+        """Tensors every layer of this rank keeps in host memory between its passes (virtual stages of an
+        interleaved pipeline have the same devices, so the same set)."""
         self.model = StageModel(spec, layers=self.topo.layers(self.pos), heads=self.pos.heads, ffn_cols=self.pos.ffn_cols,
                                 first=self.first, last=self.last, recompute=self.pos.recompute,
-                                tp_group=self.groups.tp)
+                                tp_group=self.groups.tp, offload=self.offload)
         self.model.load_full(full or (lambda name: init_parameter(spec, name, seed)))
         self.model.to(self.device)
         self.dtype = compute_dtype(spec.dtype)
@@ -247,6 +269,8 @@ class Engine:
         """With events: the (start, end) events of the last update, read at the next step's host read."""
         self._last_update_ms: float | None = None
         """With events: the GPU time of the last update read so far (None before the first was read)."""
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        """What a ``_Boundary`` hangs a pass's input on in the graph (it never gets a gradient)."""
 
     def load_full(self, full) -> None:
         """Set this rank's weights (and fp32 master weights) from ``full(name) -> full fp32 tensor``."""
@@ -380,6 +404,9 @@ class Engine:
         meter.reset()
         saved = SavedBytes(self.model.parameters()) if self.measure else None
         meter.saved = saved
+        stash = self.model.stash
+        if stash is not None:
+            stash.reset()
         scale = self.precision.loss_scale
         stats = StepStats(step=step, loss=0.0, iteration_ms=0.0, forward_ms=[0.0] * m, backward_ms=[0.0] * m,
                           recompute_ms=[0.0] * m, tokens=self.samples_per_step * spec.seq_len, loss_scale=scale)
@@ -411,6 +438,9 @@ class Engine:
             if self.units is not None:
                 self.units.clock = None
         stats.peak_saved_bytes = saved.peak if saved is not None else 0
+        if stash is not None:  # host-side counters: no read of the device
+            stats.peak_host_activation_bytes, stats.offload_late_bytes = stash.peak_held_bytes, stash.late_bytes
+            stats.offload_out_bytes, stats.offload_in_bytes = stash.copied_out_bytes, stash.copied_in_bytes
         stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device) if cuda else 0
         stats.recomputed_ops = dict(meter.recomputed)
         stats.iteration_ms = (time.perf_counter() - start) * 1e3
@@ -576,30 +606,68 @@ class Engine:
             where = f" stage {a.stage}" if self.replica_schedule.num_chunks > 1 else _part_name(a.part)
             return f"{'F' if isinstance(a, Forward) else 'B'}{a.micro}{where}"
 
+        stash = model.stash
+        # Offloaded layer inputs: parts are joined through ``_Boundary`` (see the module docstring).
+        joined = "layer_input" in self.offload
+
+        def top_layer(stage, part) -> int | None:
+            """The last layer a pass runs (the first its backward reaches); None: it runs none."""
+            if part == WHOLE:
+                layers = self.stage_layers[stage]
+                return layers[-1] if layers else None
+            return part if isinstance(part, int) else None
+
+        def prefetch(a) -> None:
+            """Start copying back what the top layer of backward ``a`` offloaded."""
+            layer = top_layer(a.stage, a.part) if stash is not None else None
+            if layer is not None:
+                stash.prefetch((a.stage, a.part, a.micro), layer)
+
+        # Layer by layer (one key per layer) each backward starts the copies of the one after it.
+        backwards = [k for k, a in enumerate(actions) if isinstance(a, Backward)]
+        after = {k: actions[n] for k, n in zip(backwards, backwards[1:])} if self.layered else {}
+
         # Per micro-batch, the activation its next forward takes and the gradient its next backward takes; per
         # pass (stage, part, micro-batch), its (input, output) until its backward.
         pending, loss_sum = [], torch.zeros((), dtype=torch.float64, device=dev)
         acts, grads, graph = {}, {}, {}
-        for a in actions:
+        for k, a in enumerate(actions):
             if isinstance(a, Forward):
                 i, key = a.micro, (a.stage, a.part, a.micro)
                 tokens, targets, mb = batch(i)
                 loss_end = ends_in_loss(a)
                 takes_tokens = a.part == EMBEDDING or (a.part == WHOLE and a.stage == 0)
-                x = tokens if takes_tokens else acts.pop(i).detach().requires_grad_()
-                y, loss = _timed_forward(clock, i, span_name(a), saved, key,
+                if takes_tokens:
+                    x, held = tokens, None
+                elif joined and top_layer(a.stage, a.part) is not None:
+                    held = _Boundary()
+                    x = held.enter(acts.pop(i).detach(), self._anchor)
+                else:
+                    x = held = acts.pop(i).detach().requires_grad_()
+                y, loss = _timed_forward(clock, i, span_name(a), saved, stash, key,
                                          lambda: run_part(a.stage, a.part, x, mb, targets, loss_end))
                 if loss is not None:
                     loss_sum += loss.double()  # fp32 losses summed in fp64, on the device
-                graph[key] = (None if takes_tokens else x, y)
+                out = _Boundary().leave(y) if joined and self.layered and not loss_end else y
+                graph[key] = (held, out)  # not x when it entered through a boundary: x is let go
                 if not loss_end:
                     acts[i] = y
+                del x, held, out  # the graph keeps what the backward needs, and only that
             elif isinstance(a, Backward):
                 i, key = a.micro, (a.stage, a.part, a.micro)
                 x, y = graph.pop(key)
-                _timed_backward(meter, clock, i, span_name(a), y, None if ends_in_loss(a) else grads.pop(i))
+                prefetch(a)  # nothing if its receive started it
+                if k in after:
+                    prefetch(after[k])
+                grad = None if ends_in_loss(a) else grads.pop(i)
+                if isinstance(y, _Boundary):
+                    y.give(grad)
+                    y, grad = y.handle, None
+                _timed_backward(meter, clock, i, span_name(a), y, grad)
                 if saved is not None:
                     saved.release(key)
+                if stash is not None:
+                    stash.release(key)
                 if x is not None:
                     grads[i] = x.grad
             elif isinstance(a, Send):
@@ -607,6 +675,8 @@ class Engine:
                 self._send(t, targets_of[a.grad], pending, GRADIENT_TAG if a.grad else ACTIVATION_TAG,
                            step=step, mb=a.micro)
             elif isinstance(a, Recv):
+                if a.grad:  # the copies back overlap the wait for the gradient
+                    prefetch(Backward(micro=a.micro, stage=a.stage))
                 (grads if a.grad else acts)[a.micro] = inbox[a.grad].take((a.micro, a.stage))
             elif isinstance(a, Gather):
                 collective(a, self.units.gather)
@@ -748,6 +818,61 @@ class Engine:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class _Boundary:
+    """Where a pass's input enters it or its output leaves it, with nothing but autograd's graph holding the tensor
+    (an offloaded layer input must not stay on the device for the engine's sake: module docstring).
+
+    ``enter``: the input as a view made by ``_Enter`` (not a leaf, which its gradient accumulator keeps alive); its
+    gradient lands in ``grad``. ``leave``: the output stands for itself in the backward by a 0-d ``handle``
+    (``_Leave``); ``give`` hands it the output's gradient, and the backward from the handle passes that on."""
+
+    def __init__(self):
+        self.grad: torch.Tensor | None = None
+        """The gradient passing through (entering: the input's, after the backward)."""
+        self.handle: torch.Tensor | None = None
+        """Leaving: the 0-d tensor the backward starts from."""
+
+    def enter(self, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """``x`` (detached) as the pass's input; ``anchor``: a 0-d leaf needing a gradient (it never gets one)."""
+        return _Enter.apply(anchor, x, self)
+
+    def leave(self, y: torch.Tensor) -> "_Boundary":
+        self.handle = _Leave.apply(y, self)
+        return self
+
+    def give(self, grad: torch.Tensor) -> None:
+        """The output's gradient, for the backward from ``handle`` (which then needs none of its own)."""
+        self.grad = grad
+
+
+class _Enter(torch.autograd.Function):
+    """A view of ``x`` in the graph; its gradient goes to ``link.grad`` (``_Boundary.enter``)."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, link):
+        ctx.link = link
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.link.grad = grad
+        return None, None, None
+
+
+class _Leave(torch.autograd.Function):
+    """A 0-d handle for ``y`` whose backward gives ``y`` the gradient in ``link.grad`` (``_Boundary.leave``)."""
+
+    @staticmethod
+    def forward(ctx, y, link):
+        ctx.link = link
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grad, ctx.link.grad = ctx.link.grad, None
+        return grad, None
+
+
 class _Inbox:
     """What one peer sends this rank during a pipeline step (the activations of the stage before, or the gradients
     of the stage after), in the order the schedule receives them, each receive posted before it is needed.
@@ -807,12 +932,14 @@ def _part_name(part) -> str:
     return f" {part}" if isinstance(part, str) else f" {_unit_name(part)}"
 
 
-def _timed_forward(clock: PhaseClock, i: int, name: str, saved, key, fn):
-    """A forward of micro-batch ``i`` (``fn()``), the tensors it saves recorded under ``key``, timed on ``clock`` as
+def _timed_forward(clock: PhaseClock, i: int, name: str, saved, stash, key, fn):
+    """A forward of micro-batch ``i`` (``fn()``), the tensors it saves recorded under ``key`` (on the ``SavedBytes``
+    meter ``saved``, and what it offloads in the ``OffloadStash`` ``stash``; either may be None), timed on ``clock`` as
     ``name`` (a micro-batch's forward may come in several pieces, one per layer when run layer by layer).
     Returns what ``fn`` returned. No wait for the device: on CUDA the clock records events."""
     token = clock.start()
-    with saved.record(key) if saved is not None else nullcontext():
+    with (saved.record(key) if saved is not None else nullcontext(),
+          stash.record(key) if stash is not None else nullcontext()):
         out = fn()
     clock.stop(token, ("forward", i, name))
     return out
