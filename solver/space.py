@@ -143,16 +143,25 @@ def _realise(replicas, classes: list[DeviceClass]) -> Skeleton:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeKind:
-    """Nodes with the same devices (type, memory, reserve, count) and the same intra-node link."""
+    """Nodes with the same devices (type, memory, reserve, count) and the same intra-node link and NIC."""
 
     nodes: tuple[str, ...]
+    """Its nodes, in cluster order."""
     layout: tuple
-    """((gpu, memory, reserve, count), ...) of one node."""
+    """((gpu, memory, reserve, count), ...) of one node, sorted."""
+    link: tuple = ()
+    """(intra-node link, NIC) of one node."""
+
+    @property
+    def key(self) -> str:
+        """Everything the cost model sees of one of its nodes (layout and links), as a sortable string."""
+        return repr((self.layout, self.link))
 
 
 def node_kinds(cluster: ClusterSpec) -> list[NodeKind]:
     """Nodes grouped by everything the cost model sees of them: their devices, intra-node link and NIC.
-    Nodes of one kind are interchangeable: swapping two maps every plan to one priced the same."""
+    Nodes of one kind are interchangeable: swapping two maps every plan to one priced the same. In the
+    order of the cluster file (``canonical_kinds``: in an order that does not depend on it)."""
     per_node: dict[str, list] = {}
     for d in cluster.devices:
         per_node.setdefault(d.node, []).append((d.gpu.name, d.memory_bytes, d.reserve_bytes))
@@ -161,7 +170,14 @@ def node_kinds(cluster: ClusterSpec) -> list[NodeKind]:
         link = (cluster.intra_links[node], cluster.nics.get(node, cluster.inter_link))
         layout = tuple(sorted(Counter(devs).items()))
         kinds.setdefault((layout, link), []).append(node)
-    return [NodeKind(nodes=tuple(v), layout=tuple((g, mem, res, n) for (g, mem, res), n in k[0])) for k, v in kinds.items()]
+    return [NodeKind(nodes=tuple(v), layout=tuple((g, mem, res, n) for (g, mem, res), n in k[0]), link=k[1])
+            for k, v in kinds.items()]
+
+
+def canonical_kinds(cluster: ClusterSpec) -> list[NodeKind]:
+    """``node_kinds`` sorted by ``NodeKind.key``: permuting the nodes (or a node's GPU entries) of the cluster file
+    gives the same kinds in the same order, each with its nodes renamed."""
+    return sorted(node_kinds(cluster), key=lambda k: k.key)
 
 
 def replica_pattern(cluster: ClusterSpec, pipe) -> tuple:
@@ -196,83 +212,161 @@ def _device_info(cluster: ClusterSpec) -> dict[str, tuple]:
     return hit[1]
 
 
+_CODES: dict[int, tuple[ClusterSpec, dict[str, int], dict[str, int]]] = {}
+
+
+def _device_codes(cluster: ClusterSpec) -> tuple[dict[str, int], dict[str, int]]:
+    """Device id -> its node's number, and device id -> the number of its (node kind, GPU, memory, reserve),
+    memoised per cluster object like ``_device_info``."""
+    hit = _CODES.get(id(cluster))
+    if hit is None or hit[0] is not cluster:
+        if len(_CODES) >= 32:
+            _CODES.clear()
+        info = _device_info(cluster)
+        nodes: dict[str, int] = {}
+        classes: dict[tuple, int] = {}
+        hit = _CODES[id(cluster)] = (cluster, {d: nodes.setdefault(n, len(nodes)) for d, (n, _) in info.items()},
+                                     {d: classes.setdefault(c, len(classes)) for d, (_, c) in info.items()})
+    return hit[1], hit[2]
+
+
+def symmetry_key(cluster: ClusterSpec, sk: Skeleton) -> tuple:
+    """A skeleton up to interchangeable nodes and devices: its replicas sorted by their group sizes and the
+    (node kind, GPU, memory, reserve) of each device, then every device's node relabelled by first appearance over
+    the whole skeleton. Two skeletons with one key differ by renaming nodes within kinds, swapping devices of one
+    node and type and reordering replicas, so each plan of one is a plan of the other priced the same (rules 1
+    and 6). Equivalent skeletons may still have two keys (replicas alike but for their nodes keep their order)."""
+    node, cls = _device_codes(cluster)
+
+    def replica(pipe) -> tuple:
+        return tuple(len(st) for st in pipe), tuple(map(cls.__getitem__, itertools.chain.from_iterable(pipe)))
+
+    keyed = sorted(zip(map(replica, sk.pipelines), range(len(sk.pipelines))))
+    nodes = [node[d] for _, i in keyed for st in sk.pipelines[i] for d in st]
+    first = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
+    return tuple(r for r, _ in keyed), tuple(map(first.__getitem__, nodes))
+
+
 def structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -> list[Skeleton]:
     """Every skeleton of the structured family (see ``iter_structured_skeletons``), as a list."""
     return list(iter_structured_skeletons(cluster, heads=heads, max_stages=max_stages))
 
 
+def _tp_sizes(count: int, heads: int) -> list[int]:
+    return [q for q in range(1, count + 1) if count % q == 0 and heads % q == 0]
+
+
 def iter_structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int):
-    """A heuristic family for clusters too large to enumerate. What it gives up, precisely:
+    """A heuristic family for clusters too large to enumerate. Up to renaming nodes within a node kind and
+    devices within a node and type, it does not depend on the order of the cluster file's nodes or GPU entries
+    (kinds are taken in ``canonical_kinds`` order, and every order is tried wherever one matters). What it gives
+    up, precisely:
 
     * TP groups hold devices of one node and one type (a node's devices of that type cut into equal
       groups of size n, n dividing both that count and the head count; every node of a kind is cut the
       same way; a type of a mixed node may be left idle). Exception: the layouts of the baselines below.
-    * Nodes of a kind are used all or none. Replicas either own whole nodes (the used nodes of each kind
-      split evenly among them) or share every node (each node's groups split evenly among them).
-    * A pipeline runs through the used node kinds in some order (every order is tried); the nodes of a
-      kind are consecutive, and so are the groups of one node (in a mixed node, every type order is tried).
-    * Plus every layout the baselines use (Megatron's TP-DP-PP rank order over the devices of some GPU
-      types, HetHub's one-type stages, HAP's single group), so a baseline is never better than Baton by
-      more than the requested gap.
+    * Nodes of a kind are used all or none. Every replica has one shape (stage count and group sizes). With
+      r replicas, either each used kind's groups (nodes in cluster order, a node's groups consecutive) are cut
+      into r consecutive blocks of equal count, one per replica, each block whole nodes or part of one node
+      ("spread": r dividing every used kind's group count, the block size a multiple or a divisor of a node's
+      group count), or every node's groups of each type are split evenly among them ("share").
+    * A pipeline runs through the used node kinds in some order (every order is tried), a kind's groups
+      consecutive in the order above (in a mixed node, every type order is tried).
+    * Plus the baselines' layouts over canonically ordered devices (kinds in every order, a node's types in
+      every order, nodes of a kind and devices of a node and type in cluster order): Megatron's TP-DP-PP rank
+      order over the devices of some GPU types, HetHub's one-type stages, HAP's single group. Megatron's and
+      HetHub's own layouts (over the devices in cluster order) are among them when the cluster file lists the
+      nodes of each kind together and the nodes of a kind list their GPU entries alike (one entry per type,
+      memory and reserve, in one order), so neither baseline is then better than Baton by more than the
+      requested gap.
+    Skeletons with one ``symmetry_key`` (equal up to interchangeable nodes and devices) are given once.
     Inside the family, stage layers, units, recompute sets, micro-batch and replicas are chosen exactly.
     """
-    seen: set[str] = set()
+    seen: set[tuple] = set()
+    kinds = canonical_kinds(cluster)
+
+    def new(sk: Skeleton) -> bool:
+        key = symmetry_key(cluster, sk)
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
     # The baselines' layouts first: cheap, and often good enough to give the search an early incumbent.
     for sk in baseline_skeletons(cluster, heads=heads, max_stages=max_stages):
-        key = sk.describe()
-        if key not in seen:
-            seen.add(key)
+        if new(sk):
             yield sk
-    kinds = node_kinds(cluster)
-    by_node: dict[str, dict[str, list[str]]] = {}
-    for d in cluster.devices:
-        by_node.setdefault(d.node, {}).setdefault(d.gpu.name, []).append(d.id)
+    by_node = _devices_by_node(cluster)
     for used in itertools.product([False, True], repeat=len(kinds)):
         chosen = [k for k, u in zip(kinds, used) if u]
         if not chosen:
             continue
-        type_lists = [[(g, n) for g, _, _, n in k.layout] for k in chosen]
+        type_lists = [[(g, mem, res, n) for g, mem, res, n in k.layout] for k in chosen]
+        mixed = any(len(tl) > 1 for tl in type_lists)  # only then can a spread block hold other group sizes
+        cut: dict[tuple, list] = {}  # (node, type index, TP size) -> its TP groups
         size_opts = []
         for tl in type_lists:
-            per_type = [[q for q in range(1, n + 1) if n % q == 0 and heads % q == 0] + ([0] if len(tl) > 1 else []) for _, n in tl]
+            per_type = [_tp_sizes(n, heads) + ([0] if len(tl) > 1 else []) for *_, n in tl]
             size_opts.append([c for c in itertools.product(*per_type) if any(c)])
-        counts = [len(k.nodes) for k in chosen]
         for sizes in itertools.product(*size_opts):
-            groups_per_node = [sum(n // q for (_, n), q in zip(tl, sz) if q) for tl, sz in zip(type_lists, sizes)]
-            whole = [("nodes", r) for r in range(1, min(counts) + 1) if all(c % r == 0 for c in counts)]
+            per_type_groups = [[n // q if q else 0 for (*_, n), q in zip(tl, sz)] for tl, sz in zip(type_lists, sizes)]
+            groups_per_node = [sum(g) for g in per_type_groups]
+            totals = [len(k.nodes) * g for k, g in zip(chosen, groups_per_node)]
+            # A spread block is whole nodes or part of one node: a block across a node boundary would give
+            # replicas of one shape different links (a heuristic restriction, it keeps the family small).
+            spread = [("spread", r) for r in range(1, min(totals) + 1)
+                      if all(t % r == 0 and (t // r % g == 0 or g % (t // r) == 0) for t, g in zip(totals, groups_per_node))
+                      and sum(totals) // r <= max_stages]
             shared = [("share", r) for r in range(2, min(groups_per_node) + 1)
-                      if all(g % r == 0 for g in groups_per_node) and all(
-                          all(n // q % r == 0 for (_, n), q in zip(tl, sz) if q) for tl, sz in zip(type_lists, sizes))]
+                      if all(g % r == 0 for gs in per_type_groups for g in gs) and sum(totals) // r <= max_stages]
+            if not spread and not shared:
+                continue
             for perm in itertools.permutations(range(len(chosen))):
                 type_orders = [[o for o in itertools.permutations(range(len(type_lists[i]))) if all(sizes[i][t] or t == o[t] for t in range(len(o)))]
                                for i in perm]
                 for torder in itertools.product(*type_orders):
-                    for mode, r in whole + shared:
+                    # Per used kind (in pipeline order), per node, its TP groups in the type order.
+                    node_groups = []
+                    for pos, ki in enumerate(perm):
+                        rows = []
+                        for node in chosen[ki].nodes:
+                            row = []
+                            for ti in torder[pos]:
+                                g, mem, res, n = type_lists[ki][ti]
+                                q = sizes[ki][ti]
+                                if q:
+                                    if (node, ti, q) not in cut:
+                                        ids = by_node[node][g, mem, res]
+                                        cut[node, ti, q] = [tuple(ids[j:j + q]) for j in range(0, n, q)]
+                                    row.append(cut[node, ti, q])
+                            rows.append(row)
+                        node_groups.append(rows)
+                    seqs = [[grp for row in rows for per_type in row for grp in per_type] for rows in node_groups]
+                    for mode, r in spread + shared:
                         pipes = []
                         for rho in range(r):
                             stages = []
-                            for pos, ki in enumerate(perm):
-                                k = chosen[ki]
-                                nodes = k.nodes if mode == "share" else k.nodes[rho * (len(k.nodes) // r):(rho + 1) * (len(k.nodes) // r)]
-                                for node in nodes:
-                                    for ti in torder[pos]:
-                                        g, n = type_lists[ki][ti]
-                                        q = sizes[ki][ti]
-                                        if not q:
-                                            continue
-                                        ids = by_node[node][g]
-                                        grp = [tuple(ids[j:j + q]) for j in range(0, n, q)]
-                                        if mode == "share":
-                                            per = len(grp) // r
-                                            grp = grp[rho * per:(rho + 1) * per]
-                                        stages.extend(grp)
+                            for rows, seq in zip(node_groups, seqs):
+                                if mode == "spread":
+                                    per = len(seq) // r
+                                    stages.extend(seq[rho * per:(rho + 1) * per])
+                                else:
+                                    for row in rows:
+                                        for per_type in row:
+                                            per = len(per_type) // r
+                                            stages.extend(per_type[rho * per:(rho + 1) * per])
                             pipes.append(tuple(stages))
-                        if len(pipes[0]) <= max_stages:
-                            sk = Skeleton(pipelines=tuple(pipes))
-                            key = sk.describe()
-                            if key not in seen:
-                                seen.add(key)
-                                yield sk
+                        sk = Skeleton(pipelines=tuple(pipes))
+                        if (not mixed or sk.one_shape) and new(sk):
+                            yield sk
+
+
+def _devices_by_node(cluster: ClusterSpec) -> dict[str, dict[tuple, list[str]]]:
+    """node -> (gpu, memory, reserve) -> its device ids, in cluster order."""
+    out: dict[str, dict[tuple, list[str]]] = {}
+    for d in cluster.devices:
+        out.setdefault(d.node, {}).setdefault((d.gpu.name, d.memory_bytes, d.reserve_bytes), []).append(d.id)
+    return out
 
 
 def megatron_layout(device_ids: list[str], tp: int, pp: int) -> Skeleton:
@@ -290,26 +384,41 @@ def hethub_layout(by_type: dict[str, list[str]], order: tuple[str, ...], degrees
     return Skeleton(pipelines=(tuple(stages),))
 
 
-def baseline_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int) -> list[Skeleton]:
-    """Layouts of the baselines: Megatron (TP fastest, then DP, then PP over the devices of some GPU
-    types in cluster order), HetHub (stages of one type, one TP degree per type, every type order) and
-    HAP (one group of all devices of some types)."""
-    types = cluster.gpu_types
-    out = []
-    for k in range(len(types), 0, -1):
-        for sub in itertools.combinations(types, k):
-            devs = [d.id for d in cluster.devices if d.gpu.name in sub]
+def baseline_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: int):
+    """The baselines' layouts over canonically ordered devices, for every subset of GPU types: Megatron (TP
+    fastest, then DP, then PP) over the devices of the kinds holding them, kinds in every order, a node's types
+    in every order; HetHub (stages of one type, one TP degree per type, every type order) over each type's
+    devices, the kinds holding it in every order; HAP (one group of all of them, ``canonical_kinds`` order: one
+    stage, so no p2p link depends on the rank order). Nodes of a kind and devices of one node and type stay in
+    cluster order: they are interchangeable."""
+    kinds = canonical_kinds(cluster)
+    by_node = _devices_by_node(cluster)
+    types = sorted(cluster.gpu_types)
+
+    def ordered(kind_order, type_orders) -> list[str]:
+        return [d for k, sigs in zip(kind_order, type_orders) for node in k.nodes for sig in sigs
+                for d in by_node[node].get(sig, ())]
+
+    for size in range(len(types), 0, -1):
+        for sub in itertools.combinations(types, size):
+            here = [k for k in kinds if any(g in sub for g, *_ in k.layout)]
+            sigs = {k.key: [tuple(x[:3]) for x in k.layout if x[0] in sub] for k in here}
+            devs = ordered(here, [sigs[k.key] for k in here])
             n = len(devs)
             if n <= heads:
-                out.append(Skeleton(pipelines=((tuple(devs),),)))
-            for t in [t for t in range(1, n + 1) if n % t == 0 and heads % t == 0]:
-                for p in [q for q in range(1, max_stages + 1) if (n // t) % q == 0]:
-                    out.append(megatron_layout(devs, t, p))
-            by_type = {g: [x.id for x in cluster.devices if x.gpu.name == g] for g in sub}
-            for order in itertools.permutations(sub):
-                degrees = [[t for t in range(1, len(by_type[g]) + 1) if len(by_type[g]) % t == 0 and heads % t == 0] for g in order]
-                for ts in itertools.product(*degrees):
-                    sk = hethub_layout(by_type, order, ts)
-                    if sk.num_stages <= max_stages:
-                        out.append(sk)
-    return out
+                yield Skeleton(pipelines=((tuple(devs),),))
+            shapes = [(t, p) for t in _tp_sizes(n, heads) for p in range(1, max_stages + 1) if (n // t) % p == 0]
+            for kind_order in itertools.permutations(here):
+                for type_orders in itertools.product(*[itertools.permutations(sigs[k.key]) for k in kind_order]):
+                    devs = ordered(kind_order, type_orders)
+                    for t, p in shapes:
+                        yield megatron_layout(devs, t, p)
+            holders = {g: [k for k in here if any(x[0] == g for x in k.layout)] for g in sub}
+            for kind_orders in itertools.product(*[itertools.permutations(holders[g]) for g in sub]):
+                by_type = {g: ordered(order, [[x for x in sigs[k.key] if x[0] == g] for k in order])
+                           for g, order in zip(sub, kind_orders)}
+                for order in itertools.permutations(sub):
+                    for ts in itertools.product(*[_tp_sizes(len(by_type[g]), heads) for g in order]):
+                        sk = hethub_layout(by_type, order, ts)
+                        if sk.num_stages <= max_stages:
+                            yield sk
