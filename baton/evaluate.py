@@ -218,8 +218,8 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                                     sync_buffer_bytes=sync.buffer_bytes[d.id], zero_stage=plan.zero_stage,
                                     owned_layer_fraction=sync.owned_layer_fraction.get(d.id), activation_bytes=activations)
                 dev = cluster.device(d.id)
-                host = host_activation_bytes(slot, L, lc.host_bytes, **({} if pipe.chunks == 1 else
-                                                                        dict(schedule=schedule, group=si, layers=layers)))
+                host = host_activation_bytes(slot, L, lc.host_bytes, schedule=None if pipe.chunks == 1 else schedule,
+                                             group=si, layers=layers)
                 device_reports.append(DeviceReport(
                     id=d.id, gpu=dev.gpu.name, pipeline=pi, stage=si, units=d.units, share=d.units / stage.units_per_layer,
                     recompute=list(d.recompute),

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from baton.memory import is_held, layer_order, tensor_roles
+from baton.memory import held_tensors
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, LAYER_INPUT, layer_operators
 from runtime.measure.meters import Meter
@@ -91,8 +91,7 @@ class ParallelBlock(nn.Module):
         self.meter = meter or Meter()
         self.offload = frozenset(offload)
         check_offload(spec, frozenset(recompute), self.offload)
-        roles, order = tensor_roles(spec), layer_order(spec)
-        self._held = frozenset(t for t, role in roles.items() if is_held(role, frozenset(recompute), order))
+        self._held = frozenset(held_tensors(spec, frozenset(recompute)))
         self.stash = stash if stash is not None or not self.offload else OffloadStash()
         # Kept operators that save an offloaded tensor: the only ones run under saved-tensor hooks.
         self._offload_ops = frozenset(o.name for o in layer_operators(spec)
