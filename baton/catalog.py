@@ -131,6 +131,13 @@ CPU_COPY_GB_PER_S = 5.0
 """A CPU process's offload is a copy within host memory by the process itself, on its one thread: a 64 MiB
 ``torch.Tensor.copy_`` took 12.7 ms (5.3 GB/s, median of 10) on this project's 2-core test VM."""
 
+HOST_OPTIMIZER_GB_PER_S = 20.0
+"""DRAM traffic rate (10^9 bytes/s, eq. 10h) of torch's fused AdamW running on a training server's host CPUs, for a
+device that keeps its optimizer state in host memory: eq. 10's bandwidth rule (36 bytes per parameter) at this
+rate. A node's ``host_optimizer_gb_per_s`` overrides it. Measured here: 2.4 GB/s on this project's 2-core VM
+(20M parameters, two threads, other work running); a server with tens of cores and several memory channels moves
+about ten times that. A CPU process's own table (its measured optimizer row) prices its host step instead."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuType:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from baton.catalog import GIB, GpuType, gpu_type
+from baton.catalog import GIB, HOST_OPTIMIZER_GB_PER_S, GpuType, gpu_type
 from baton.errors import BatonError
 from baton.fields import Fields, excerpt, load_yaml
 from baton.plan import MAX_DEVICES
@@ -93,6 +93,9 @@ class Device:
     host_link_gb_per_s: float = 0.0
     """What a pinned copy between host memory and the device sustains each way (eq. 2o), 10^9 bytes/s: its node's
     ``host_link_gb_per_s``, else its catalog type's (``GpuType.host_link_gb_per_s``)."""
+    host_optimizer_gb_per_s: float = HOST_OPTIMIZER_GB_PER_S
+    """DRAM traffic rate of an Adam step on its node's host CPUs (eq. 10h), 10^9 bytes/s: its node's
+    ``host_optimizer_gb_per_s``, else ``baton.catalog.HOST_OPTIMIZER_GB_PER_S``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -231,7 +234,8 @@ FIELDS = {"name", "nodes", "inter_node_link", "memory_reserve_gib", "description
 """The top-level fields of a cluster file."""
 MAX_REPLICA_TIME_CV = 0.5
 """Beyond this the normal noise model of eq. 19 would give replicas negative times a few % of the steps."""
-_NODE = {"name", "gpus", "intra_node_link", "count", "nic", "nics", "interface", "host_memory_gib", "host_link_gb_per_s"}
+_NODE = {"name", "gpus", "intra_node_link", "count", "nic", "nics", "interface", "host_memory_gib", "host_link_gb_per_s",
+         "host_optimizer_gb_per_s"}
 _NIC_COUNT = "count"
 """How many identical NICs one ``nics`` entry stands for."""
 _GPUS = {"type", "count", "memory_gib", "memory_reserve_gib"}
@@ -283,6 +287,7 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
         interface = _interface(node) if node.has("interface") else None
         host_memory = int(node.number("host_memory_gib") * GIB) if node.has("host_memory_gib") else None
         host_link = node.number("host_link_gb_per_s") if node.has("host_link_gb_per_s") else None
+        host_adam = node.number("host_optimizer_gb_per_s") if node.has("host_optimizer_gb_per_s") else HOST_OPTIMIZER_GB_PER_S
         entries = node.sequence("gpus")
         parsed = []
         for j, raw_gpu in enumerate(entries):
@@ -318,7 +323,8 @@ def from_mapping(data, *, source: str) -> ClusterSpec:
             for gpu, count, memory, reserve in parsed:
                 for _ in range(count):
                     devices.append(Device(id=f"{name}:{k}", node=name, gpu=gpu, memory_bytes=memory, reserve_bytes=reserve,
-                                          host_link_gb_per_s=host_link or gpu.host_link_gb_per_s))
+                                          host_link_gb_per_s=host_link or gpu.host_link_gb_per_s,
+                                          host_optimizer_gb_per_s=host_adam))
                     k += 1
     inter = _link(top.mapping("inter_node_link")) if top.has("inter_node_link") else None
     if len(node_names) > 1 and inter is None:

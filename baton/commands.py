@@ -100,14 +100,7 @@ def render_report(report: PlanReport, *, title: str) -> None:
         devs.add_row(Text(name), Text(cells[0]), cells[1], cells[2], Text(cells[3]), *cells[4:-1],
                      "[green]yes[/]" if cells[-1] else "[bold red]NO[/]")
     console.print(devs)
-    for d in report.devices:
-        if d.offload:
-            console.print(f"{d.id} keeps {', '.join(d.offload)} in host memory: {_gib(d.host_activation_bytes)} GiB at its peak, "
-                          f"copies adding {d.offload_ms:.2f} ms per micro-batch beyond the compute they overlap", highlight=False)
-    for h in report.host_memory:
-        room = "no host_memory_gib given" if h.capacity_bytes is None else f"of {_gib(h.capacity_bytes)} GiB"
-        console.print(f"node {h.node}: {_gib(h.activation_bytes)} GiB of offloaded activations in host memory ({room})"
-                      + ("" if h.fits else " [bold red]does not fit[/]"), highlight=False)
+    _render_host_memory(report)
     console.print(
         f"iteration [bold]{report.iteration_time_ms:.1f} ms[/] ({'compute and waits, layer by layer' if report.zero_stage >= 2 else 'pipeline'} "
         f"{report.pipeline_ms:.1f}"
@@ -152,6 +145,8 @@ class MeasureRequest:
     """Output CSV, or None for the default path under profiles/measured/."""
     back_to_back: bool = False
     """Time each layer, embedding and head in pieces of repetitions run one after another (``runtime.measure.op_profiler.measure``)."""
+    compile: bool = False
+    """Time the layers compiled, as ``baton train --compile`` runs them."""
 
 
 _measure_profile: Callable[[MeasureRequest], None] | None = None
@@ -197,6 +192,23 @@ def evaluate_cmd(
         raise typer.Exit(1)
 
 
+def _render_host_memory(report: PlanReport) -> None:
+    """What each device keeps in host memory (eq. 8o, 7h), and each node's total against its capacity."""
+    for d in report.devices:
+        if d.offload:
+            console.print(f"{d.id} keeps {', '.join(d.offload)} in host memory: {_gib(d.host_activation_bytes)} GiB at its peak, "
+                          f"copies adding {d.offload_ms:.2f} ms per micro-batch beyond the compute they overlap", highlight=False)
+        if d.offload_optimizer:
+            console.print(f"{d.id} keeps its optimizer state in host memory ({_gib(d.host_optimizer_bytes)} GiB) and steps "
+                          f"it there: {d.optimizer_ms:.2f} ms", highlight=False)
+    for h in report.host_memory:
+        room = "no host_memory_gib given" if h.capacity_bytes is None else f"of {_gib(h.capacity_bytes)} GiB"
+        what = f"{_gib(h.activation_bytes)} GiB of offloaded activations" + (
+            f" and {_gib(h.optimizer_bytes)} GiB of optimizer state" if h.optimizer_bytes else "")
+        console.print(f"node {h.node}: {what} in host memory ({room})"
+                      + ("" if h.fits else " [bold red]does not fit[/]"), highlight=False)
+
+
 def profile_cmd(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Preset, model YAML, or 'all' presets (with --analytic); "
                                                                      "not with --peer.")] = None,
@@ -217,6 +229,9 @@ def profile_cmd(
                                                "repetitions run one after another, not one from an idle device: on a GPU "
                                                "the launches then overlap the kernels, as in a training step.")] = False,
     calibrate_from: Annotated[Optional[Path], typer.Option(help="With --analytic: scale by a measured table of a similar device.")] = None,
+    compile: Annotated[bool, typer.Option("--compile", help="With --device: time the layers compiled (torch.compile), as "
+                                                            "`baton train --compile` runs them; recorded in "
+                                                            "<table>.settings.json.")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Output CSV (default: <derived|measured>/<gpu>__<model>__s<seq>.csv in your "
                                                      "profile directory: $BATON_PROFILES, else e.g. ~/.local/share/baton/profiles); "
                                                      "with --peer, the link YAML.")] = None,
@@ -245,6 +260,8 @@ def profile_cmd(
     if seq_len is not None and seq_len <= 0:
         raise BatonError("must be positive", field="--seq-len")
     if analytic:
+        if compile:
+            raise BatonError("a derived table has no compiled layers to time; --compile applies to --device", field="--compile")
         _derive(model, gpu, seq_len, mbs, calibrate_from, out)
     else:
         if _measure_profile is None:
@@ -256,7 +273,8 @@ def profile_cmd(
                              "with tf32: false, or derive its tables with --analytic", field="--model")
         _measure_profile(MeasureRequest(model=model, device=device, gpu=gpu, seq_len=seq_len, micro_batches=mbs,
                                         tp_shares=tp_shares, warmup=warmup, reps=reps, threads=threads, comm=comm,
-                                        comm_ranks=comm_ranks, concurrent=concurrent, out=out, back_to_back=back_to_back))
+                                        comm_ranks=comm_ranks, concurrent=concurrent, out=out, back_to_back=back_to_back,
+                                        compile=compile))
 
 
 def show_cmd(

@@ -22,13 +22,13 @@ Two levels:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from baton.cluster import ClusterSpec, Link
-from baton.memory import RecomputeSpace, recompute_space, tensor_blocks, tensor_bytes
+from baton.memory import RecomputeSpace, choice_space, recompute_space, tensor_blocks, tensor_bytes
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, layer_operators, operator_flops, padded_vocab
 from baton.peers import (EDGES, final_norm_param_count, held_params, owned_fractions, owned_params, peer_groups,
@@ -56,7 +56,8 @@ OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 36
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerPrices:
-    """One device type's per-layer, per-micro-batch costs at one share, for every set of a RecomputeSpace."""
+    """One device type's per-layer, per-micro-batch costs at one share, for every row (recompute set and what it
+    offloads) of a RecomputeSpace."""
 
     fwd_ms: tuple[float, float]
     """Forward ms per block (attn, mlp): the larger of device and host time; the recompute set does not change it (eq. 2h)."""
@@ -68,16 +69,35 @@ class LayerPrices:
     rec_mlp_ms: np.ndarray
     """The same for the mlp block."""
     held_bytes: np.ndarray
-    """Activation bytes kept per in-flight micro-batch, per set (eq. 3)."""
+    """Activation bytes kept in device memory per in-flight micro-batch, per row (eq. 3, 3o)."""
     transient_bytes: np.ndarray
-    """Bytes re-created while the layer runs its backward, per set (eq. 4)."""
+    """Bytes re-created while the layer runs its backward, and the offloaded bytes of it and the layer fetched
+    ahead, per row (eq. 4, 4o)."""
     param_bytes: float
     """Parameter bytes of the layer at this share."""
+    host_bytes: np.ndarray
+    """Activation bytes kept in host memory per in-flight micro-batch, per row (eq. 3o; 0 without offload)."""
+    offload_fwd_ms: np.ndarray
+    """(rows, 2): what each block's copies to the host add to its forward (eq. 2o); infinite for a row that
+    offloads on a device without a host link rate."""
+    offload_bwd_ms: np.ndarray
+    """(rows, 2): what each block's copies back add to its backward (eq. 2o)."""
+
+    def block_fwd_ms(self) -> np.ndarray:
+        """(rows, 2): forward per block and row, as eq. 9 takes the max over a group."""
+        return np.asarray(self.fwd_ms)[None, :] + self.offload_fwd_ms
+
+    def block_bwd_ms(self) -> np.ndarray:
+        """(rows, 2): backward plus recomputation plus exposed copies per block and row."""
+        return (np.asarray(self.bwd_ms)[None, :] + np.stack([self.rec_attn_ms, self.rec_mlp_ms], axis=1)
+                + self.offload_bwd_ms)
 
 
 @functools.lru_cache(maxsize=8192)
-def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, space: RecomputeSpace) -> LayerPrices:
-    """Eq. 2 (block times), eq. 3 (held activations) and eq. 4 (recompute buffer) over ``space``.
+def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, space: RecomputeSpace,
+                 host_link_gb_per_s: float = 0.0) -> LayerPrices:
+    """Eq. 2 (block times), eq. 3 (held activations) and eq. 4 (recompute buffer) over ``space``, with its rows'
+    offloaded tensors over a host link of ``host_link_gb_per_s`` (eq. 2o-4o).
 
     A TP-split operator is looked up at ``share``, a replicated one at share 1. Memoised and shared
     between callers: the arrays must not be modified.
@@ -108,10 +128,36 @@ def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: flo
         rec_attn = np.maximum(bwd[0] + rec_attn, bwd_host[0] + rec_attn_host + seg_attn) - plain[0]
         rec_mlp = np.maximum(bwd[1] + rec_mlp, bwd_host[1] + rec_mlp_host + seg_mlp) - plain[1]
         fwd, bwd = tuple(max(d, h) for d, h in zip(fwd, fwd_host)), plain
+    host = (space.off * sz).sum(axis=1)
+    off_fwd, off_bwd = _offload_ms(profile, spec, space, sz, fwd, bwd, (rec_attn, rec_mlp), host_link_gb_per_s)
     return LayerPrices(
         fwd_ms=fwd, bwd_ms=bwd, rec_attn_ms=rec_attn, rec_mlp_ms=rec_mlp,
-        held_bytes=(space.held * sz).sum(axis=1), transient_bytes=(space.remat * sz).sum(axis=1),
-        param_bytes=sum(c.param_bytes for c in costs.values()))
+        held_bytes=((space.held - space.off) * sz).sum(axis=1),
+        transient_bytes=(space.remat * sz).sum(axis=1) + 2 * host,
+        param_bytes=sum(c.param_bytes for c in costs.values()), host_bytes=host,
+        offload_fwd_ms=off_fwd, offload_bwd_ms=off_bwd)
+
+
+def _offload_ms(profile: Profile, spec: ModelSpec, space: RecomputeSpace, sz: np.ndarray, fwd, bwd, rec,
+                host_link_gb_per_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. 2o per row and block: a block's copies over the host link overlap its own pass, and only what they take
+    beyond it is added; on a ``Profile.SYNCHRONOUS`` device (a CPU process copying by itself) all of it."""
+    n = len(space)
+    if not space.offloads.any():
+        return np.zeros((n, 2)), np.zeros((n, 2))
+    blocks = tensor_blocks(spec)
+    moved = np.stack([(space.off * (sz * np.array([blocks[t] == b for t in space.tensors]))).sum(axis=1)
+                      for b in BLOCKS], axis=1)
+    if host_link_gb_per_s <= 0:  # nowhere to copy to: a row that offloads cannot run
+        copy = np.where(moved > 0, np.inf, 0.0)
+    else:
+        copy = moved / (host_link_gb_per_s * 1e9) * 1e3
+    if profile.gpu in Profile.SYNCHRONOUS:
+        return copy, copy.copy()
+    with np.errstate(invalid="ignore"):
+        f = np.maximum(0.0, copy - np.asarray(fwd)[None, :])
+        b = np.maximum(0.0, copy - (np.asarray(bwd)[None, :] + np.stack(rec, axis=1)))
+    return f, b
 
 
 def _op_costs(profile: Profile, spec: ModelSpec, micro_batch: int, share: float) -> dict[str, OpCost]:
@@ -154,7 +200,7 @@ def launched_ms(cost: OpCost) -> tuple[float, float]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerCost:
-    """One device's cost for one layer and one micro-batch under one recompute set (eq. 2-4)."""
+    """One device's cost for one layer and one micro-batch under one recompute set and offload set (eq. 2-4, 2o-4o)."""
 
     fwd_ms: dict
     """Block ('attn', 'mlp') -> forward ms (the larger of device and host time, eq. 2h)."""
@@ -189,46 +235,30 @@ class LayerCost:
 def layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float,
                recompute: frozenset[str] | set[str] | Sequence[str] = frozenset(),
                offload: frozenset[str] | set[str] | Sequence[str] = frozenset(), host_link_gb_per_s: float = 0.0) -> LayerCost:
-    """Row ``recompute`` of ``layer_prices``: the evaluator's view of eq. 2-4 for one device; with tensors to
-    ``offload`` over a host link of ``host_link_gb_per_s``, eq. 2o-4o."""
-    if not offload:
-        return _layer_cost(profile, spec, micro_batch, share, frozenset(recompute))
-    return _offloaded(profile, spec, micro_batch, share, frozenset(recompute), frozenset(offload), host_link_gb_per_s)
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _offloaded(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, recompute: frozenset[str],
-               offload: frozenset[str], host_link_gb_per_s: float) -> LayerCost:
-    """Eq. 2o-4o: ``offload`` (tensors that ``recompute`` holds) spends the time between the passes in host
-    memory. A block's copies to the host overlap its forward and its copies back its backward; only what they take
-    beyond the block's own time is added, on a ``Profile.SYNCHRONOUS`` device (a CPU process copying by itself) all
-    of it."""
-    if host_link_gb_per_s <= 0:
+    """The row of ``layer_prices`` for one (``recompute``, ``offload``) choice: the evaluator's view of eq. 2-4 for one
+    device, with tensors to ``offload`` over a host link of ``host_link_gb_per_s`` (eq. 2o-4o)."""
+    offload = frozenset(offload)
+    if offload and host_link_gb_per_s <= 0:
         raise ValueError("offloading needs the device's host link rate (host_link_gb_per_s)")
-    base = _layer_cost(profile, spec, micro_batch, share, recompute)
-    sizes, blocks = layer_tensor_bytes(profile, spec, micro_batch, share), tensor_blocks(spec)
-    moved = {b: sum(sizes[t] for t in offload if blocks[t] == b) for b in BLOCKS}
-    copy_ms = {b: moved[b] / (host_link_gb_per_s * 1e9) * 1e3 for b in BLOCKS}
-    fwd, bwd = dict(zip(BLOCKS, base.block_fwd_ms())), dict(zip(BLOCKS, base.block_bwd_ms()))
-    inline = profile.gpu in Profile.SYNCHRONOUS
-    host = sum(moved.values())
-    return replace(base, held_bytes=base.held_bytes - host, transient_bytes=base.transient_bytes + 2 * host, host_bytes=host,
-                   offload_fwd_ms={b: copy_ms[b] if inline else max(0.0, copy_ms[b] - fwd[b]) for b in BLOCKS},
-                   offload_bwd_ms={b: copy_ms[b] if inline else max(0.0, copy_ms[b] - bwd[b]) for b in BLOCKS})
+    return _layer_cost(profile, spec, micro_batch, share, frozenset(recompute), offload,
+                       host_link_gb_per_s if offload else 0.0)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, recompute: frozenset[str]) -> LayerCost:
-    prices = layer_prices(profile, spec, micro_batch, share, recompute_space(spec, (recompute,)))
-    return layer_cost_of(prices, 0)
+def _layer_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, recompute: frozenset[str],
+                offload: frozenset[str], host_link_gb_per_s: float) -> LayerCost:
+    space = choice_space(spec, recompute, offload) if offload else recompute_space(spec, (recompute,))
+    return layer_cost_of(layer_prices(profile, spec, micro_batch, share, space, host_link_gb_per_s), 0)
 
 
 def layer_cost_of(prices: LayerPrices, i: int) -> LayerCost:
-    """The scalar view of set ``i`` of ``prices``."""
+    """The scalar view of row ``i`` of ``prices``."""
     return LayerCost(fwd_ms=dict(zip(BLOCKS, prices.fwd_ms)), bwd_ms=dict(zip(BLOCKS, prices.bwd_ms)),
                      recompute_ms={"attn": float(prices.rec_attn_ms[i]), "mlp": float(prices.rec_mlp_ms[i])},
                      held_bytes=float(prices.held_bytes[i]), transient_bytes=float(prices.transient_bytes[i]),
-                     param_bytes=prices.param_bytes)
+                     param_bytes=prices.param_bytes, host_bytes=float(prices.host_bytes[i]),
+                     offload_fwd_ms=dict(zip(BLOCKS, map(float, prices.offload_fwd_ms[i]))),
+                     offload_bwd_ms=dict(zip(BLOCKS, map(float, prices.offload_bwd_ms[i]))))
 
 
 def layer_train_ms(profile: Profile, spec: ModelSpec, micro_batch: int, share: float) -> float:
@@ -368,6 +398,11 @@ class DeviceSlot:
     """Its stage is the last (holds the final LN, LM head and loss)."""
     optimizer_ms_per_byte: float
     """Eq. 10's slope: Adam step ms per byte of weights held."""
+    host_link_gb_per_s: float = 0.0
+    """BWh_d of eq. 2o: its pinned copy rate to and from host memory, each way."""
+    host_optimizer_ms_per_byte: float = 0.0
+    """Eq. 10h's slope: ms per byte of weights held of an Adam step run on the host (gradients out and weights back
+    over the host link, the step on the host's memory)."""
 
 
 def device_slot(cluster: ClusterSpec, profiles: ProfileSet, spec: ModelSpec, micro_batch: int, device_id: str, *,
@@ -375,15 +410,46 @@ def device_slot(cluster: ClusterSpec, profiles: ProfileSet, spec: ModelSpec, mic
     dev = cluster.device(device_id)
     return _device_slot(device_id, profiles[dev.gpu.name], spec, dev.memory_bytes, dev.reserve_bytes,
                         dev.gpu.memory_bandwidth_gb_per_s, stage == 0, stage == num_stages - 1,
-                        in_flight_microbatches(stage, num_stages, num_microbatches, layered=layered))
+                        in_flight_microbatches(stage, num_stages, num_microbatches, layered=layered), dev.host_link_gb_per_s,
+                        dev.host_optimizer_gb_per_s)
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _device_slot(device_id, profile, spec, memory_bytes, reserve_bytes, bandwidth, first, last, in_flight):
+def _device_slot(device_id, profile, spec, memory_bytes, reserve_bytes, bandwidth, first, last, in_flight, host_link,
+                 host_adam):
+    on_device = optimizer_step_ms(1.0, spec, bandwidth, profile.optimizer_sample())
     return DeviceSlot(
         device_id=device_id, profile=profile, memory_bytes=memory_bytes, reserve_bytes=reserve_bytes,
-        in_flight=in_flight, first=first, last=last,
-        optimizer_ms_per_byte=optimizer_step_ms(1.0, spec, bandwidth, profile.optimizer_sample()))
+        in_flight=in_flight, first=first, last=last, optimizer_ms_per_byte=on_device,
+        host_link_gb_per_s=host_link, host_optimizer_ms_per_byte=host_optimizer_ms_per_byte(profile, spec, on_device,
+                                                                                            host_link, host_adam))
+
+
+def host_optimizer_ms_per_byte(profile: Profile, spec: ModelSpec, on_device_ms_per_byte: float, host_link_gb_per_s: float,
+                               host_optimizer_gb_per_s: float) -> float:
+    """Eq. 10h: an Adam step kept on the host, per byte of weights: the gradients (one weight's bytes) to the host and
+    the updated weights back, one after the other over the host link, and between them the step on the host's memory
+    at eq. 10's traffic (``host_optimizer_gb_per_s``). A CPU process's host is itself: its own measured step.
+    Infinite without a host link."""
+    if host_link_gb_per_s <= 0:
+        return float("inf")
+    copies = 2.0 / (host_link_gb_per_s * 1e9) * 1e3
+    if profile.gpu in Profile.SYNCHRONOUS:
+        return copies + on_device_ms_per_byte
+    return copies + optimizer_step_ms(1.0, spec, host_optimizer_gb_per_s)
+
+
+HOST_STAGING_PER_PARAM = 1
+"""Host buffers per parameter besides the fp32 master and moments: the gradients land in one of the training dtype
+(``runtime/train/host_optimizer.py``)."""
+
+
+def host_optimizer_bytes(param_bytes, spec: ModelSpec):
+    """Eq. 7h: what a device that keeps its optimizer state in host memory puts there for ``param_bytes`` of owned
+    weights: the fp32 master (in fp32 training too: the host steps its own copy), both Adam moments, and a buffer the
+    gradients land in, in the training dtype."""
+    params = param_bytes / spec.dtype_bytes
+    return params * (MASTER_WEIGHT_BYTES_PER_PARAM + ADAM_STATE_BYTES_PER_PARAM + HOST_STAGING_PER_PARAM * spec.dtype_bytes)
 
 
 def optimizer_bytes(param_bytes, spec: ModelSpec):
@@ -414,21 +480,22 @@ class DeviceMemory:
 
 def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes, held_bytes, transient_bytes,
                   edge: EdgeCost, owned_fraction=1.0, sync_buffer_bytes=0.0, zero_stage: int = 0,
-                  owned_layer_fraction=None, activation_bytes=None) -> DeviceMemory:
+                  owned_layer_fraction=None, activation_bytes=None, offload_optimizer: bool = False) -> DeviceMemory:
     """Eq. 7 and 8 for a device holding ``num_layers`` layers with the given per-layer figures; with
     sharded optimizer state (eq. 14) it keeps the state of ``owned_fraction`` of its weights, and the
     gradient sync after the backward pass stages ``sync_buffer_bytes`` while no activation is alive.
     At ``zero_stage`` 2 and 3 (eq. 18) it keeps the owned shards of its gradients (and at 3 of its layers'
     weights: ``owned_layer_fraction`` of them, ``owned_fraction`` when not given), the edges whole and one
     layer whole, and the staging of one unit's collective beside the activations. ``activation_bytes``, when
-    given, replaces the 1F1B in-flight term by a schedule's own peak (``scheduled_activation_bytes``).
+    given, replaces the 1F1B in-flight term by a schedule's own peak (``scheduled_activation_bytes``). With
+    ``offload_optimizer`` (stages 0 and 1) its optimizer state lives in host memory (eq. 7h): none on the device.
 
     Plain arithmetic, so it runs element-wise on numpy arrays (every recompute set at once, or every
     layer count) with bit-for-bit the numbers it gives for one float: the planner's memory limits and
     the evaluator's "fits" are the same comparisons.
     """
     weights = held_weights_bytes(num_layers, param_bytes, edge)
-    opt = optimizer_bytes(weights * owned_fraction, spec)
+    opt = optimizer_bytes(weights * owned_fraction, spec) * (not offload_optimizer)
     activ = activation_bytes
     if activ is None:
         activ = slot.in_flight * (num_layers * held_bytes + edge.saved_bytes)
@@ -470,9 +537,11 @@ def held_weights_bytes(num_layers, param_bytes, edge: EdgeCost):
     return num_layers * param_bytes + edge.param_bytes
 
 
-def device_optimizer_ms(slot: DeviceSlot, held_bytes, owned_fraction) -> float:
-    """Eq. 10 for one device: its Adam step over the owned share of the weights it holds."""
-    return slot.optimizer_ms_per_byte * held_bytes * owned_fraction
+def device_optimizer_ms(slot: DeviceSlot, held_bytes, owned_fraction, offload_optimizer: bool = False) -> float:
+    """Eq. 10 for one device: its Adam step over the owned share of the weights it holds; on the host with
+    ``offload_optimizer`` (eq. 10h)."""
+    slope = slot.host_optimizer_ms_per_byte if offload_optimizer else slot.optimizer_ms_per_byte
+    return slope * held_bytes * owned_fraction
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -480,8 +549,13 @@ def fitting_layers(slot: DeviceSlot, spec: ModelSpec, micro_batch: int, share: f
                    owned_fraction: float = 1.0) -> np.ndarray:
     """``max_layers_that_fit`` for the prices of (slot's GPU, micro_batch, share) over ``space``, memoised
     (read-only result): many skeletons put alike devices at alike positions."""
-    return max_layers_that_fit(slot, spec, layer_prices(slot.profile, spec, micro_batch, share, space),
+    return max_layers_that_fit(slot, spec, slot_prices(slot, spec, micro_batch, share, space),
                                edge_cost(slot, spec, micro_batch, share), cap, owned_fraction=owned_fraction)
+
+
+def slot_prices(slot: DeviceSlot, spec: ModelSpec, micro_batch: int, share: float, space: RecomputeSpace) -> LayerPrices:
+    """``layer_prices`` of the device at ``slot`` (its table and its host link)."""
+    return layer_prices(slot.profile, spec, micro_batch, share, space, slot.host_link_gb_per_s)
 
 
 def max_layers_that_fit(slot: DeviceSlot, spec: ModelSpec, prices: LayerPrices, edge: EdgeCost, cap: int, *,

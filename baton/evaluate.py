@@ -6,7 +6,7 @@ from pathlib import Path
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import (device_memory, device_optimizer_ms, device_slot, edge_cost, embedding_sync_ms, group_passes,
-                             host_activation_bytes, interleaved_timing, layer_cost, layer_train_ms, layered_iteration_of,
+                             host_activation_bytes, host_optimizer_bytes, interleaved_timing, layer_cost, layer_train_ms, layered_iteration_of,
                              layered_parts, model_flops_per_s, peak_flops, scheduled_activation_bytes, stage_constants,
                              sync_terms)
 from baton.errors import BatonError
@@ -78,6 +78,11 @@ class DeviceReport:
     offload_ms: float = 0.0
     """What its copies to and from host memory add to its forward and backward per micro-batch, beyond the compute
     they overlap (eq. 2o)."""
+    offload_optimizer: bool = False
+    """Its optimizer state lives in host memory and its Adam step runs there (eq. 7h, 10h)."""
+    host_optimizer_bytes: float = 0.0
+    """What that puts in its node's host memory (eq. 7h): fp32 master and moments of its owned weights, and the
+    buffer its gradients land in."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -164,16 +169,18 @@ class PlanReport:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HostMemory:
-    """One node's host memory holding its devices' offloaded activations (eq. 8o)."""
+    """One node's host memory holding its devices' offloaded activations and optimizer state (eq. 8o, 7h)."""
 
     node: str
     """Cluster node name."""
     activation_bytes: float
     """The sum of its devices' ``host_activation_bytes``."""
+    optimizer_bytes: float = 0.0
+    """The sum of its devices' ``host_optimizer_bytes`` (eq. 7h)."""
     capacity_bytes: float | None
     """The cluster file's ``host_memory_gib`` of the node; None: not stated, not limited."""
     fits: bool
-    """activation_bytes <= capacity_bytes (True without a capacity)."""
+    """activation_bytes + optimizer_bytes <= capacity_bytes (True without a capacity)."""
 
 
 def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_source: str = "<plan>") -> PlanReport:
@@ -216,7 +223,8 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                 mem = device_memory(slot, spec, L, param_bytes=lc.param_bytes, held_bytes=lc.held_bytes,
                                     transient_bytes=lc.transient_bytes, edge=edge, owned_fraction=own,
                                     sync_buffer_bytes=sync.buffer_bytes[d.id], zero_stage=plan.zero_stage,
-                                    owned_layer_fraction=sync.owned_layer_fraction.get(d.id), activation_bytes=activations)
+                                    owned_layer_fraction=sync.owned_layer_fraction.get(d.id), activation_bytes=activations,
+                                    offload_optimizer=d.offload_optimizer)
                 dev = cluster.device(d.id)
                 host = host_activation_bytes(slot, L, lc.host_bytes, schedule=None if pipe.chunks == 1 else schedule,
                                              group=si, layers=layers)
@@ -230,7 +238,9 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
                     transient_bytes=float(mem.transient_bytes), reserve_bytes=float(mem.reserve_bytes),
                     peak_memory_bytes=float(mem.peak_bytes), capacity_bytes=float(slot.memory_bytes),
                     fits=bool(mem.peak_bytes <= slot.memory_bytes),
-                    optimizer_ms=float(device_optimizer_ms(slot, mem.held_weights_bytes, own)), owned_fraction=own,
+                    optimizer_ms=float(device_optimizer_ms(slot, mem.held_weights_bytes, own, d.offload_optimizer)),
+                    owned_fraction=own, offload_optimizer=d.offload_optimizer,
+                    host_optimizer_bytes=float(host_optimizer_bytes(mem.held_weights_bytes * own, spec)) * d.offload_optimizer,
                     sync_buffer_bytes=sync.buffer_bytes[d.id], micro_batch_size=mb, offload=list(d.offload),
                     host_activation_bytes=float(host),
                     offload_ms=L * (sum(lc.offload_fwd_ms.values()) + sum(lc.offload_bwd_ms.values()))))
@@ -277,17 +287,19 @@ def evaluate(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, plan_sou
 
 
 def host_memory_of(cluster: ClusterSpec, devices: list[DeviceReport]) -> list[HostMemory]:
-    """Eq. 8o per node: its devices' offloaded activations against its host memory."""
-    used: dict[str, float] = {}
+    """Eq. 8o per node: its devices' offloaded activations and optimizer state against its host memory."""
+    used: dict[str, list[float]] = {}
     for d in devices:
-        if d.host_activation_bytes:
-            node = cluster.device(d.id).node
-            used[node] = used.get(node, 0.0) + d.host_activation_bytes
+        if d.host_activation_bytes or d.host_optimizer_bytes:
+            row = used.setdefault(cluster.device(d.id).node, [0.0, 0.0])
+            row[0] += d.host_activation_bytes
+            row[1] += d.host_optimizer_bytes
     out = []
-    for node, total in used.items():
+    for node, (activations, optimizer) in used.items():
         cap = cluster.host_memory.get(node)
-        out.append(HostMemory(node=node, activation_bytes=total, capacity_bytes=None if cap is None else float(cap),
-                              fits=cap is None or total <= cap))
+        out.append(HostMemory(node=node, activation_bytes=activations, optimizer_bytes=optimizer,
+                              capacity_bytes=None if cap is None else float(cap),
+                              fits=cap is None or activations + optimizer <= cap))
     return out
 
 
@@ -309,8 +321,8 @@ def explain_over_capacity(report: PlanReport) -> str:
     gib = 1024**3
     parts = [f"{d.id} ({d.gpu}) needs {d.peak_memory_bytes / gib:.2f} GiB of {d.capacity_bytes / gib:.2f} GiB "
              f"(over by {(d.peak_memory_bytes - d.capacity_bytes) / gib:.2f} GiB)" for d in report.over_capacity()]
-    parts += [f"node {h.node}'s host memory holds {h.activation_bytes / gib:.2f} GiB of offloaded activations, more than "
-              f"its {h.capacity_bytes / gib:.2f} GiB" for h in report.over_host_capacity()]
+    parts += [f"node {h.node}'s host memory holds {(h.activation_bytes + h.optimizer_bytes) / gib:.2f} GiB of offloaded "
+              f"activations and optimizer state, more than its {h.capacity_bytes / gib:.2f} GiB" for h in report.over_host_capacity()]
     return "; ".join(parts)
 
 

@@ -138,16 +138,19 @@ def tensor_bytes(spec: ModelSpec, micro_batch: int, share: float, op_saved: dict
 
 
 class RecomputeSpace:
-    """The liveness matrix of eq. 3-4 over candidate recompute sets of one layer.
+    """The liveness matrix of eq. 3-4 over candidate (recompute set, offload set) pairs of one layer.
 
-    Row i is one recompute set (``recompute_set(i)``), column j one tensor (``tensors[j]``);
-    ``held[i, j]`` is rule (a)/(b) of ``is_held`` and ``remat[i, j]`` is ``is_rematerialised``, the
-    same functions the evaluator uses, so every consumer (the evaluator through ``layer_cost``, the
-    planner's pruning and memory limits, the bounds) reads one liveness rule. Sets are bit masks over
-    the operators in execution order. Build it with ``recompute_space`` (memoised per model shape).
+    Row i is one recompute set (``recompute_set(i)``) with the tensors it keeps in host memory between the
+    passes (``offload_set(i)``, eq. 3o; empty in a space built without offload), column j one tensor
+    (``tensors[j]``); ``held[i, j]`` is rule (a)/(b) of ``is_held`` and ``remat[i, j]`` is
+    ``is_rematerialised``, the same functions the evaluator uses, so every consumer (the evaluator through
+    ``layer_cost``, the planner's pruning and memory limits, the bounds) reads one liveness rule. Sets are bit
+    masks over the operators in execution order. Build it with ``recompute_space`` (memoised per model shape).
     """
 
-    def __init__(self, spec: ModelSpec, universe: list[frozenset[str]] | None = None):
+    def __init__(self, spec: ModelSpec, universe: list[frozenset[str]] | None = None, *, offload: str = "none",
+                 offload_sets: list[frozenset[str]] | None = None):
+        self._spec = spec
         ops = layer_operators(spec)
         self.ops: list[str] = [o.name for o in ops]
         """Operator names in execution order (bit k of a mask is ops[k])."""
@@ -155,48 +158,109 @@ class RecomputeSpace:
         """Block of each operator."""
         bit = {name: 1 << i for i, name in enumerate(self.ops)}
         if universe is None:
-            masks = np.arange(1 << len(self.ops), dtype=np.int64)
+            sets = np.arange(1 << len(self.ops), dtype=np.int64)
         else:
             unknown = {op for r in universe for op in r} - set(self.ops)
             if unknown:
                 raise ValueError(f"unknown operators in recompute universe: {sorted(unknown)}")
-            masks = np.array(sorted({sum(bit[o] for o in r) for r in universe}), dtype=np.int64)
-        self.masks: np.ndarray = masks
-        """One int64 bit mask per candidate set."""
+            sets = np.array(sorted({sum(bit[o] for o in r) for r in universe}), dtype=np.int64)
         roles = tensor_roles(spec)
         order = layer_order(spec)
         self.tensors: list[str] = list(roles)
-        """Tensor names, the columns of ``held`` and ``remat``."""
-        held = np.zeros((len(masks), len(self.tensors)), dtype=bool)
+        """Tensor names, the columns of ``held``, ``remat`` and ``off``."""
+        held = np.zeros((len(sets), len(self.tensors)), dtype=bool)
         remat = np.zeros_like(held)
-        for i in range(len(masks)):
-            r = self.recompute_set(i)
+        for i, mask in enumerate(sets):
+            r = frozenset(name for k, name in enumerate(self.ops) if int(mask) >> k & 1)
             for j, t in enumerate(self.tensors):
                 held[i, j] = is_held(roles[t], r, order)
                 remat[i, j] = is_rematerialised(roles[t], r, order)
-        self.held: np.ndarray = held.astype(float)
-        """held[i, j] = 1 when set i keeps tensor j from forward to backward (eq. 3)."""
-        self.remat: np.ndarray = remat.astype(float)
-        """remat[i, j] = 1 when set i re-creates tensor j in the backward pass (eq. 4)."""
+        rows, off = _offload_rows(spec, self.tensors, sets, held, offload, offload_sets)
+        masks = sets[rows]
+        self.masks: np.ndarray = masks
+        """One int64 bit mask per row: its recompute set (a set repeats, once per offload choice)."""
+        self.held: np.ndarray = held[rows].astype(float)
+        """held[i, j] = 1 when row i keeps tensor j from forward to backward (eq. 3), on the device or the host."""
+        self.remat: np.ndarray = remat[rows].astype(float)
+        """remat[i, j] = 1 when row i re-creates tensor j in the backward pass (eq. 4)."""
+        self.off: np.ndarray = off.astype(float)
+        """off[i, j] = 1 when row i keeps the held tensor j in host memory between the passes (eq. 3o)."""
         self.op_bits: np.ndarray = ((masks[:, None] >> np.arange(len(self.ops))) & 1).astype(float)
-        """op_bits[i, k] = 1 when set i recomputes ops[k]."""
+        """op_bits[i, k] = 1 when row i recomputes ops[k]."""
+        self.offload_mode: str = offload
+        """'none' (no row offloads), 'blocks' (every recompute set with each block's held tensors on the host or
+        not), or 'given' (the rows of ``offload_sets``)."""
+        self.universe: tuple | None = None if universe is None else tuple(universe)
+        """The recompute sets it was built over (None: every subset of the operators)."""
 
     def recompute_set(self, i: int) -> frozenset[str]:
         m = int(self.masks[i])
         return frozenset(name for k, name in enumerate(self.ops) if m >> k & 1)
 
+    def offload_set(self, i: int) -> frozenset[str]:
+        """The tensors row ``i`` keeps in host memory (``DeviceShare.offload``)."""
+        return frozenset(t for j, t in enumerate(self.tensors) if self.off[i, j])
+
+    @functools.cached_property
+    def offloads(self) -> np.ndarray:
+        """Per row: True when it keeps any tensor in host memory."""
+        return self.off.any(axis=1)
+
+    @property
+    def plain(self) -> "RecomputeSpace":
+        """The same recompute sets without offloading: what the parts of the planner that do not offload search
+        (interleaved groups, replicas of different shapes, sharding stages 2 and 3)."""
+        return self if self.offload_mode == "none" else recompute_space(self._spec, self.universe)
+
     def __len__(self) -> int:
         return len(self.masks)
 
 
+def _offload_rows(spec: ModelSpec, tensors: list[str], sets: np.ndarray, held: np.ndarray, mode: str,
+                  offload_sets: list[frozenset[str]] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(row -> index into ``sets``, off matrix) of a space. 'blocks': per recompute set, nothing offloaded, and
+    every non-empty union of its blocks' held tensors (a block offloads all it holds or none of it: the planner's
+    stated offload space, solver/README.md); fused attention's q, k, v are one block's, so they move together.
+    'given': set i with ``offload_sets[i]``."""
+    n = len(sets)
+    if mode == "none":
+        return np.arange(n), np.zeros((n, len(tensors)), dtype=bool)
+    if mode == "given":
+        if offload_sets is None or len(offload_sets) != n:
+            raise ValueError("a space of given offload sets needs one offload set per recompute set")
+        off = np.array([[t in o for t in tensors] for o in offload_sets], dtype=bool).reshape(n, len(tensors))
+        return np.arange(n), off
+    if mode != "blocks":
+        raise ValueError(f"unknown offload mode {mode!r}")
+    block_of = tensor_blocks(spec)
+    in_block = {b: np.array([block_of[t] == b for t in tensors]) for b in ("attn", "mlp")}
+    rows, off = [], []
+    for i in range(n):
+        parts = [held[i] & in_block[b] for b in ("attn", "mlp")]
+        parts = [p for p in parts if p.any()]
+        options = [np.zeros(len(tensors), dtype=bool)] + parts + ([parts[0] | parts[1]] if len(parts) == 2 else [])
+        rows += [i] * len(options)
+        off += options
+    return np.array(rows, dtype=np.int64), np.array(off, dtype=bool)
+
+
 @functools.lru_cache(maxsize=64)
-def recompute_space(spec: ModelSpec, universe: tuple[frozenset[str], ...] | None = None) -> RecomputeSpace:
-    """The liveness matrix for ``spec`` over ``universe`` (default: every subset of the operators).
+def recompute_space(spec: ModelSpec, universe: tuple[frozenset[str], ...] | None = None, *,
+                    offload: bool = False) -> RecomputeSpace:
+    """The liveness matrix for ``spec`` over ``universe`` (default: every subset of the operators), with
+    ``offload`` also every block-level offload choice of each set (``_offload_rows``).
 
     Memoised so that the planner, the bounds and the evaluator share one matrix (and one cache key)
     per model.
     """
-    return RecomputeSpace(spec, None if universe is None else list(universe))
+    return RecomputeSpace(spec, None if universe is None else list(universe), offload="blocks" if offload else "none")
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def choice_space(spec: ModelSpec, recompute: frozenset[str], offload: frozenset[str]) -> RecomputeSpace:
+    """The one-row space of a device's (recompute, offload) choice: the evaluator prices a plan's device with its
+    row, so its numbers are those the planner's row of the same choice has."""
+    return RecomputeSpace(spec, [recompute], offload="given", offload_sets=[offload])
 
 
 FUSED_QKV = ("q", "k", "v")

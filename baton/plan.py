@@ -63,6 +63,10 @@ class DeviceShare:
     offload: tuple[str, ...] = ()
     """Tensors of every layer (``baton.memory.tensor_roles``) this device holds from the forward to the backward
     pass in host memory instead of its own (docs/cost-model.md, eq. 3o); each must be held under ``recompute``."""
+    offload_optimizer: bool = False
+    """The device's optimizer state (Adam moments, fp32 master weights) lives in host memory and its Adam step runs
+    on the host (docs/cost-model.md eq. 7h/10h): gradients go device to host, updated weights host to device. With
+    ``zero_stage`` 0 or 1 only (at 1, the owned shard)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,6 +185,7 @@ class Plan:
             {"first_layer": s.first_layer, "num_layers": s.num_layers, "units_per_layer": s.units_per_layer,
              "devices": [{"id": d.id, "units": d.units, "recompute": list(d.recompute),
                           **({"offload": list(d.offload)} if d.offload else {}),
+                          **({"offload_optimizer": True} if d.offload_optimizer else {}),
                           **({"shard_ratio": d.shard_ratio} if d.shard_ratio is not None else {})} for d in s.devices]}
             for k, s in enumerate(p.stages)]
         return out
@@ -227,7 +232,7 @@ def from_dict(data, *, source: str = "<plan>") -> Plan:
             devices = []
             for di, raw_d in enumerate(sf.sequence("devices")):
                 df = Fields(raw_d, source=source, prefix=f"{sf.prefix}.devices[{di}]")
-                df.check_known({"id", "units", "recompute", "offload", "shard_ratio"}, what="a stage device")
+                df.check_known({"id", "units", "recompute", "offload", "offload_optimizer", "shard_ratio"}, what="a stage device")
                 recompute = df.raw("recompute", default=[])
                 if not isinstance(recompute, list) or not all(isinstance(x, str) for x in recompute):
                     raise df.error("recompute", "expected a list of operator names")
@@ -236,6 +241,7 @@ def from_dict(data, *, source: str = "<plan>") -> Plan:
                     raise df.error("offload", "expected a list of tensor names")
                 devices.append(DeviceShare(id=df.string("id"), units=df.integer("units", maximum=1024), recompute=tuple(recompute),
                                            offload=tuple(offload),
+                                           offload_optimizer=df.boolean("offload_optimizer", default=False),
                                            shard_ratio=df.number("shard_ratio", allow_zero=True, maximum=1.0, default=None)))
             stages.append(Stage(
                 first_layer=sf.integer("first_layer", minimum=0, maximum=model.num_layers),
@@ -318,6 +324,14 @@ def validate(plan: Plan, *, source: str = "<plan>") -> Plan:
                                 f"{', '.join(map(str, SUPPORTED_ZERO_STAGES))}: 0 replicated, 1 optimizer state sharded, "
                                 "2 and gradients, 3 and weights)")
     if plan.zero_stage in LAYERED_ZERO_STAGES:
+        # Before the one-stage rule: a plan that offloads the optimizer state at stage 2 or 3 is refused for that.
+        offloading = next(((pi, si, di, d.id) for pi, p in enumerate(plan.pipelines) for si, s in enumerate(p.stages)
+                           for di, d in enumerate(s.devices) if d.offload_optimizer), None)
+        if offloading is not None:
+            pi, si, di, dev = offloading
+            raise err(f"pipelines[{pi}].stages[{si}].devices[{di}].offload_optimizer",
+                      f"device {excerpt(dev)} offloads its optimizer state, which needs zero_stage 0 or 1 (stage "
+                      f"{plan.zero_stage} shards the gradients and steps unit by unit on the device)")
         for pi, pipe in enumerate(plan.pipelines):
             if len(pipe.stages) > 1:
                 raise err(f"pipelines[{pi}].stages", f"zero_stage {plan.zero_stage} needs every replica to be one stage "

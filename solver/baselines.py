@@ -39,7 +39,7 @@ from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_c
                              layer_param_count, layer_train_ms, sync_buffer_bytes)
 from baton.evaluate import evaluate
 from baton.lifetime import die_with_parent
-from baton.memory import held_tensors, recompute_space
+from baton.memory import held_tensors, recompute_space, tensor_roles
 from baton.model_spec import ModelSpec
 from baton.operators import operator_names
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, plan_of_replicas, validate
@@ -589,7 +589,7 @@ def all_splits(sizes, global_batch: int):
 def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int | None = None,
                universe: list[frozenset] | None = None, max_plans: int = 3_000_000, shard_grid: int = 8,
                zero_stages: tuple[int, ...] = (0, 1, 2, 3), workers: int | None = None,
-               chunks: tuple[int, ...] = (1,)) -> SolveResult:
+               chunks: tuple[int, ...] = (1,), offload: bool = False, offload_optimizer: bool = False) -> SolveResult:
     """Evaluate every plan: every layout (replicas of any shapes), batch split over its replicas (each replica its
     own profiled micro-batch size and count), sharding stage (2 and 3 for replicas of one stage each) and, at
     stages 1-3, every grid of shard ratios per position; layers, units and recompute sets from ``universe``
@@ -603,7 +603,13 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
     each hold their least layers: every batch split, stage 0 and stage 1 with equal parts, every layer split over
     the virtual stages, and units and recompute sets per device as for 1F1B (a device keeps them on all its
     chunks); the planner's space. 1F1B plans are evaluated whatever ``chunks`` holds, and before the interleaved
-    plans of their layout, so of equal plans the 1F1B one is kept."""
+    plans of their layout, so of equal plans the 1F1B one is kept.
+
+    ``offload``: where the planner offers offload (1F1B replicas of one shape at stages 0 and 1), every device also
+    takes every block-level offload choice of each of its recompute sets (``baton.memory.recompute_space(...,
+    offload=True)``, the planner's offload space), and a plan must fit its nodes' host memory (eq. 8o).
+    ``offload_optimizer``: at stage 0 with 1F1B, every device also takes each choice with its optimizer state in host
+    memory (eq. 7h, 10h; the planner offers it at stage 1 with equal parts too, which the oracle does not cover)."""
     t0 = time.perf_counter()
     N = spec.num_layers
     names = operator_names(spec)
@@ -614,7 +620,7 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
                          f"{len(cluster.devices)})", field="--strategy")
     if universe is None:
         universe = [frozenset(c) for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
-    universe = [tuple(o for o in names if o in r) for r in universe]
+    universe, with_offload, host_step = _device_choices(spec, universe, offload, offload_optimizer)
     Us = valid_unit_counts(spec)
     micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)  # the same error as the planner's
     have = {g: set(profiles[g].micro_batches("qkv")) for g in cluster.gpu_types}
@@ -640,7 +646,8 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
             cuts = cuts[:1]
         else:
             ratios = 1 + sharded
-        estimate += math.prod(cuts) * splits * ratios * len(universe) ** sum(len(g) for pp in reps for g in pp)
+        per_device = len(with_offload) + len(host_step) if _one_shape(reps) else len(universe)
+        estimate += math.prod(cuts) * splits * ratios * per_device ** sum(len(g) for pp in reps for g in pp)
         estimate += sum(_interleaved_size(reps, N, Us, v, splits, _interleaved_stages(reps, zero_stages), len(universe))
                         for v in chunks if _interleavable(reps, N, v))
     if estimate > max_plans:
@@ -665,7 +672,8 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
         for split in batch_splits:
             tasks += [(reps, split, z, ratio) for z, ratio in ratios]
         tasks += _interleaved_tasks(reps, N, chunks, zero_stages, batch_splits)
-    space = _Enumeration(spec=spec, cluster=cluster, profiles=profiles, universe=tuple(universe), unit_counts=tuple(Us))
+    space = _Enumeration(spec=spec, cluster=cluster, profiles=profiles, universe=tuple(universe), unit_counts=tuple(Us),
+                         with_offload=with_offload, host_step=host_step)
     best, n_eval = None, 0
     # In enumeration order, the earlier of two equal plans kept (as one process would): the same oracle
     # whatever the number of workers.
@@ -674,6 +682,19 @@ def exhaustive(spec, cluster, profiles, *, global_batch: int, micro_batch: int |
         if found is not None and (best is None or found[0].iteration_time_ms < best[0].iteration_time_ms):
             best = found
     return _result(best, "exhaustive", t0, n_eval)
+
+
+def _device_choices(spec, universe, offload: bool, offload_optimizer: bool) -> tuple[list, tuple, tuple]:
+    """Each device's choices as (recompute set, offload set, optimizer state on the host), names in layer order:
+    the recompute sets of ``universe`` alone; with their offload rows where offload is searched (``offload``:
+    ``recompute_space(..., offload=True)``, else the same); and those with the state on the host (empty unless
+    ``offload_optimizer``)."""
+    names, tensors = operator_names(spec), list(tensor_roles(spec))
+    rows = recompute_space(spec, tuple(frozenset(r) for r in universe), offload=offload)
+    with_offload = tuple((tuple(o for o in names if o in rows.recompute_set(i)),
+                          tuple(t for t in tensors if t in rows.offload_set(i)), False) for i in range(len(rows)))
+    host_step = tuple((r, o, True) for r, o, _ in with_offload) if offload_optimizer else ()
+    return [(tuple(o for o in names if o in r), (), False) for r in universe], with_offload, host_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -687,9 +708,14 @@ class _Enumeration:
     profiles: ProfileSet
     """Its tables."""
     universe: tuple
-    """Recompute sets a device may take (operator names in layer order)."""
+    """(recompute set, ()) a device may take (operator names in layer order)."""
     unit_counts: tuple
     """Valid units per layer."""
+    with_offload: tuple = ()
+    """(recompute set, offload set) a device may take where the planner offers offload (1F1B replicas of one shape
+    at stages 0 and 1; tensor names in layer order); ``universe`` itself when offload is not searched."""
+    host_step: tuple = ()
+    """The same with the optimizer state in host memory, taken at stage 0 with 1F1B (empty: not searched)."""
 
 
 def _best_of_task(space: _Enumeration, reps, split, z, ratio, chunks=1) -> tuple[tuple | None, int]:
@@ -698,8 +724,11 @@ def _best_of_task(space: _Enumeration, reps, split, z, ratio, chunks=1) -> tuple
     evaluated; with ``chunks`` > 1 every replica interleaved with that many chunks per device group."""
     flat = [d for pp in reps for g in pp for d in g]
     best, n_eval = None, 0
+    choices = space.with_offload if chunks == 1 and z < 2 and _one_shape(reps) and space.with_offload else space.universe
+    if chunks == 1 and z == 0 and _one_shape(reps):
+        choices = choices + space.host_step
     for cut in _cuts(reps, space.spec.num_layers, space.unit_counts, chunks):
-        for recs in itertools.product(space.universe, repeat=len(flat)):
+        for recs in itertools.product(choices, repeat=len(flat)):
             rec_of = dict(zip(flat, recs))
             replicas = [_replica_stages(pp, *cut[rho], rec_of, ratio) for rho, pp in enumerate(reps)]
             plan = _with_chunks(plan_of_replicas(space.spec, split, z, replicas, cluster=space.cluster.name), chunks)
@@ -716,7 +745,9 @@ def _replica_stages(groups, layers, units, rec_of, ratio) -> list[Stage]:
         g = groups[k % len(groups)]
         U, us = units[k % len(groups)]
         stages.append(Stage(first_layer=first, num_layers=n, units_per_layer=U, devices=tuple(
-            DeviceShare(id=d, units=u, recompute=rec_of[d], shard_ratio=ratio.get(d)) for d, u in zip(g, us))))
+            DeviceShare(id=d, units=u, recompute=rec_of[d][0], offload=rec_of[d][1], offload_optimizer=rec_of[d][2],
+                        shard_ratio=ratio.get(d))
+            for d, u in zip(g, us))))
         first += n
     return stages
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, embedding_sync_ms, group_sync_ms,
-                             stage_constants, layer_allreduce_ms, layer_cost, layer_limits, layer_param_count, layer_prices,
+                             stage_constants, layer_allreduce_ms, layer_cost, layer_limits, layer_param_count, slot_prices,
                              layer_train_ms, fitting_layers, optimizer_bytes, pipeline_transfers)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
@@ -139,20 +139,23 @@ class BoundCache:
 def _group_key(cluster, ids):
     devs = [cluster.device(i) for i in ids]
     link = cluster.slowest_link(list(ids))
-    return (tuple(sorted((d.gpu.name, d.memory_bytes, d.reserve_bytes) for d in devs)),
+    return (tuple(sorted((d.gpu.name, d.memory_bytes, d.reserve_bytes, d.host_link_gb_per_s) for d in devs)),
             link)
 
 
 def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches,
                           space: RecomputeSpace, cache: BoundCache | None = None, monotone: dict | None = None, *,
-                          zero_stage: int = 0, patterns=None, sync: bool = True, even_shards: bool = False) -> float:
+                          zero_stage: int = 0, patterns=None, sync: bool = True, even_shards: bool = False,
+                          host_optimizer: bool = False) -> float:
     """A lower bound on every plan of the candidate (``batches[i]`` = (micro-batch size, micro-batches) of
     replica i): the slowest replica's pipeline bound, the tied embedding sync, the least optimizer step of
     any device and (``sync``) the data-parallel sync bound.
 
     A replica is bounded once per ``replica_pattern`` and batch (the same replica on other nodes of the same
     kinds costs the same), here and across candidates: large clusters repeat one replica hundreds of times;
-    ``patterns`` may give the replicas' patterns, computed once per skeleton."""
+    ``patterns`` may give the replicas' patterns, computed once per skeleton. With ``host_optimizer`` a device may
+    keep its optimizer state in host memory (eq. 7h): its layer caps count none on the device, and the least
+    optimizer step is 0 (a bound on the host step too)."""
     cache = cache or BoundCache()
     best, opt = 0.0, 0.0
     patterns = patterns if patterns is not None else [replica_pattern(cluster, pipe) for pipe in skeleton.pipelines]
@@ -160,6 +163,8 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
                                                                            and len(set(batches)) == 1))
     if not skeleton.one_shape:  # a device of unlike replicas may own less than 1/r (groups of more holders)
         owned = None
+    if host_optimizer:
+        owned = 0.0
     # Replicas alike on one micro-batch size: only the one with the most micro-batches counts (its bound, and
     # its row in the joint bound, dominate the others': more passes, more in-flight activations).
     most: dict = {}
@@ -309,7 +314,7 @@ def _slack(spec, slot, b: int, share: float, space, N: int, cache: BoundCache):
     key = (slot, b, share)
     if key not in cache.slack:
         Ls = np.arange(N + 1)
-        t = layer_prices(slot.profile, spec, b, share, space)
+        t = slot_prices(slot, spec, b, share, space)
         edge = edge_cost(slot, spec, b, share)
         act = (slot.in_flight * Ls[None, :] * t.held_bytes[:, None] + t.transient_bytes[:, None] * (Ls[None, :] > 0)).min(axis=0)
         bare = device_memory(slot, spec, Ls, param_bytes=t.param_bytes, held_bytes=0.0, transient_bytes=0.0, edge=edge,
@@ -533,11 +538,11 @@ def tied_per_layer(spec, cluster, profiles, mb, ids, s, p, m, space, N, owned: f
     the layer count L: the cheapest recompute set that still fits L layers (eq. 8), all-reduces included."""
     n = len(ids)
     slot = _slot(spec, cluster, profiles, mb, ids[0], s, p, m)
-    t = layer_prices(slot.profile, spec, mb, 1.0 / n, space)
+    t = slot_prices(slot, spec, mb, 1.0 / n, space)
     ar = layer_allreduce_ms(cluster, spec, mb, ids)
     fits = fitting_layers(slot, spec, mb, 1.0 / n, space, N, owned)
-    b_all = sum(t.bwd_ms) + t.rec_attn_ms + t.rec_mlp_ms + ar
-    fb_all = sum(t.fwd_ms) + ar + b_all
+    b_all = t.block_bwd_ms().sum(axis=1) + ar  # with what offloading adds (eq. 2o)
+    fb_all = t.block_fwd_ms().sum(axis=1) + ar + b_all
     # Sets in decreasing order of the layers they fit; the cheapest set fitting at least L layers is a running
     # minimum over a prefix of that order.
     order = np.argsort(-fits, kind="stable")
@@ -594,7 +599,7 @@ def _layered_state(spec, cluster, profiles, device_id: str, b: int, m: int, n: i
         N = spec.num_layers
         room, state = [], []
         for share in possible_shares(spec, n, False):
-            t = layer_prices(slot.profile, spec, b, share, space)
+            t = slot_prices(slot, spec, b, share, space.plain)  # layered plans do not offload
             edge = edge_cost(slot, spec, b, share)
             def peak(owned, held, transient):
                 return device_memory(slot, spec, N, param_bytes=t.param_bytes, held_bytes=held, transient_bytes=transient,

@@ -32,10 +32,12 @@ STAGED = ("baton", "poplar", "exhaustive")
 
 def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, micro_batch: int | None,
                  time_limit: float, gap: float, threads: int, shard_grid: int = DEFAULT_SHARD_GRID, log=None,
-                 zero_stage: int | None = None, max_chunks: int = 1):
+                 zero_stage: int | None = None, max_chunks: int = 1, offload: bool = False, offload_optimizer: bool = False):
     """Dispatch to the planner or a baseline; every result has been re-checked by baton.evaluate. ``zero_stage``
     restricts the strategies of ``STAGED`` to one sharding stage (default: every stage they search); ``max_chunks``
-    > 1 offers the planner and the exhaustive search interleaved 1F1B with 2 .. max_chunks chunks per group."""
+    > 1 offers the planner and the exhaustive search interleaved 1F1B with 2 .. max_chunks chunks per group; ``offload``
+    lets them keep activations in host memory (eq. 2o-4o, 8o; the space offered, solver/README.md), and
+    ``offload_optimizer`` optimizer state (eq. 7h, 10h)."""
     from solver import baselines
     from solver.search import search
 
@@ -52,6 +54,7 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
         # One line per better plan on stderr: a long solve is never silent, and stdout stays the result.
         return search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit,
                       gap=gap, threads=threads, shard_grid=shard_grid, zero_stages=stages, chunks=tuple(range(1, max_chunks + 1)),
+                      offload=offload, offload_optimizer=offload_optimizer,
                       log=(lambda line: say(line, err=True)) if log is None else log,
                       extra_splits=lambda sk: baselines.baseline_splits(spec, cluster, profiles, sk, global_batch=global_batch,
                                                                         micro_batch=micro_batch))
@@ -70,7 +73,8 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
         return baselines.cephalo(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch)
     if strategy == "exhaustive":
         return baselines.exhaustive(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch,
-                                    shard_grid=shard_grid, zero_stages=stages, workers=threads,
+                                    shard_grid=shard_grid, zero_stages=stages, workers=threads, offload=offload,
+                                    offload_optimizer=offload_optimizer,
                                     **({"chunks": tuple(range(1, max_chunks + 1))} if max_chunks > 1 else {}))
     raise BatonError(f"unknown strategy '{strategy}' (choose one of {', '.join(STRATEGIES)})", field="--strategy")
 
@@ -96,6 +100,12 @@ def register(app: typer.Typer) -> None:
         max_chunks: Annotated[int, typer.Option(
             "--max-chunks", help="Also offer interleaved 1F1B with 2 .. this many chunks of layers per device group "
                                  "(replicas of one shape, sharding stages 0 and 1 with equal parts). Default 1: 1F1B only.")] = 1,
+        offload: Annotated[bool, typer.Option(
+            "--offload", help="Also let devices keep each block's saved activations in host memory between the passes "
+                              "(1F1B, replicas of one shape, sharding stages 0 and 1): for memory-bound clusters.")] = False,
+        offload_optimizer: Annotated[bool, typer.Option(
+            "--offload-optimizer", help="Also let devices keep their optimizer state in host memory and run their Adam "
+                                        "step there (ZeRO-Offload's trade: memory for a slower step).")] = False,
         profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile tables (default: yours, then the shipped ones).")] = None,
         out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -137,7 +147,7 @@ def register(app: typer.Typer) -> None:
                 raise BatonError(f"the profile is for seq_len {prof.seq_len}, not {spec.seq_len}", source=prof.source, field="--seq-len")
         result = run_strategy(strategy, spec, c, profile_set, global_batch=global_batch, micro_batch=micro_batch,
                               time_limit=time_limit, gap=gap, threads=threads, shard_grid=shard_grid, zero_stage=zero_stage,
-                              max_chunks=max_chunks)
+                              max_chunks=max_chunks, offload=offload, offload_optimizer=offload_optimizer)
         if out is not None:
             save_plan(result.plan, out)
         rep = result.report

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from baton.evaluate import PlanReport, evaluate
 from baton.operators import operator_names
+from baton.memory import tensor_roles
 from baton.plan import DeviceShare, Plan, Stage, plan_of_replicas
 
 from solver.instance import Instance
@@ -55,7 +56,7 @@ def _per_layer(inst: Instance, s: int, shares, L: int):
             cs = [c for c in grp.choices.get(shares[0 if grp.rank is None else g], []) if c.max_layers[j] >= L]
             if not cs:
                 return None
-            picked.append(min(cs, key=lambda c: (sum(c.bwd), len(c.recompute))))
+            picked.append(min(cs, key=lambda c: (sum(c.bwd), c.offload_optimizer, len(c.recompute))))
         t = sum(max(c.fwd[k] for c in picked) + max(c.bwd[k] for c in picked) for k in range(2)) + 2 * stage.allreduce_ms
         edge = (max(c.edge_fwd_ms for c in picked) + max(c.edge_bwd_ms for c in picked)
                 + stage.edge_fwd_comm_ms + stage.edge_bwd_comm_ms)
@@ -109,7 +110,9 @@ def greedy_plan(inst: Instance) -> Plan | None:
             for k, dev_id in enumerate(ids):
                 c = picked[0 if inst.stages[src][s].tied else k]
                 U, u = shares[s][k]
-                devs.append(DeviceShare(id=dev_id, units=u, recompute=tuple(o for o in names if o in c.recompute)))
+                devs.append(DeviceShare(id=dev_id, units=u, recompute=tuple(o for o in names if o in c.recompute),
+                                        offload=tuple(t for t in tensor_roles(inst.spec) if t in c.offload),
+                                        offload_optimizer=c.offload_optimizer))
             stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=shares[s][0][0], devices=tuple(devs)))
             first += layers[s]
         replicas.append(stages)

@@ -8,6 +8,7 @@ constant here, computed with the same functions ``baton.evaluate`` uses.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -179,6 +180,11 @@ class Instance:
     chunks: int = 1
     """Chunks per device group: 1 is 1F1B; more, interleaved 1F1B over ``chunks`` x stages virtual stages
     (docs/schedules.md), every replica alike, ``min_layers`` and ``max_layers`` per virtual stage."""
+    host_memory: dict = field(default_factory=dict)
+    """Node -> bytes of host memory, for the capped nodes (``ClusterSpec.host_memory``) holding devices of the
+    skeleton, when its devices may offload (eq. 8o); empty otherwise."""
+    node_of: dict = field(default_factory=dict)
+    """Device id -> its node, for the devices of those nodes."""
 
     @property
     def micro_batch(self) -> int:
@@ -196,7 +202,7 @@ class Instance:
 
 def _device_signature(cluster: ClusterSpec, i: str):
     d = cluster.device(i)
-    return (d.gpu.name, d.memory_bytes, d.reserve_bytes)
+    return (d.gpu.name, d.memory_bytes, d.reserve_bytes, d.host_link_gb_per_s)
 
 
 class _Infeasible(Exception):
@@ -206,11 +212,13 @@ class _Infeasible(Exception):
 def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches: Sequence,
                    space: RecomputeSpace, *, zero_stage: int = 0, shard_grid: int = DEFAULT_SHARD_GRID, monotone: dict,
                    prune: bool = True, reduce_symmetry: bool = True, allowed=None, even_shards: bool = False,
-                   chunks: int = 1) -> Instance:
+                   chunks: int = 1, host_optimizer: bool = False) -> Instance:
     """Constants and choices for one candidate: ``batches[i]`` = (micro-batch size, micro-batches) of replica i.
     ``allowed`` optionally restricts choices (baselines); ``even_shards`` restricts stage 1 to equal parts
     (the constructive plan, and the structured family's replicas of one pattern). ``chunks`` > 1: every replica
-    runs interleaved 1F1B with that many chunks per group, at equal parts (the space offered, solver/README.md)."""
+    runs interleaved 1F1B with that many chunks per group, at equal parts (the space offered, solver/README.md).
+    ``host_optimizer``: every device may also keep its optimizer state in host memory (eq. 7h, 10h), at 1F1B where
+    the owned fractions are not chosen per device, unless ``allowed`` restricts the choices (a baseline's)."""
     if not skeleton.one_shape:
         raise ValueError(f"replicas of different shapes ({skeleton.describe()}) are solved by solver/unlike.py, not the MILP")
     r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
@@ -225,13 +233,18 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
     if sum(min_layers) > N:
         return _infeasible(spec, skeleton, batches, zero_stage, "more stages than layers")
     zero_stage = zero_stage if r > 1 else 0
+    host_optimizer = host_optimizer and chunks == 1 and allowed is None
+    host_memory, node_of = _host_caps(cluster, skeleton, space, chunks, host_optimizer)
+    if host_memory:  # eq. 8o couples a node's devices: twins and tied ranks may need different offload choices
+        reduce_symmetry = False
     ratios, replica_class, representatives = _modelled_replicas(spec, cluster, skeleton, batches, zero_stage, shard_grid,
                                                                 reduce_symmetry, even_shards or chunks > 1, chunks)
     try:
         share_options, unit_counts, tied = _share_options(spec, cluster, skeleton, ratios, monotone, reduce_symmetry, allowed)
         positions = [_positions(spec, cluster, skeleton, s, zero_stage, share_options[s]) for s in range(p)]
         rules = _ChoiceRules(spec=spec, space=space, ratios=ratios, min_layers=min_layers, max_layers=max_layers,
-                             prune=prune, allowed=allowed, replicas=r, chunks=chunks)
+                             prune=prune, allowed=allowed, replicas=r, chunks=chunks,
+                             host_optimizer=host_optimizer and ratios.mode != "choose")
         stages = [[_stage_data(cluster, profiles, rules, skeleton, batches, rep, s, share_options[s], tied[s], positions[s])
                    for s in range(p)] for rep in representatives]
     except _Infeasible as exc:
@@ -240,7 +253,18 @@ def build_instance(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, 
                     modelled_replicas=len(representatives), replica_class=replica_class, representatives=representatives,
                     share_options=share_options, unit_counts=unit_counts, min_layers=min_layers, max_layers=max_layers,
                     embedding_sync_ms=embedding_sync_ms(cluster, spec, skeleton.pipelines), positions=positions,
-                    replica_time_cv=cluster.replica_time_cv, chunks=chunks)
+                    replica_time_cv=cluster.replica_time_cv, chunks=chunks, host_memory=host_memory, node_of=node_of)
+
+
+def _host_caps(cluster: ClusterSpec, skeleton: Skeleton, space: RecomputeSpace, chunks: int,
+               host_optimizer: bool) -> tuple[dict, dict]:
+    """(node -> host memory bytes, device -> node) of the capped nodes the skeleton uses, when its devices may
+    offload (1F1B over a space with offload rows, or optimizer state offered to the host)."""
+    if chunks > 1 or not cluster.host_memory or not (space.offloads.any() or host_optimizer):
+        return {}, {}
+    node_of = {i: cluster.device(i).node for pipe in skeleton.pipelines for st in pipe for i in st
+               if cluster.device(i).node in cluster.host_memory}
+    return {n: cluster.host_memory[n] for n in set(node_of.values())}, node_of
 
 
 def _modelled_replicas(spec, cluster, skeleton, batches, zero_stage, shard_grid, reduce_symmetry, even_shards, chunks=1):
@@ -333,6 +357,8 @@ class _ChoiceRules:
     """r: the peers of every position."""
     chunks: int = 1
     """Chunks per device group (``Instance.chunks``); ``min_layers`` and ``max_layers`` are then per virtual stage."""
+    host_optimizer: bool = False
+    """Devices may keep their optimizer state in host memory (eq. 7h, 10h): each choice also with it there."""
 
 
 def _stage_data(cluster, profiles, rules: _ChoiceRules, skeleton, batches, rep: int, s: int, share_options: list,
@@ -374,21 +400,41 @@ def _device_choices(rules: _ChoiceRules, slot, b: int, s: int, share_options: li
     for (U, u) in share_options:
         found = _allowed(rules, device_choices(slot, spec, b, u / U, rules.space, min_layers=rules.min_layers[s],
                                                cap=rules.max_layers[s], prune=rules.prune, owned_fractions=owned))
-        if not found:
-            continue
         edge = edge_cost(slot, spec, b, u / U)
+        if not found:
+            choices[(U, u)] = _host_optimizer_choices(rules, slot, b, s, (U, u), edge, params)
+            continue
         per_layer, fixed = (x * GB for x in params[(U, u)])
         if ratios.mode == "equal":  # the sync buffer (eq. 14) at the one owned fraction 1/r
-            buf = _equal_buffer_limit(rules, slot, found[0][1].param_bytes, edge, params[(U, u)], rules.max_layers[s])
-            found = [(rset, lc, (min(L[0], buf),)) for rset, lc, L in found]
+            buf = _equal_buffer_limit(rules, slot, found[0][2].param_bytes, edge, params[(U, u)], rules.max_layers[s])
+            found = [(rset, oset, lc, (min(L[0], buf),)) for rset, oset, lc, L in found]
         elif ratios.mode == "choose":
             buffer_limits[(U, u)] = max_layers_with_sync_buffer(
-                slot, spec, found[0][1].param_bytes, edge, rules.max_layers[s], owned_fraction=np.array(owned)[:, None],
+                slot, spec, found[0][2].param_bytes, edge, rules.max_layers[s], owned_fraction=np.array(owned)[:, None],
                 group_size=r, shard_params_per_layer=levels[None, :] * per_layer, shard_params_fixed=levels[None, :] * fixed)
-        choices[(U, u)] = [Choice(units=u, units_per_layer=U, recompute=rset, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
+        choices[(U, u)] = [Choice(units=u, units_per_layer=U, recompute=rset, offload=oset, host_bytes=lc.host_bytes,
+                                  fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
                                   max_layers=L, param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms,
-                                  edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes) for rset, lc, L in found]
-    return choices, buffer_limits
+                                  edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes) for rset, oset, lc, L in found]
+        choices[(U, u)] += _host_optimizer_choices(rules, slot, b, s, (U, u), edge, params)
+    return {k: v for k, v in choices.items() if v}, buffer_limits
+
+
+def _host_optimizer_choices(rules: _ChoiceRules, slot, b: int, s: int, share: tuple, edge, params: dict) -> list:
+    """The device's choices with its optimizer state in host memory (eq. 7h): its rows pruned and limited as without
+    it, but with no optimizer state on the device (owned fraction 0 in eq. 8 and, at equal parts, in eq. 14)."""
+    if not math.isfinite(slot.host_optimizer_ms_per_byte) or not rules.host_optimizer:
+        return []
+    U, u = share
+    found = _allowed(rules, device_choices(slot, rules.spec, b, u / U, rules.space, min_layers=rules.min_layers[s],
+                                           cap=rules.max_layers[s], prune=rules.prune, owned_fractions=(0.0,)))
+    if found and rules.ratios.mode == "equal":
+        buf = _equal_buffer_limit(rules, slot, found[0][2].param_bytes, edge, params[share], rules.max_layers[s], owned=0.0)
+        found = [(rset, oset, lc, (min(L[0], buf),)) for rset, oset, lc, L in found]
+    return [Choice(units=u, units_per_layer=U, recompute=rset, offload=oset, host_bytes=lc.host_bytes, offload_optimizer=True,
+                   fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(), max_layers=L, param_bytes=lc.param_bytes,
+                   edge_fwd_ms=edge.fwd_ms, edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes)
+            for rset, oset, lc, L in found if L[0] >= rules.min_layers[s]]
 
 
 def _interleaved_choices(rules: _ChoiceRules, slot, b: int, m: int, s: int, p: int, share_options: list, params: dict) -> dict:
@@ -419,20 +465,25 @@ def _interleaved_choices(rules: _ChoiceRules, slot, b: int, m: int, s: int, p: i
 
 
 def _allowed(rules: _ChoiceRules, found: list) -> list:
-    """The recompute sets of ``found`` the baselines' restriction allows (all without one)."""
-    if rules.allowed is None or rules.allowed.get("recompute") is None:
+    """The choices of ``found`` the baselines' restriction allows (all without one): its recompute sets, and no
+    offload unless it allows some (``allowed['offload']``, the offload sets it may use)."""
+    if rules.allowed is None:
         return found
-    return [f for f in found if f[0] in rules.allowed["recompute"]]
+    sets, offloads = rules.allowed.get("recompute"), rules.allowed.get("offload", (frozenset(),))
+    return [f for f in found if (sets is None or f[0] in sets) and (len(f) == 2 or f[1] in offloads)]
 
 
-def _equal_buffer_limit(rules: _ChoiceRules, slot, param_bytes: float, edge, params: tuple, cap: int) -> int:
+def _equal_buffer_limit(rules: _ChoiceRules, slot, param_bytes: float, edge, params: tuple, cap: int,
+                        owned: float | None = None) -> int:
     """The most layers (at most ``cap``) a device may hold while its peer group syncs (eq. 14) at the one owned
-    fraction 1/r, its position holding ``params`` = (per layer, fixed) parameters (1e9)."""
-    owned = rules.ratios.values[0]
+    fraction 1/r, its position holding ``params`` = (per layer, fixed) parameters (1e9); keeping ``owned`` of its
+    optimizer state on the device when given (0: in host memory)."""
+    shard = rules.ratios.values[0]
+    owned = shard if owned is None else owned
     per_layer, fixed = (x * GB for x in params)
     return int(max_layers_with_sync_buffer(slot, rules.spec, param_bytes, edge, cap, owned_fraction=owned,
-                                           group_size=rules.replicas, shard_params_per_layer=owned * per_layer,
-                                           shard_params_fixed=owned * fixed))
+                                           group_size=rules.replicas, shard_params_per_layer=shard * per_layer,
+                                           shard_params_fixed=shard * fixed))
 
 
 def _infeasible(spec, skeleton, batches, zero_stage, reason) -> Instance:

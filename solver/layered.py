@@ -61,7 +61,8 @@ class LayeredTables:
     edge costs, and the replica's ``LayeredParts`` with nothing recomputed; memoised for one candidate."""
 
     def __init__(self, spec, cluster, profiles, space, pipes, batches, zero_stage: int):
-        self.spec, self.cluster, self.profiles, self.space = spec, cluster, profiles, space
+        # Layer by layer a device does not offload (the space offered, solver/README.md).
+        self.spec, self.cluster, self.profiles, self.space = spec, cluster, profiles, space.plain
         self.pipes, self.batches, self.zero_stage = pipes, batches, zero_stage
         self._memo: dict = {}
 

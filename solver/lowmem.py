@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from baton.costmodel import device_memory, device_slot, edge_cost, layer_cost_of, layer_limits, layer_prices
+from baton.costmodel import device_memory, device_slot, edge_cost, layer_cost_of, layer_limits, slot_prices
 from baton.memory import RecomputeSpace
 from baton.plan import DeviceShare, Pipeline, Plan, Stage
 
@@ -25,14 +25,17 @@ def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: i
     m = global_batch // micro_batch
     U = min(u for u in Us if u >= max(len(g) for g in groups))
     stage_devs = []
+    offload: dict[str, tuple[str, ...]] = {}
     for s, g in enumerate(groups):
         n = len(g)
         units = [U // n + (1 if k < U % n else 0) for k in range(n)]
         rows = []
         for dev, u in zip(g, units):
             slot = device_slot(cluster, profiles, spec, micro_batch, dev.id, stage=s, num_stages=p, num_microbatches=m)
-            t = layer_prices(slot.profile, spec, micro_batch, u / U, space)
-            i = int(np.lexsort((t.transient_bytes, t.held_bytes))[0])
+            t = slot_prices(slot, spec, micro_batch, u / U, space)
+            usable = np.isfinite(t.offload_fwd_ms).all(axis=1)  # offloading needs a host link
+            i = int(np.lexsort((t.transient_bytes, np.where(usable, t.held_bytes, np.inf)))[0])
+            offload[dev.id] = tuple(x for x in space.tensors if x in space.offload_set(i))
             rows.append((dev, u, space.recompute_set(i), layer_cost_of(t, i), slot, edge_cost(slot, spec, micro_batch, u / U)))
         stage_devs.append(rows)
 
@@ -72,7 +75,7 @@ def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: i
     stages, first = [], 0
     for s, rows in enumerate(stage_devs):
         stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=U, devices=tuple(
-            DeviceShare(id=dev.id, units=u, recompute=tuple(o for o in space.ops if o in rset)) for dev, u, rset, _, _, _ in rows)))
+            DeviceShare(id=dev.id, units=u, recompute=tuple(o for o in space.ops if o in rset), offload=offload[dev.id]) for dev, u, rset, _, _, _ in rows)))
         first += layers[s]
     return Plan(model=spec, cluster=cluster.name, micro_batch_size=micro_batch, num_microbatches=m,
                 pipelines=(Pipeline(stages=tuple(stages)),))

@@ -22,6 +22,8 @@ import pyomo.environ as pyo
 from pyomo.contrib.solver.common.factory import SolverFactory
 from pyomo.contrib.solver.common.results import TerminationCondition
 
+from baton.costmodel import host_optimizer_bytes
+from baton.memory import tensor_roles
 from baton.schedules import interleaved_one_f_one_b, pass_dependencies
 from baton.plan import DeviceShare, Plan, Stage, interleaved_pipeline, plan_of_replicas
 from baton.waits import arrival_planes
@@ -83,6 +85,7 @@ class InnerModel:
         self.one_owned_fraction_per_device()
         self.largest_ratio_of_each_position()
         self.memory_fits_every_device()
+        self.host_memory_fits_every_node()
         self.sync_buffer_fits_every_device()
         self.pipeline_follows_1f1b()
         self.last_replica_arrival()
@@ -292,6 +295,58 @@ class InnerModel:
             for j in range(len(inst.ratios.values)):
                 m.memory.add(m.L[s] <= sum(self._choice(k).max_layers[j] * m.x[k] for k in keys) + (N + 1) * (1 - m.y[rho, s, g, j]))
 
+    def host_memory_fits_every_node(self) -> None:
+        """Eq. 8o: a node with a host memory cap H_n holds what its devices offload, sum_d in_flight_d L_s H_c x_c
+        <= H_n over every device of the node in every replica (twins are not merged when a node has a cap,
+        ``build_instance``). The product L_s x_c is h_c >= L_s - N (1 - x_c), h_c >= 0 (h_c only appears on the
+        left of a <=, so at any solution it may sit at L_s x_c); in units of H_n with a margin of 1e-6 H_n, so the
+        solver's feasibility tolerance cannot admit a plan the evaluator refuses. With eq. 7h the optimizer state of
+        the node's devices that keep it on the host adds to the sum."""
+        inst, m = self.inst, self.m
+        m.host = pyo.ConstraintList()
+        if not inst.host_memory or inst.chunks > 1:
+            return
+        N = inst.spec.num_layers
+        terms: dict[str, list] = {}
+        used: set = set()
+        for rho, pipe in enumerate(inst.skeleton.pipelines):
+            src = inst.replica_class[rho]
+            for s, ids in enumerate(pipe):
+                st = inst.stages[src][s]
+                for k, dev in enumerate(ids):
+                    node = inst.node_of.get(dev)
+                    if node not in inst.host_memory:
+                        continue
+                    g = 0 if st.tied else k
+                    in_flight = st.groups[g].slots[0].in_flight
+                    for key in self.x_by_group.get((src, s, g), []):
+                        c = self._choice(key)
+                        if c.host_bytes > 0:
+                            used.add(key)
+                            terms.setdefault(node, []).append((in_flight * c.host_bytes / inst.host_memory[node], key))
+        m.hL = pyo.Var(sorted(used), domain=pyo.NonNegativeReals)
+        for key in sorted(used):
+            m.host.add(m.hL[key] >= m.L[key[1]] - N * (1 - m.x[key]))
+        # Eq. 7h: a device whose optimizer state is on the host puts it there, linear in its weights W (GB):
+        # hW >= W - MW (1 - o), hW >= 0.
+        owned = inst.ratios.values[0]
+        per_gb = host_optimizer_bytes(GB, inst.spec) * owned
+        opt_terms: dict[str, list] = {}
+        for (rho, s, g) in self.groups:
+            if self.choose or self.host_optimizer(rho, s, g) is None:
+                continue
+            for dev in inst.stages[rho][s].groups[g].ids:
+                node = inst.node_of.get(dev)
+                if node in inst.host_memory:
+                    opt_terms.setdefault(node, []).append((rho, s, g))
+        held = sorted({grp for row in opt_terms.values() for grp in row})
+        m.hW = pyo.Var(held, domain=pyo.NonNegativeReals)
+        for (rho, s, g) in held:
+            m.host.add(m.hW[rho, s, g] >= m.W[rho, s, g] - self._weights_bound(rho, s, g) * (1 - self.host_optimizer(rho, s, g)))
+        for node in set(terms) | set(opt_terms):
+            m.host.add(sum(a * m.hL[key] for a, key in terms.get(node, []))
+                       + sum(per_gb / inst.host_memory[node] * m.hW[grp] for grp in opt_terms.get(node, [])) <= 1.0 - 1e-6)
+
     def _interleaved_memory(self) -> None:
         """Eq. 8i: a device of an interleaved group fits iff every line of its choice (``costmodel.ChunkMemoryRow``,
         one per moment its schedule may peak at) stays within its capacity C, sum_c a_c L_(c p + s) <= C - fixed
@@ -436,16 +491,31 @@ class InnerModel:
         m.optimizer = pyo.ConstraintList()
         values = inst.ratios.values
         for (rho, s, g) in self.groups:
-            slopes = inst.stages[rho][s].groups[g].opt_ms_per_gb
+            grp = inst.stages[rho][s].groups[g]
+            slopes = grp.opt_ms_per_gb
             if not self.choose:
-                for per_gb in slopes:
-                    m.optimizer.add(m.OPT >= per_gb * values[0] * m.W[rho, s, g])
+                host = self.host_optimizer(rho, s, g)
+                MW = self._weights_bound(rho, s, g)
+                for per_gb, slot in zip(slopes, grp.slots):
+                    if host is None:
+                        m.optimizer.add(m.OPT >= per_gb * values[0] * m.W[rho, s, g])
+                        continue
+                    # Eq. 10h: on the host with the slope of its host step, on the device with eq. 10's.
+                    on_host = slot.host_optimizer_ms_per_byte * GB * values[0]
+                    m.optimizer.add(m.OPT >= per_gb * values[0] * (m.W[rho, s, g] - MW * host))
+                    m.optimizer.add(m.OPT >= on_host * (m.W[rho, s, g] - MW * (1 - host)))
                 continue
             MW = self._weights_bound(rho, s, g)
             for j in range(len(values)):
                 m.optimizer.add(m.om[rho, s, g, j] >= m.W[rho, s, g] - MW * (1 - m.y[rho, s, g, j]))
             for per_gb in slopes:
                 m.optimizer.add(m.OPT >= per_gb * sum(v * m.om[rho, s, g, j] for j, v in enumerate(values)))
+
+    def host_optimizer(self, rho: int, s: int, g: int):
+        """1 when the group's choice keeps its optimizer state in host memory (eq. 7h), as a sum of its choices'
+        binaries; None when it has no such choice."""
+        keys = [k for k in self.x_by_group.get((rho, s, g), []) if self._choice(k).offload_optimizer]
+        return sum(self.m.x[k] for k in keys) if keys else None
 
     def data_parallel_sync(self) -> None:
         """Eq. 13 / eq. 15: each position's peers sync their group (stage 0: an all-reduce of its P parameters;
@@ -559,7 +629,8 @@ class InnerModel:
                     c = chosen[(src, s, g)]
                     U, u = (c.units_per_layer, c.units) if st.tied else share[s, k]
                     devs.append(DeviceShare(id=dev_id, units=u, recompute=tuple(o for o in _op_order(inst) if o in c.recompute),
-                                            shard_ratio=ratio.get((rho, s, k))))
+                                            shard_ratio=ratio.get((rho, s, k)), offload=_tensor_order(inst, c.offload),
+                                            offload_optimizer=c.offload_optimizer))
                 U = chosen[(src, s, 0)].units_per_layer
                 stages.append(Stage(first_layer=first, num_layers=layers[s], units_per_layer=int(U), devices=tuple(devs)))
                 first += layers[s]
@@ -568,6 +639,11 @@ class InnerModel:
         if inst.chunks == 1:
             return plan
         return replace(plan, pipelines=tuple(interleaved_pipeline(pipe, layers) for pipe in plan.pipelines))
+
+
+def _tensor_order(inst: Instance, tensors: frozenset) -> tuple[str, ...]:
+    """``tensors`` in a layer's order (``baton.memory.tensor_roles``), as a plan lists them."""
+    return tuple(t for t in tensor_roles(inst.spec) if t in tensors)
 
 
 def _op_order(inst: Instance) -> list[str]:

@@ -1,4 +1,4 @@
-"""What one device can choose: its tensor-parallel share and its recompute set, with safe pruning.
+"""What one device can choose: its tensor-parallel share, its recompute set and what it offloads, with safe pruning.
 
 Every number here comes from the cost model (``baton.costmodel.layer_prices`` over the liveness matrix of
 ``baton.memory.RecomputeSpace``, and ``max_layers_that_fit``), so the MILP and ``baton.evaluate`` agree.
@@ -11,6 +11,12 @@ R is dropped when another set has rec_attn <= , rec_mlp <= and max_layers >= : w
 same plan with the other set is as fast and fits too. Nothing else of the plan depends on R. At sharding
 stage 1 the layer limit depends on the fraction of its optimizer state the device owns, one more decision
 of the device; a set is kept when it is on the front for at least one of the fractions it may own.
+
+With offload (eq. 2o-4o, 8o) a row is a recompute set with what it keeps in host memory, and it enters the
+model through its forward and backward per block (the copies' exposed part), max_layers, and its host bytes per
+layer (a node's host memory, eq. 8o, a sum over the node's devices that only grows with them). A row no better
+in all of these than another is dropped: the same plan with the other row is as fast and fits the device and
+its node too.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from baton.costmodel import DeviceSlot, LayerCost, fitting_layers, layer_cost_of, layer_prices
+from baton.costmodel import DeviceSlot, LayerCost, LayerPrices, fitting_layers, layer_cost_of, slot_prices
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec, unit_counts
 from baton.profile import HOST_COLUMNS, Profile
@@ -78,6 +84,13 @@ class Choice:
     """Its stage's granularity U."""
     recompute: frozenset
     """Operators it recomputes."""
+    offload: frozenset = frozenset()
+    """Tensors it keeps in host memory between the passes (eq. 3o)."""
+    host_bytes: float = 0.0
+    """Their bytes per layer and in-flight micro-batch (eq. 8o)."""
+    offload_optimizer: bool = False
+    """Its optimizer state lives in host memory and its Adam step runs there (eq. 7h, 10h); ``max_layers`` then
+    counts no optimizer state on the device."""
     fwd: tuple[float, float]
     """Forward ms per block (eq. 2)."""
     bwd: tuple[float, float]
@@ -100,36 +113,81 @@ class Choice:
 
 
 def device_choices(slot: DeviceSlot, spec: ModelSpec, mb: int, share: float, space: RecomputeSpace, *, min_layers: int,
-                   cap: int, prune: bool = True, owned_fractions: tuple[float, ...] = (1.0,)) -> list[tuple[frozenset, LayerCost, tuple[int, ...]]]:
-    """Recompute sets worth considering for a device at ``slot`` with ``share``: (set, cost, max layers per
-    owned fraction of ``owned_fractions``).
+                   cap: int, prune: bool = True, owned_fractions: tuple[float, ...] = (1.0,)
+                   ) -> list[tuple[frozenset, frozenset, LayerCost, tuple[int, ...]]]:
+    """Rows of ``space`` (recompute set, offload set) worth considering for a device at ``slot`` with ``share``:
+    (recompute set, offload set, cost, max layers per owned fraction of ``owned_fractions``).
 
-    Keeps the sets on the (min rec_attn, min rec_mlp, max max_layers) Pareto front that fit at least
-    ``min_layers`` layers, for at least one owned fraction (the union of the fronts: the fraction is one
-    decision of the device, so for the fraction an optimum uses, the front of that fraction holds a set as
-    good). With ``prune=False`` keeps every feasible set (the exhaustive oracle's view). Every number is
-    the cost model's (``layer_prices``, ``max_layers_that_fit``), the same row the evaluator prices for that set.
+    Keeps the rows not dominated in (max max_layers, min forward and backward per block, min host bytes) that fit
+    at least ``min_layers`` layers, for at least one owned fraction (the union of the fronts: the fraction is one
+    decision of the device, so for the fraction an optimum uses, the front of that fraction holds a row as good).
+    Rows without offload all share one forward and no host bytes, so among them the (max_layers, rec_attn,
+    rec_mlp) front is the same front. A row that offloads on a device without a host link is never kept. With
+    ``prune=False`` keeps every feasible row (the exhaustive oracle's view). Every number is the cost model's
+    (``slot_prices``, ``max_layers_that_fit``), the same row the evaluator prices for that choice.
     """
-    prices = layer_prices(slot.profile, spec, mb, share, space)
+    prices = slot_prices(slot, spec, mb, share, space)
     fits = np.stack([fitting_layers(slot, spec, mb, share, space, cap, f) for f in owned_fractions])
+    usable = np.isfinite(prices.offload_fwd_ms).all(axis=1) & np.isfinite(prices.offload_bwd_ms).all(axis=1)
     kept: set[int] = set()
     for fit in fits:
-        idx = np.flatnonzero(fit >= min_layers)
+        idx = np.flatnonzero((fit >= min_layers) & usable)
         if prune and len(idx):
-            idx = _front(idx, fit[idx], prices.rec_attn_ms[idx], prices.rec_mlp_ms[idx], space.op_bits[idx].sum(axis=1))
+            idx = _pareto(idx, fit, prices, space)
         kept.update(int(i) for i in idx)
-    return [(space.recompute_set(i), layer_cost_of(prices, i), tuple(int(x) for x in fits[:, i])) for i in sorted(kept)]
+    return [(space.recompute_set(i), space.offload_set(i), layer_cost_of(prices, i), tuple(int(x) for x in fits[:, i]))
+            for i in sorted(kept)]
+
+
+def _pareto(idx: np.ndarray, fit: np.ndarray, prices: LayerPrices, space: RecomputeSpace) -> np.ndarray:
+    """The rows of ``idx`` no other row dominates in (max fit, min forward per block, min backward per block, min
+    host bytes); of rows equal in all of them the one with the fewest recomputed operators, then offloaded tensors,
+    then the lowest index is kept. Rows without offload first go through ``_front`` (their forward and host bytes
+    are equal), then rows that offload and survive every plain row of that front are compared with all."""
+    pop = space.op_bits.sum(axis=1)
+    plain, off = idx[~space.offloads[idx]], idx[space.offloads[idx]]
+    front = _front(plain, fit[plain], prices.rec_attn_ms[plain], prices.rec_mlp_ms[plain], pop[plain]) if len(plain) else plain
+    if not len(off):
+        return front
+    keys = np.column_stack([-fit.astype(float), prices.block_fwd_ms(), prices.block_bwd_ms(), prices.host_bytes])
+    # A plain row no worse in every key beats an offloading one outright: it offloads fewer tensors.
+    beaten = np.zeros(len(off), dtype=bool)
+    for chunk in range(0, len(front), 256):
+        f = front[chunk:chunk + 256]
+        beaten |= np.all(keys[f][None, :, :] <= keys[off][:, None, :], axis=2).any(axis=1)
+    cand = np.concatenate([front, off[~beaten]])
+    tie = np.lexsort((cand, space.off[cand].sum(axis=1), pop[cand]))  # of equal rows the earliest here is kept
+    rank = np.empty(len(cand), dtype=float)
+    rank[tie] = np.arange(len(cand))
+    k = keys[cand]
+    # In lexicographic order of (keys, tie rank) a row's dominators all come before it; a dropped dominator is
+    # itself dominated by an earlier row, so comparing with every earlier row, block by block, is exact.
+    order = np.lexsort((rank, *k.T[::-1]))
+    k, cand, rank = k[order], cand[order], rank[order]
+    survive = np.ones(len(cand), dtype=bool)
+    kept_k = np.empty((0, k.shape[1]))
+    for start in range(0, len(cand), 256):
+        rows = slice(start, start + 256)
+        block = k[rows]
+        hit = np.all(kept_k[None, :, :] <= block[:, None, :], axis=2).any(axis=1)
+        earlier = np.tril(np.ones((len(block), len(block)), dtype=bool), -1)
+        hit |= (np.all(block[None, :, :] <= block[:, None, :], axis=2) & earlier).any(axis=1)
+        survive[rows] = ~hit
+        kept_k = np.concatenate([kept_k, block[~hit]])
+    return np.sort(cand[survive])
 
 
 def interleaved_choices(slot: DeviceSlot, spec: ModelSpec, mb: int, share: float, space: RecomputeSpace, *,
                         prune: bool = True) -> list[tuple[frozenset, LayerCost]]:
-    """Recompute sets worth considering for a device of an interleaved group (docs/schedules.md) with ``share``.
+    """Recompute sets worth considering for a device of an interleaved group (docs/schedules.md) with ``share``;
+    interleaved groups do not offload (the space offered, solver/README.md), so the sets of ``space.plain``.
 
     Its memory is a line per moment of the schedule in the layer counts of several chunks, so no single layer
     limit orders the sets; but every line grows with the set's held and transient bytes. A set is dropped when
     another has rec_attn, rec_mlp, held and transient bytes all no larger (one of them smaller, or all equal and
     fewer operators): any plan using it is as fast and fits with the other. ``prune=False``: every set."""
-    prices = layer_prices(slot.profile, spec, mb, share, space)
+    space = space.plain
+    prices = slot_prices(slot, spec, mb, share, space)
     keys = np.stack([prices.rec_attn_ms, prices.rec_mlp_ms, prices.held_bytes, prices.transient_bytes,
                      space.op_bits.sum(axis=1).astype(float)], axis=1)
     kept = []

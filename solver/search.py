@@ -41,7 +41,7 @@ from baton.evaluate import PlanReport, evaluate, explain_over_capacity
 from baton.profile import ProfileSet
 from baton.memory import RecomputeSpace, recompute_space
 from baton.model_spec import ModelSpec
-from baton.plan import Plan, validate
+from baton.plan import DeviceShare, Plan, validate
 
 from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, interleaved_candidate_bound,
                            interleaved_replica_bound, layered_lower_bound, layered_replica_bound,
@@ -286,6 +286,8 @@ class _Inputs:
     """``time.perf_counter()`` at which the search stops."""
     chunks: tuple = (1,)
     """Chunk counts per device group offered to every pipeline (1: 1F1B; more: interleaved 1F1B)."""
+    host_optimizer: bool = False
+    """Devices may keep their optimizer state in host memory (eq. 7h, 10h)."""
     cache: BoundCache = field(default_factory=BoundCache)
     collectives_ms: dict = field(default_factory=dict)
     """(skeleton, stage 2 or 3) -> least collectives of eq. 17 over its units (filled when one reaches the front)."""
@@ -319,7 +321,8 @@ class _Inputs:
                                        zero_stage=z, collectives=coll)
         return candidate_lower_bound(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, self.cache,
                                      self.monotone if self.reduce_symmetry else None, zero_stage=z, patterns=info.patterns,
-                                     sync=self.exact if sync is None else sync, even_shards=self.even(info))
+                                     sync=self.exact if sync is None else sync, even_shards=self.even(info),
+                                     host_optimizer=self.host_optimizer)
 
     def interleavings(self, info: _Skeleton, z: int) -> list[int]:
         """The chunk counts above one offered to a candidate: replicas of one shape of at least two stages, at
@@ -344,6 +347,9 @@ class _Inputs:
         if z in LAYERED_STAGES:
             return lambda i, b, m: layered_replica_bound(spec, cluster, profiles, info.sk.pipelines[i][0], b, m, space, cache, z)
 
+        if self.host_optimizer:  # its state may be on the host: nothing owned on the device (bounds.candidate_lower_bound)
+            owned = 0.0
+
         def one_f_one_b(i, b, m):
             return replica_bound(spec, cluster, profiles, info.sk.pipelines[i], b, m, space, cache, mono,
                                  zero_stage=z, pattern=info.patterns[i], owned=owned)[0]
@@ -358,7 +364,8 @@ class _Inputs:
     def instance(self, info: _Skeleton, batches, z: int, even_shards: bool = False, chunks: int = 1):
         return build_instance(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, zero_stage=z,
                               shard_grid=self.shard_grid, monotone=self.monotone, reduce_symmetry=self.reduce_symmetry,
-                              allowed=self.allowed, even_shards=even_shards or self.even(info), chunks=chunks)
+                              allowed=self.allowed, even_shards=even_shards or self.even(info), chunks=chunks,
+                              host_optimizer=self.host_optimizer)
 
     def constant(self, info: _Skeleton, z: int) -> float:
         """What a candidate's bound adds to its slowest replica's before it reaches the front (the splits of a group
@@ -454,7 +461,8 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
            skeletons: list[Skeleton] | None = None, family: str = "auto", strategy: str = "baton",
            allowed: dict | None = None, reduce_symmetry: bool = True, log=None, detail_log=None,
            shard_grid: int = DEFAULT_SHARD_GRID, zero_stages: tuple[int, ...] = (0, 1, 2, 3), splits: str = "auto",
-           extra_splits=None, chunks: tuple[int, ...] = (1,)) -> SolveResult:
+           extra_splits=None, chunks: tuple[int, ...] = (1,), offload: bool = False,
+           offload_optimizer: bool = False) -> SolveResult:
     """Best plan over the candidates; raises NoPlanFits when none fits.
 
     A candidate is a skeleton, every replica's batch (micro-batch size and count, adding up to the global
@@ -465,11 +473,14 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     per-GPU batches). ``log`` gets one line per improvement, ``detail_log`` one per MILP solved.
     ``time_limit`` covers the whole search: bounding candidates, constructive plans and MILPs. ``chunks``: the
     chunk counts per device group offered (1: 1F1B; more: interleaved 1F1B, to replicas of one shape at stages 0
-    and 1 with equal parts, every replica alike; solver/README.md).
+    and 1 with equal parts, every replica alike; solver/README.md). ``offload``: 1F1B replicas of one shape at stages
+    0 and 1 may keep each block's held tensors in host memory (the default space, ``space``, gets those rows;
+    solver/README.md). ``offload_optimizer``: devices may also keep their optimizer state in host memory and step it
+    there (eq. 7h, 10h), at 1F1B where owned fractions are not chosen per device.
     """
     t_start = time.perf_counter()
     monotone = check_profiles(spec, cluster, profiles)
-    space = space or recompute_space(spec)
+    space = space or recompute_space(spec, offload=offload)
     micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)  # one clear error when no size fits
     dominated = stage_one_dominates(spec, cluster, profiles)
     if skeletons is None:
@@ -477,7 +488,8 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     inputs = _Inputs(spec=spec, cluster=cluster, profiles=profiles, space=space, global_batch=global_batch,
                      micro_batch=micro_batch, monotone=monotone, reduce_symmetry=reduce_symmetry, allowed=allowed,
                      shard_grid=shard_grid, exact=family == "exact" and splits == "auto", strategy=strategy, gap=gap,
-                     threads=threads, deadline_s=t_start + time_limit, chunks=tuple(sorted(set(chunks) | {1})))
+                     threads=threads, deadline_s=t_start + time_limit, chunks=tuple(sorted(set(chunks) | {1})),
+                     host_optimizer=offload_optimizer)
     frontier = _Frontier(progress=Progress(log, t_start, detail_log))
     t0 = time.perf_counter()
     for sk in skeletons:  # the structured family is a generator: enumerating it is inside the time limit too
@@ -717,18 +729,24 @@ def _result(inputs: _Inputs, frontier: _Frontier, *, t_start: float, time_limit:
     total_s = time.perf_counter() - t_start
     spec, cluster, profiles = inputs.spec, inputs.cluster, inputs.profiles
     if frontier.best is None:
+        off = [flag for flag, on in (("--offload", bool(inputs.space.offloads.any())),
+                                     ("--offload-optimizer", inputs.host_optimizer)) if not on]
+        hint = f"; host memory may hold what does not fit ({' and '.join(off)})" if off and inputs.strategy == "baton" else ""
         if frontier.timed_out:
             raise NoPlanFits(f"no plan found within the time limit of {time_limit:g} s "
-                             f"({frontier.solved} of {frontier.candidates} candidates tried)")
+                             f"({frontier.solved} of {frontier.candidates} candidates tried){hint}")
         mbs = micro_batch_candidates(spec, cluster, profiles, inputs.global_batch, inputs.micro_batch)
         raise NoPlanFits("no plan fits in memory: "
-                         + least_memory_explanation(spec, cluster, profiles, inputs.global_batch, mbs, inputs.space))
+                         + least_memory_explanation(spec, cluster, profiles, inputs.global_batch, mbs, inputs.space) + hint)
     objective = frontier.best.objective_ms
+    plan = validate(replace(frontier.best.plan, cluster=cluster.name, info={}))
+    report = recheck(plan, cluster, profiles, objective)
+    kept, report = keep_on_device(plan, cluster, profiles, report)
+    if kept is not plan:
+        plan, objective = kept, min(objective, report.iteration_time_ms)
     bound_ms = min([objective] + frontier.bounds_ms)
     achieved_gap = max(0.0, (objective - bound_ms) / objective)
     status = "optimal" if not frontier.timed_out and achieved_gap <= inputs.gap + 1e-9 else "time_limit"
-    plan = validate(replace(frontier.best.plan, cluster=cluster.name, info={}))
-    report = recheck(plan, cluster, profiles, objective)
     result = SolveResult(plan=plan, report=report, strategy=inputs.strategy, status=status, objective_ms=objective,
                          bound_ms=bound_ms, gap=achieved_gap, build_s=frontier.build_s, solve_s=frontier.solve_s,
                          total_s=total_s, family=family, candidates=frontier.candidates, solved=frontier.solved,
@@ -743,6 +761,40 @@ def _describe(batches) -> str:
     if len(set(batches)) == 1:
         return f"b={batches[0][0]}"
     return "batches " + ",".join(f"{b}x{m}" for b, m in batches)
+
+
+OFFLOAD_UNDO_DEVICES = 64
+"""``keep_on_device`` tries each offloading device on its own up to this many (an evaluation each)."""
+
+
+def keep_on_device(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, report: PlanReport) -> tuple[Plan, PlanReport]:
+    """``plan`` with as little in host memory as costs nothing: among plans of equal time the MILP may return one
+    that offloads where it need not (host memory and PCIe traffic the model does not charge for), so every
+    device's offload, and its optimizer state's place, goes back to the device where the evaluator says the plan
+    still fits and is no slower; all at once first, then device by device (the first ``OFFLOAD_UNDO_DEVICES``)."""
+    def undo(p: Plan, ids) -> Plan:
+        def share(d: DeviceShare) -> DeviceShare:
+            return replace(d, offload=(), offload_optimizer=False) if d.id in ids else d
+        return validate(replace(p, pipelines=tuple(replace(pipe, stages=tuple(replace(st, devices=tuple(map(share, st.devices)))
+                                                                                for st in pipe.stages)) for pipe in p.pipelines)))
+
+    def better(p: Plan, current: PlanReport) -> PlanReport | None:
+        rep = evaluate(p, cluster, profiles)
+        return rep if rep.fits and rep.iteration_time_ms <= current.iteration_time_ms * (1 + 1e-12) else None
+
+    ids = [d.id for pipe in plan.pipelines for st in pipe.stages for d in st.devices if d.offload or d.offload_optimizer]
+    if not ids:
+        return plan, report
+    whole = undo(plan, set(ids))
+    rep = better(whole, report)
+    if rep is not None:
+        return whole, rep
+    for i in ids[:OFFLOAD_UNDO_DEVICES]:
+        trial = undo(plan, {i})
+        rep = better(trial, report)
+        if rep is not None:
+            plan, report = trial, rep
+    return plan, report
 
 
 def recheck(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, objective_ms: float) -> PlanReport:

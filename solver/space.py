@@ -143,14 +143,15 @@ def _realise(replicas, classes: list[DeviceClass]) -> Skeleton:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeKind:
-    """Nodes with the same devices (type, memory, reserve, count) and the same intra-node link and NIC."""
+    """Nodes with the same devices (type, memory, reserve, count), the same intra-node link and NIC, and the same host
+    links and host memory."""
 
     nodes: tuple[str, ...]
     """Its nodes, in cluster order."""
     layout: tuple
     """((gpu, memory, reserve, count), ...) of one node, sorted."""
     link: tuple = ()
-    """(intra-node link, NIC) of one node."""
+    """(intra-node link, NIC, (GPU type, host link) pairs, host memory bytes or None) of one node."""
 
     @property
     def key(self) -> str:
@@ -163,11 +164,15 @@ def node_kinds(cluster: ClusterSpec) -> list[NodeKind]:
     Nodes of one kind are interchangeable: swapping two maps every plan to one priced the same. In the
     order of the cluster file (``canonical_kinds``: in an order that does not depend on it)."""
     per_node: dict[str, list] = {}
+    host_links: dict[str, set] = {}
     for d in cluster.devices:
         per_node.setdefault(d.node, []).append((d.gpu.name, d.memory_bytes, d.reserve_bytes))
+        host_links.setdefault(d.node, set()).add((d.gpu.name, d.host_link_gb_per_s))
     kinds: dict[tuple, list[str]] = {}
     for node, devs in per_node.items():
-        link = (cluster.intra_links[node], cluster.nics.get(node, cluster.inter_link))
+        # The host side too (eq. 2o, 8o): nodes that differ in their host links or host memory are not interchangeable.
+        link = (cluster.intra_links[node], cluster.nics.get(node, cluster.inter_link), tuple(sorted(host_links[node])),
+                cluster.host_memory.get(node))
         layout = tuple(sorted(Counter(devs).items()))
         kinds.setdefault((layout, link), []).append(node)
     return [NodeKind(nodes=tuple(v), layout=tuple((g, mem, res, n) for (g, mem, res), n in k[0]), link=k[1])

@@ -96,7 +96,8 @@ class StageTables:
     without recomputation per layer; memoised for one candidate."""
 
     def __init__(self, spec, cluster, profiles, space, pipes, batches):
-        self.spec, self.cluster, self.profiles, self.space = spec, cluster, profiles, space
+        # Replicas of different shapes do not offload (the space offered, solver/README.md).
+        self.spec, self.cluster, self.profiles, self.space = spec, cluster, profiles, space.plain
         self.pipes, self.batches = pipes, batches
         self.emb_ms = embedding_sync_ms(cluster, spec, pipes)
         """Eq. 11's tied-embedding sync: a constant of the skeleton."""

@@ -63,6 +63,13 @@ def _offloading_plan(offload) -> dict:
     return d
 
 
+def _offloading_optimizer_plan(value, **changes) -> dict:
+    """The hand plan with its first device's ``offload_optimizer`` set to ``value`` (and top-level ``changes``)."""
+    d = {**_plan_dict(), **changes}
+    d["pipelines"][0]["stages"][0]["devices"][0]["offload_optimizer"] = value
+    return d
+
+
 def _write(tmp_path: Path, name: str, content: str | bytes) -> Path:
     path = tmp_path / name
     (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
@@ -133,12 +140,20 @@ CASES = {
         '"name": "n",', '"name": "n", "host_memory_gib": 1e300,'))], ["c.yaml", "nodes[0].host_memory_gib"]),
     "host_link_gb_per_s 0": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "c.yaml", _cluster().replace(
         '"name": "n",', '"name": "n", "host_link_gb_per_s": 0,'))], ["c.yaml", "nodes[0].host_link_gb_per_s"]),
+    "host_optimizer_gb_per_s -5": lambda t: (["evaluate", PLAN, "--cluster", _write(t, "c.yaml", _cluster().replace(
+        '"name": "n",', '"name": "n", "host_optimizer_gb_per_s": -5,'))], ["c.yaml", "nodes[0].host_optimizer_gb_per_s"]),
     "offload of a tensor the device does not hold": lambda t: (
         ["evaluate", _write(t, "p.json", json.dumps(_offloading_plan(["attn_partial"]))), "--cluster", CLUSTER],
         ["p.json", "offload", "attn_partial"]),  # completed by the all-reduce at once: nobody keeps it
     "offload not a list": lambda t: (
         ["evaluate", _write(t, "p.json", json.dumps(_offloading_plan("layer_input"))), "--cluster", CLUSTER],
         ["p.json", "offload", "list of tensor names"]),
+    "offload_optimizer not a boolean": lambda t: (
+        ["evaluate", _write(t, "p.json", json.dumps(_offloading_optimizer_plan("yes"))), "--cluster", CLUSTER],
+        ["p.json", "devices[0].offload_optimizer", "true or false"]),
+    "offload_optimizer at zero_stage 2": lambda t: (
+        ["evaluate", _write(t, "p.json", json.dumps(_offloading_optimizer_plan(True, zero_stage=2))), "--cluster", CLUSTER],
+        ["p.json", "devices[0].offload_optimizer", "zero_stage 0 or 1"]),
     "bandwidth 1e300": lambda t: (["evaluate", PLAN, "--cluster",
                                    _write(t, "c.yaml", _cluster().replace('"bandwidth_gb_per_s": 10', '"bandwidth_gb_per_s": 1e300'))],
                                   ["c.yaml", "bandwidth_gb_per_s"]),

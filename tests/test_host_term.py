@@ -195,8 +195,9 @@ def test_milp_and_evaluator_agree_with_host_times(seed):
 
 
 def test_planner_equals_exhaustive_search_with_host_times():
-    """One device, every recompute set, memory between the full- and no-recompute peaks, host times and segment
-    costs in the table: the planner, with its pruning of recompute sets, finds the exhaustive optimum, and
+    """One device, every recompute set with every block-level offload choice, memory between the full- and
+    no-recompute peaks, host times and segment costs in the table: the planner, with its pruning, finds the
+    exhaustive optimum, and
     the evaluator prices the plan as the MILP does."""
     inst = random_instance(4, num_devices=1, num_layers=3, heads=2, universe_size=1, global_batch=2, memory_scale=(50.0, 60.0),
                            dropout=0.0)
@@ -208,8 +209,8 @@ def test_planner_equals_exhaustive_search_with_host_times():
              for rec in (operator_names(spec), ())]
     capacity = int(peaks[0] + 0.4 * (peaks[1] - peaks[0]))
     cluster = dataclasses.replace(inst.cluster, devices=(dataclasses.replace(dev, memory_bytes=capacity),))
-    oracle = exhaustive(spec, cluster, inst.profiles, global_batch=2, max_plans=10**5)
-    got = search(spec, cluster, inst.profiles, global_batch=2, gap=0.0, time_limit=120, threads=1)
+    oracle = exhaustive(spec, cluster, inst.profiles, global_batch=2, max_plans=10**5, offload=True)
+    got = search(spec, cluster, inst.profiles, global_batch=2, gap=0.0, time_limit=120, threads=1, offload=True)
     assert math.isclose(got.objective_ms, oracle.objective_ms, rel_tol=1e-6), (got.plan.to_json(), oracle.plan.to_json())
     assert math.isclose(evaluate(got.plan, cluster, inst.profiles).iteration_time_ms, got.objective_ms, rel_tol=1e-6)
 

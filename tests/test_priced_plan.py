@@ -304,8 +304,8 @@ def _agree_term_by_term(inst, plan: Plan) -> None:
 @pytest.mark.parametrize("seed,between", [pytest.param(1, 0.15, marks=pytest.mark.long), (4, 0.4),
                                           pytest.param(9, 0.7, marks=pytest.mark.long)])
 def test_full_power_set_oracle_single_device(seed, between):
-    """One device, every one of the 2^12 recompute sets (no dropout): the planner with all its pruning
-    equals the exhaustive search over the whole power set. Memory lies ``between`` of the way from
+    """One device, every one of the 2^12 recompute sets (no dropout), each with every block-level offload choice:
+    the planner with all its pruning equals the exhaustive search over the whole power set. Memory lies ``between`` of the way from
     the full-recompute peak to the no-recompute peak at micro-batch 1, so which set wins matters."""
     inst = random_instance(seed, num_devices=1, num_layers=3, heads=2, universe_size=1, global_batch=2,
                            memory_scale=(50.0, 60.0), dropout=0.0)
@@ -316,11 +316,12 @@ def test_full_power_set_oracle_single_device(seed, between):
              for rec in (operator_names(spec), ())]
     capacity = int(peaks[0] + between * (peaks[1] - peaks[0]))
     cluster = dataclasses.replace(inst.cluster, devices=(dataclasses.replace(dev, memory_bytes=capacity),))
-    oracle = exhaustive(spec, cluster, inst.profiles, global_batch=2, max_plans=10**5)
-    got = search(spec, cluster, inst.profiles, global_batch=2, gap=0.0, time_limit=120, threads=1)
+    oracle = exhaustive(spec, cluster, inst.profiles, global_batch=2, max_plans=10**5, offload=True)
+    got = search(spec, cluster, inst.profiles, global_batch=2, gap=0.0, time_limit=120, threads=1, offload=True)
     assert math.isclose(got.objective_ms, oracle.objective_ms, rel_tol=1e-6), (got.plan.to_json(), oracle.plan.to_json())
-    chosen = got.plan.pipelines[0].stages[0].devices[0].recompute
-    assert 0 < len(chosen) < len(operator_names(spec)), "memory should make a partial recompute set the best"
+    dev = got.plan.pipelines[0].stages[0].devices[0]
+    assert dev.offload or 0 < len(dev.recompute) < len(operator_names(spec)), \
+        "memory should make a partial recompute set, or offload, the best"
 
 
 def _neighbours(plan: Plan, micro_batches=()):

@@ -208,9 +208,9 @@ def test_recompute_pruning_keeps_a_dominating_set():
         full = device_choices(slot, inst.spec, 1, 0.5, space, min_layers=0, cap=inst.spec.num_layers, prune=False)
         kept = device_choices(slot, inst.spec, 1, 0.5, space, min_layers=0, cap=inst.spec.num_layers, prune=True)
         assert 0 < len(kept) < len(full)
-        for _, lc, (L,) in full:
+        for _, _, lc, (L,) in full:
             assert any(L2 >= L and lc2.recompute_ms["attn"] <= lc.recompute_ms["attn"] + 1e-12
-                       and lc2.recompute_ms["mlp"] <= lc.recompute_ms["mlp"] + 1e-12 for _, lc2, (L2,) in kept)
+                       and lc2.recompute_ms["mlp"] <= lc.recompute_ms["mlp"] + 1e-12 for _, _, lc2, (L2,) in kept)
 
 
 def _planner_and_oracle(inst, **kw):
