@@ -104,14 +104,20 @@ def _device_rows(plan: Plan, pred: PlanReport, per_rank: dict[int, list[StepStat
         state = {"weights_bytes": last.weights_bytes, "grads_bytes": last.grads_bytes,
                  "optimizer_bytes": last.master_bytes + last.moments_bytes,
                  "master_bytes": last.master_bytes, "moments_bytes": last.moments_bytes} if last else {}
+        # Optimizer-state offload (the plan's ``offload_optimizer``): what the host keeps and its step's time; the
+        # device-side figures above then hold no optimizer state.
+        host_state = {"host_optimizer_bytes": last.host_optimizer_bytes,
+                      "host_optimizer_ms": statistics.median(s.host_optimizer_ms for s in hist) if hist else None} \
+            if last else {}
         devices.append({
             "id": dev_id, "rank": rank, "pipeline": p.pipeline, "stage": p.stage,
             "measured": {"fwd_ms": fwd, "bwd_ms": bwd, "recompute_ms": rec, "peak_saved_bytes": saved,
-                         "peak_host_activation_bytes": host, "peak_allocated_bytes": alloc, **state},
+                         "peak_host_activation_bytes": host, "peak_allocated_bytes": alloc, **state, **host_state},
             "predicted": {"fwd_ms": p.fwd_ms, "bwd_ms": p.bwd_ms + p.recompute_ms, "recompute_ms": p.recompute_ms,
                           "activation_bytes": p.activation_bytes, "host_activation_bytes": host_pred,
                           "peak_memory_bytes": p.peak_memory_bytes,
-                          "weights_bytes": p.weights_bytes, "grads_bytes": p.grads_bytes, "optimizer_bytes": p.optimizer_bytes},
+                          "weights_bytes": p.weights_bytes, "grads_bytes": p.grads_bytes, "optimizer_bytes": p.optimizer_bytes,
+                          "host_optimizer_bytes": p.host_optimizer_bytes, "optimizer_ms": p.optimizer_ms},
             "activation_rel_error": _rel(saved, p.activation_bytes) if saved else None,
             "host_activation_rel_error": _rel(host, host_pred) if host else None,
             "state_rel_error": {k: _rel(state[k], getattr(p, k)) for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")}
@@ -374,6 +380,10 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
         if host or host_pred:  # only where the plan offloads
             rows.append((f"{d['id']} host activations MiB", f"{(host or 0) / 2**20:.2f}", f"{host_pred / 2**20:.2f}",
                          pct(d.get("host_activation_rel_error"))))
+        host_opt = d["measured"].get("host_optimizer_bytes")
+        if host_opt:  # only where the plan offloads the optimizer state (eq. 7h)
+            want = d["predicted"]["host_optimizer_bytes"]
+            rows.append((f"{d['id']} host optimizer MiB", f"{host_opt / 2**20:.2f}", f"{want / 2**20:.2f}", pct(_rel(host_opt, want))))
         if d.get("state_rel_error"):
             m, p = d["measured"], d["predicted"]
             got = m["weights_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]

@@ -17,7 +17,8 @@ at 3 the weights come from the owners' weight shards; any split sizes, gloo or N
 directory beside the final one and renames it, so a partly written checkpoint never has the final name.
 Loading uses safetensors and JSON only (no pickle); every rank reads the slices it needs (with
 ``zero_stage`` 1, the moments of its owned shards only). Nothing in a checkpoint depends on the plan: a run
-saved under one sharding stage, replica shapes and batch split resumes under any other.
+saved under one sharding stage, replica shapes and batch split resumes under any other, and a device that keeps its
+optimizer state in host memory (``offload_optimizer``) saves and restores it there, the same full tensors.
 
 Resuming picks the newest checkpoint whose files match their checksums (``find_resumable``) and says
 which newer ones it skipped and why: a checkpoint damaged on disk costs the steps since the previous

@@ -44,6 +44,12 @@ is a layer input the layers offload, it enters the part through ``_Boundary`` in
 but the offloaded copy holds it: a leaf is kept alive by its gradient accumulator, and layer by layer the part
 before's output would be too.
 
+Optimizer-state offload (a device's ``DeviceShare.offload_optimizer``, ``runtime.train.host_optimizer``): the rank's
+fp32 masters and moments (at ``zero_stage`` 1 its owned shards') are host tensors and its AdamW runs on the host,
+after the step's one read; the gradients go to the host and the updated weights come back within the update, the
+host waiting once for the gradients' copies (on CUDA; the copies themselves do not block). The same numbers as the
+device step (on a CPU process bit for bit).
+
 The step returns a ``StepStats`` with what the planner predicts (per micro-batch forward, backward and
 recompute time, per-stage time, iteration time, peak saved-activation bytes), so a report can put
 measurement next to prediction.
@@ -68,6 +74,7 @@ from runtime.launch.host_memory import keep_freed_memory
 from runtime.train.layered import UnitShards
 from runtime.model.family import init_parameter, parameter_shapes
 from runtime.measure.meters import PhaseClock, SavedBytes
+from runtime.train.host_optimizer import HostMasterWeights
 from runtime.train.precision import LossScaleSettings, MasterWeights, compute_dtype
 from runtime.train.replica_sync import ReplicaSync
 from runtime.train.optim_settings import LRSchedule, clip_coefficient, decays, grad_square_sum
@@ -155,9 +162,24 @@ class StepStats:
     """Measured after the step: their gradients (eq. 8's second W_d); at ``zero_stage`` 2 and 3 the peak over
     the step of its full gradients and gradient shards (eq. 18's grads)."""
     master_bytes: int = 0
-    """Measured after the step: fp32 master weights (fp16/bf16 only; at ``zero_stage`` 1 the owned shards')."""
+    """Measured after the step: fp32 master weights in device memory (fp16/bf16 only; at ``zero_stage`` 1 the owned
+    shards'; 0 with ``offload_optimizer``, see ``host_optimizer_bytes``)."""
     moments_bytes: int = 0
-    """Measured after the step: AdamW's fp32 moments (at ``zero_stage`` 1 the owned shards')."""
+    """Measured after the step: AdamW's fp32 moments in device memory (at ``zero_stage`` 1 the owned shards'; 0 with
+    ``offload_optimizer``)."""
+    host_optimizer_bytes: int = 0
+    """Measured after the step, with the plan's ``offload_optimizer``: host memory this rank's optimizer state takes,
+    per parameter whose state it keeps (at ``zero_stage`` 1 its owned shards) an fp32 master, two fp32 moments and
+    one compute-dtype element of the staging buffer (``runtime.train.host_optimizer``)."""
+    host_optimizer_ms: float = 0.0
+    """With ``offload_optimizer``: the host's AdamW step (unscaling, AdamW, rounding), after the gradients arrived;
+    part of optimizer_ms."""
+    host_optimizer_wait_ms: float = 0.0
+    """With ``offload_optimizer``: how long the host waited for the gradients' copies to the host (0 on CPU)."""
+    host_optimizer_out_bytes: int = 0
+    """With ``offload_optimizer``: gradient bytes copied device to host for the step (0 on a skipped step)."""
+    host_optimizer_in_bytes: int = 0
+    """With ``offload_optimizer``: updated weight bytes copied host to device after the step."""
     lr: float = 0.0
     """Learning rate this step's update used."""
     grad_norm: float = 0.0
@@ -232,16 +254,20 @@ class Engine:
         self.stage_layers = [st.layers for st in pipe.stages]
         """The layers of every (virtual) stage of this rank's pipeline."""
         self.sync = ReplicaSync(plan, self.topo, self.pos, self.model, self.groups.peers)
-        # Both cast the module to the compute dtype after copying the fp32 masters (fp16/bf16).
+        self.offload_optimizer = self.topo.stage(self.pos).devices[self.pos.tp_rank].offload_optimizer
+        """This rank keeps its optimizer state in host memory and steps there (``runtime.train.host_optimizer``)."""
+        # All cast the module to the compute dtype after copying the fp32 masters (fp16/bf16).
         if plan.zero_stage >= 1:
             self.precision = ShardedAdamW(self.model, self.sync, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
-                                          weight_decay=weight_decay, loss_scale=loss_scale)
+                                          weight_decay=weight_decay, loss_scale=loss_scale, host=self.offload_optimizer)
         else:
-            self.precision = MasterWeights(self.model, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
-                                           weight_decay=weight_decay, loss_scale=loss_scale,
-                                           decays=[decays(n) for n, _ in self.model.named_parameters()])
+            kind = HostMasterWeights if self.offload_optimizer else MasterWeights
+            self.precision = kind(self.model, spec.dtype, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                  weight_decay=weight_decay, loss_scale=loss_scale,
+                                  decays=[decays(n) for n, _ in self.model.named_parameters()])
         self.optimizer = self.precision.optimizer
-        """The torch AdamW over this rank's (master) parameters; None with sharded state (``zero_stage`` >= 1)."""
+        """The torch AdamW over this rank's (master) parameters, host tensors with ``offload_optimizer``; None with sharded
+        state (``zero_stage`` >= 1)."""
         self.units: UnitShards | None = None
         """Stages 2 and 3: the owned gradient (and weight) shards of the unit groups and their collectives."""
         if self.layered:
@@ -253,6 +279,8 @@ class Engine:
         else:
             self.grad_buffer = self._contiguous_grads()
             self.sync.bind_grads(self.grad_buffer, {n: v for (n, _), (_, v) in zip(self.model.named_parameters(), self._grad_views)})
+            if isinstance(self.precision, HostMasterWeights):
+                self.precision.bind_grads(self.grad_buffer)  # one copy of it to the host a step
             self._norm_views = self.sync.norm_views()
         self.measure = measure
         self.samples_per_step = plan.global_batch
@@ -281,10 +309,11 @@ class Engine:
                 self.model.load_full(full)  # the compute-dtype weights, rounded from the full values
             self.precision.load_masters(full)
             return
-        if not self.precision.mixed:
+        if not self.precision.mixed and not self.offload_optimizer:
             self.model.load_full(full)
             return
-        # The masters take the exact values, the module their rounding; each full tensor is read once.
+        # The masters take the exact values, the module their rounding (host masters: their own copy in fp32 too);
+        # each full tensor is read once.
         spec, pos, shapes = self.plan.model, self.pos, parameter_shapes(self.plan.model)
         values = []
         for name, p in self.model.named_parameters():
@@ -805,6 +834,11 @@ class Engine:
         held = self.precision.state_bytes()
         stats.weights_bytes, stats.grads_bytes = held.weights_bytes, held.grads_bytes
         stats.master_bytes, stats.moments_bytes = held.master_bytes, held.moments_bytes
+        stats.host_optimizer_bytes = held.host_optimizer_bytes
+        link = getattr(self.precision, "link", None)
+        if link is not None:  # host-side figures: no read of the device
+            stats.host_optimizer_ms, stats.host_optimizer_wait_ms = link.step_ms, link.wait_ms
+            stats.host_optimizer_out_bytes, stats.host_optimizer_in_bytes = link.out_bytes, link.in_bytes
         self._carried_peak_bytes = max(self._memory_now(), stats.peak_allocated_bytes)
         if stats.memory_bytes:
             stats.memory_bytes[dist.get_rank()] = float(self._carried_peak_bytes)  # this rank's own is known whole

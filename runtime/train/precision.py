@@ -155,6 +155,12 @@ class StateBytes:
     """fp32 master weights (4 bytes per parameter in fp16/bf16, none in fp32)."""
     moments_bytes: int
     """AdamW's two fp32 moments (8 bytes per parameter, once the first step has created them)."""
+    host_optimizer_bytes: int = 0
+    """With the optimizer state offloaded (``runtime.train.host_optimizer``): host memory it holds, fp32 masters,
+    moments and the staging buffer (``host_staging_bytes``); ``master_bytes`` and ``moments_bytes`` are then 0 (they
+    count device memory)."""
+    host_staging_bytes: int = 0
+    """Of ``host_optimizer_bytes``, the host buffer the gradients come into and fp16/bf16 weights leave from."""
 
     @property
     def optimizer_bytes(self) -> int:
@@ -187,18 +193,21 @@ class MasterWeights:
         self.module = module
         self.params = list(module.parameters())
         self.mixed = dtype != "fp32"
+        # Copied before the cast: rounding to bf16 first would lose the initial values for good.
+        self.masters = self._make_masters()
         if self.mixed:
-            # Copied before the cast: rounding to bf16 first would lose the initial values for good.
-            self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
             module.to(compute_dtype(dtype))
             self.params = list(module.parameters())
-        else:
-            self.masters = self.params
         # Fused where the device has it (the moments the first step makes are contiguous like the masters).
         self.optimizer = torch.optim.AdamW(self._groups(decays, weight_decay), lr=lr, betas=betas, eps=eps,
                                            weight_decay=weight_decay, **adamw_kernel(self.masters))
         self.scaler = LossScaler(loss_scale) if dtype == "fp16" else None
         self._chunks = self._chunk(self.params) if self.mixed else []
+
+    def _make_masters(self) -> list[torch.Tensor]:
+        """The fp32 tensors AdamW updates, made while the module is still fp32: copies of the parameters in
+        fp16/bf16, the parameters themselves in fp32 (``runtime.train.host_optimizer`` keeps host copies instead)."""
+        return [nn.Parameter(p.detach().float().clone()) for p in self.params] if self.mixed else self.params
 
     def _groups(self, decays: list[bool] | None, weight_decay: float) -> list[dict]:
         """AdamW parameter groups: those ``decays`` marks (every parameter when None) take
@@ -276,11 +285,11 @@ class MasterWeights:
             torch._foreach_copy_([self.params[i] for i in chunk], [self.masters[i] for i in chunk])
         return True
 
+    def moments(self) -> list:
+        """Both Adam moments of every master (None where the optimizer has not stepped yet)."""
+        return [st.get(k) for st in (self.optimizer.state.get(m, {}) for m in self.masters) for k in ("exp_avg", "exp_avg_sq")]
+
     def state_bytes(self) -> StateBytes:
-        moments = []
-        for m in self.masters:
-            st = self.optimizer.state.get(m, {})
-            moments += [st.get("exp_avg"), st.get("exp_avg_sq")]
         return StateBytes(weights_bytes=storage_bytes(self.params), grads_bytes=storage_bytes(p.grad for p in self.params),
                           master_bytes=storage_bytes(self.masters) if self.mixed else 0,
-                          moments_bytes=storage_bytes(moments))
+                          moments_bytes=storage_bytes(self.moments()))

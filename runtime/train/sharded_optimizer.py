@@ -23,6 +23,13 @@ gradient after a unit's reduce-scatter); stage 2 then updates the module's param
 unit by unit as above; stage 3 updates the flat weight shards (the edges, whole until after the step, in the
 module's parameters) and gathers nothing: the weights stay sharded until the next step gathers them.
 
+With ``host`` (the device's ``DeviceShare.offload_optimizer``, ``runtime.train.host_optimizer``) the owned shards'
+masters (fp32 copies of the weights in fp32 training too) and moments are host tensors: before 1 every owned gradient
+shard is copied to a host staging buffer (compute dtype) and the host waits for the copies once; 1 then runs on the
+host, the same pieces, batches and kernel, writing the rounded weights (fp16/bf16) into the staging buffer; the
+updated owned weights are copied back into the module's parameters before 2. Stage 1 only: stages 2 and 3 step unit
+by unit on the device (``baton.plan.validate`` refuses offload there).
+
 It stands in for ``runtime.train.precision.MasterWeights`` (same ``step``, ``set_lr``, ``loss_scale``,
 ``scaler``, ``state_bytes``); checkpoints read and write the owned shards (``state_range``,
 ``load_masters``, ``load_moments``), as full tensors on disk, so a run resumes under any plan and either sharding stage.
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as _adam
 
+from runtime.train.host_optimizer import HostLink
 from runtime.train.precision import LossScaler, LossScaleSettings, StateBytes, storage_bytes, adamw_kernel, compute_dtype
 from runtime.train.replica_sync import ReplicaSync, SyncGroup, entry_spans
 from runtime.parallel.slicing import take_slice
@@ -51,6 +59,8 @@ class _Shard:
     exp_avg: torch.Tensor | None = None
     """AdamW's moments, fp32, created by the first step (as torch's AdamW does)."""
     exp_avg_sq: torch.Tensor | None = None
+    staging: torch.Tensor | None = None
+    """With the state on the host: the owned gradients in the compute dtype, then (fp16/bf16) the rounded weights."""
 
 
 class ShardedAdamW:
@@ -58,8 +68,12 @@ class ShardedAdamW:
     module is still fp32: the masters are copied from the exact values, then it casts the module."""
 
     def __init__(self, module: torch.nn.Module, sync: ReplicaSync, dtype: str, *, lr: float, betas: tuple[float, float],
-                 eps: float, weight_decay: float, loss_scale: LossScaleSettings | None = None):
+                 eps: float, weight_decay: float, loss_scale: LossScaleSettings | None = None, host: bool = False):
         self.module, self.sync, self.dtype = module, sync, dtype
+        p0 = next(module.parameters())
+        self.link = HostLink(p0.device) if host else None
+        """The owned shards' state is in host memory and steps there (module docstring); None: on the device."""
+        self._state_device = torch.device("cpu") if host else p0.device
         self.store = None
         """Stages 2 and 3: the ``runtime.train.layered.UnitShards`` holding the owned gradient (and weight) shards
         (``attach``); None at stage 1, where the gradients are the module's."""
@@ -73,11 +87,14 @@ class ShardedAdamW:
         self.shards: list[_Shard] = []
         for sg in sync.mine:
             shard = _Shard(sg=sg)
-            if self.mixed:
-                lo, hi = sg.owned
-                p0 = next(module.parameters())
-                shard.master = torch.empty(hi - lo, dtype=torch.float32, device=p0.device)
+            lo, hi = sg.owned
+            if self.mixed or host:
+                # On the host in fp32 too (the weights leave from it, so pinned); fp16/bf16 leave from the staging.
+                shard.master = torch.empty(hi - lo, dtype=torch.float32, device=self._state_device,
+                                           pin_memory=host and self.link.cuda and not self.mixed)
                 sync.copy(sg, sync._param, lo, hi, shard.master, into_buffer=True)  # the module is still fp32
+            if host:
+                shard.staging = self.link.buffer(hi - lo, compute_dtype(dtype))
             self.shards.append(shard)
         if self.mixed:
             module.to(compute_dtype(dtype))
@@ -87,6 +104,8 @@ class ShardedAdamW:
     def attach(self, store) -> None:
         """Stages 2 and 3: take the gradients from ``store``'s flat shards (and at stage 3 update its weight
         shards instead of the module's parameters, which are released between uses)."""
+        if self.link is not None:
+            raise ValueError("optimizer-state offload needs zero_stage 0 or 1 (baton.plan.validate refuses it at 2 and 3)")
         self.store = store
 
     @property
@@ -107,16 +126,27 @@ class ShardedAdamW:
         weights group by group; moves the fp16 loss scale. Returns whether the weights were updated."""
         self.gather_ms = 0.0
         inv_scale = grad_factor / self.loss_scale
+        if self.link is not None:
+            self.link.start()
         if self.scaler is not None:
             self.scaler.update(overflow)
         if overflow:
             return False
         self.steps += 1
+        owned = [shard for shard in self.shards if shard.sg.owned[1] > shard.sg.owned[0]]
+        if self.link is not None:
+            # Every owned gradient shard out, then one wait for them all (runtime.train.host_optimizer).
+            for shard in owned:
+                self._pieces_across(shard, shard.staging, out=True)
+            self.link.wait()
         # Every owned shard first, then the all-gathers: an all-gather waits for all its holders, so
         # interleaving them with the updates would chain one owner's update behind another's.
-        for shard in self.shards:
-            if shard.sg.owned[1] > shard.sg.owned[0]:
-                self._update(shard, inv_scale)
+        for shard in owned:
+            self._update(shard, inv_scale)
+        if self.link is not None:
+            self.link.stop()
+            for shard in owned:  # the updated owned weights back into the module's parameters, for the all-gathers
+                self._pieces_across(shard, shard.staging if self.mixed else shard.master, out=False)
         if self.store is not None and self.store.zero_stage == 3:
             return True  # the weights stay sharded: each owner's update is in its weight shard (or whole edges)
         t0 = time.perf_counter()
@@ -133,13 +163,33 @@ class ShardedAdamW:
         self.gather_ms = (time.perf_counter() - t0) * 1e3
         return True
 
+    def _pieces_across(self, shard: _Shard, flat: torch.Tensor, *, out: bool) -> None:
+        """Copy the owned gradients (``out``) into the host tensor ``flat``, or the owned weights from it into the
+        module's parameters, over the link. A whole layout's owned gradients are one range of the flat buffer."""
+        sg, sync, link = shard.sg, self.sync, self.link
+        lo, hi = sg.owned
+        if out and sg.layout.whole:
+            link.to_host(flat, sync.grad_buffer[lo:hi])
+            return
+        for start, piece, _ in sync.pieces(sg, sync.grads.__getitem__ if out else sync._param, lo, hi):
+            part = flat[start - lo:start - lo + piece.numel()].view(piece.shape)
+            if out:
+                link.to_host(part, piece)
+            else:
+                link.to_device(piece, part)
+
     def _update(self, shard: _Shard, inv_scale: float) -> None:
         sg, sync = shard.sg, self.sync
         lo, hi = sg.owned
         if shard.exp_avg is None:
-            shard.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.params[0].device)
+            shard.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self._state_device)
             shard.exp_avg_sq = torch.zeros_like(shard.exp_avg)
-        if self.store is None:
+        host = self.link is not None
+        if host:
+            # The staged gradients, piece for piece as on the device; the masters are the host's.
+            params = sync.pieces(sg, sync._param, lo, hi)
+            grads = [(a, shard.staging[a - lo:a - lo + p.numel()].view(p.shape), e) for a, p, e in params]
+        elif self.store is None:
             grads = sync.pieces(sg, sync.grads.__getitem__, lo, hi)
             params = sync.pieces(sg, sync._param, lo, hi)
         else:
@@ -157,12 +207,12 @@ class ShardedAdamW:
             a, n, shape = start - lo, g.numel(), g.shape
             if self.mixed:
                 g = g.float()
-                master = shard.master[a:a + n].view(shape)
-            else:
-                master = p
+            master = shard.master[a:a + n].view(shape) if self.mixed or host else p
+            # The compute-dtype weights rounded from the masters: the module's, or with the state on the host the
+            # staging's (this piece's gradient is spent by then: ``g`` is its fp32 copy).
+            rounded = (shard.staging[a:a + n].view(shape) if host else p) if self.mixed else None
             batch = batches[entry.decays]
-            batch.add(master, g, shard.exp_avg[a:a + n].view(shape), shard.exp_avg_sq[a:a + n].view(shape),
-                      p if self.mixed else None)
+            batch.add(master, g, shard.exp_avg[a:a + n].view(shape), shard.exp_avg_sq[a:a + n].view(shape), rounded)
             if self.mixed and batch.numel >= self._batch_limit:
                 self._run(batch, entry.decays, inv_scale)
         for decay, batch in batches.items():
@@ -199,9 +249,13 @@ class ShardedAdamW:
             weights, grads = self.store.peak_weights_bytes, self.store.peak_grads_bytes
         else:
             weights, grads = storage_bytes(self.params), storage_bytes(p.grad for p in self.params)
-        return StateBytes(weights_bytes=weights, grads_bytes=grads,
-                          master_bytes=sum(s.master.nbytes for s in self.shards if s.master is not None),
-                          moments_bytes=sum(t.nbytes for s in self.shards for t in (s.exp_avg, s.exp_avg_sq) if t is not None))
+        master = sum(s.master.nbytes for s in self.shards if s.master is not None)
+        moments = sum(t.nbytes for s in self.shards for t in (s.exp_avg, s.exp_avg_sq) if t is not None)
+        if self.link is not None:
+            staging = sum(s.staging.nbytes for s in self.shards)
+            return StateBytes(weights_bytes=weights, grads_bytes=grads, master_bytes=0, moments_bytes=0,
+                              host_optimizer_bytes=master + moments + staging, host_staging_bytes=staging)
+        return StateBytes(weights_bytes=weights, grads_bytes=grads, master_bytes=master, moments_bytes=moments)
 
     def owned_params(self) -> int:
         """Elements whose optimizer state this rank keeps."""
@@ -218,7 +272,7 @@ class ShardedAdamW:
         shard = self._shard(index)
         o = shard.sg.owned[0]
         out = torch.zeros((3, hi - lo), dtype=torch.float32, device=self.params[0].device)
-        if self.mixed:
+        if self.mixed or self.link is not None:
             out[0] = shard.master[lo - o:hi - o]
         elif self.store is not None and not self.store.whole_at_step(shard.sg):
             out[0] = self.store.weight_shards[index][lo - o:hi - o]  # stage 3: the weights are the shards
@@ -232,7 +286,7 @@ class ShardedAdamW:
     def load_masters(self, full) -> None:
         """Set the owned master shards (fp16/bf16) from ``full(name)`` -> full fp32 tensor; the module's
         weights are the caller's (``StageModel.load_full``)."""
-        if self.mixed:
+        if self.mixed or self.link is not None:
             self._load(lambda shard, kind: shard.master, ["param"], lambda kind, name: full(name))
 
     @torch.no_grad()
@@ -243,7 +297,7 @@ class ShardedAdamW:
         for shard in self.shards:
             lo, hi = shard.sg.owned
             if steps > 0 and hi > lo:
-                shard.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.params[0].device)
+                shard.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self._state_device)
                 shard.exp_avg_sq = torch.zeros_like(shard.exp_avg)
             else:
                 shard.exp_avg = shard.exp_avg_sq = None
