@@ -5,6 +5,11 @@ CPUs and GPUs, fp16 on GPUs only (CPUs do not train in it), and the optimizer ro
 own step (fp32 master weights for fp16/bf16). Each layer is timed as a training iteration runs it, with the
 host's time to launch it beside (``runtime.measure.op_profiler.time_in_step``; eq. 2h of docs/cost-model.md).
 
+With ``--compile`` the layers are timed compiled, as ``baton train --compile`` runs them
+(``runtime.measure.op_profiler``). Whether a table was is recorded beside it, in ``<table>.settings.json``
+(``{"compile": true, "torch": "2.13.0"}``; a measured table without one was timed uncompiled), and ``baton train``
+says in one line when its --compile differs from the tables its plan's prediction reads (``compile_mismatch``).
+
 The ``profile`` command itself belongs to the planning core, which derives tables from the catalog
 (``--analytic``); measuring runs the runtime's own layer, so the runtime hands the core this branch
 when it registers its commands (``register``), and ``baton/`` never imports the runtime.
@@ -14,12 +19,53 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from baton.atomic import write_atomically
 from baton.catalog import gpu_type
 from baton.cli_support import console, say
 from baton.commands import MeasureRequest, set_profile_measurer
 from baton.errors import BatonError
 from baton.model_files import load_model
 from baton.profile import profiles_dir, table_filename, write_table
+
+
+SETTINGS_SUFFIX = ".settings.json"
+"""Beside a measured table ``<name>.csv``: ``<name>.settings.json``, how its layers were run."""
+
+
+def settings_path(table: str | Path) -> Path:
+    return Path(table).with_suffix(SETTINGS_SUFFIX)
+
+
+def table_compiled(table: str | Path) -> bool:
+    """Whether the measured table at ``table`` was timed with compiled layers (no settings beside it: no, it predates
+    them; unreadable settings: no)."""
+    path = settings_path(table)
+    try:
+        return bool(json.loads(path.read_text()).get("compile", False))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def compile_mismatch(plan, compile: bool, cluster_path=None, profiles_dir=None) -> str | None:
+    """One line when a measured table that predicts ``plan`` was timed otherwise than ``compile`` says the run goes
+    (None when they agree, or when nothing is measured: derived tables know nothing of compilation). A cluster or
+    table that cannot be found is the pre-flight check's to report, not this note's."""
+    from runtime.launch.devices import prediction_profiles, resolve_cluster
+
+    try:
+        cluster, _ = resolve_cluster(plan, cluster_path)
+        tables = prediction_profiles(plan, cluster, profiles_dir)
+        gpus = sorted({cluster.device(i).gpu.name for i in plan.device_ids()})
+        measured = [tables[g] for g in gpus if tables[g].measured and Path(tables[g].source).is_file()]
+    except BatonError:
+        return None
+    other = [t for t in measured if table_compiled(t.source) != compile]
+    if not other:
+        return None
+    how = "without --compile" if compile else "with --compile"
+    run = "compiled" if compile else "uncompiled"
+    return (f"--compile: the prediction reads {other[0].source}, profiled {how}; this run's layers are {run}, so measured "
+            f"and predicted times differ by that too (profile again with the same setting)")
 
 
 def register() -> None:
@@ -36,6 +82,7 @@ def measure(req: MeasureRequest) -> None:
     from runtime.measure.op_profiler import profile_table
     from runtime.train.precision import cpu_runs_natively, emulation_note
 
+    compile = req.compile
     spec = load_model(req.model)
     if req.seq_len:
         spec = spec.with_overrides(seq_len=req.seq_len)
@@ -60,15 +107,17 @@ def measure(req: MeasureRequest) -> None:
         task = bar.add_task(f"profiling {spec.name} on {req.device}", total=None)
         df = profile_table(spec, device=dev, micro_batches=req.micro_batches, shares=shares, warmup=req.warmup,
                            reps=req.reps, gpu_name=name, concurrent=req.concurrent, back_to_back=req.back_to_back,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+                           compile=compile, progress=lambda done, total: bar.update(task, completed=done, total=total))
     gpu_name = str(df["gpu"].iloc[0])
     path = req.out or profiles_dir() / "measured" / table_filename(gpu_name, spec.name, spec.seq_len)
     write_table(df, path)
+    write_atomically(settings_path(path), json.dumps({"compile": compile, "torch": torch.__version__}, indent=2) + "\n")
     say(f"wrote {len(df)} measured rows to {path} "
                   f"({spec.dtype} as the model trains, torch {torch.__version__}, "
                   + (f"{req.concurrent} profilers at once, one thread each" if req.concurrent > 1
                      else f"{torch.get_num_threads()} threads")
                   + f", median of {req.reps} after {req.warmup} warm-up"
+                  + (", layers compiled" if compile else "")
                   + ", layers timed in a step with the host's launch times beside"
                   + ("; embedding and head back to back in pieces)" if req.back_to_back else ")"))
     if req.comm:
@@ -77,7 +126,6 @@ def measure(req: MeasureRequest) -> None:
 
 def _measure_link(spec, dev: str, mbs: tuple[int, ...], comm_ranks: int, table_path: Path) -> None:
     """Fit the link between ``comm_ranks`` local processes; written next to the table it belongs to."""
-    from baton.atomic import write_atomically
     from runtime.measure.comm_profiler import measure_links
 
     backend = "nccl" if dev.startswith("cuda") else "gloo"

@@ -72,6 +72,8 @@ def train(ctx: typer.Context, **options) -> None:
     _check_own_options(options)
     the_plan = load_plan(options["plan"])
     cfg = train_config(options, plan=the_plan, collect_all_ranks=options["report"] is not None)
+    if not _started_by_torchrun() or _shows_progress(the_plan):
+        _note_compile_setting(cfg)
     if (cfg.rdzv_endpoint or cfg.node) and not _started_by_torchrun():
         _launch_machine(cfg, options)
         return
@@ -98,6 +100,15 @@ def train(ctx: typer.Context, **options) -> None:
 
 train.__signature__ = inspect.Signature([
     inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context), *option_parameters()])
+
+
+def _note_compile_setting(cfg) -> None:
+    """One line when the tables of the run's prediction were profiled with another --compile setting than the run's."""
+    from runtime.commands.profile import compile_mismatch
+
+    line = compile_mismatch(cfg.plan, cfg.compile, cfg.cluster_path, cfg.profiles_dir)
+    if line:
+        say(f"note: {line}", err=True)
 
 
 def _started_by_torchrun() -> bool:

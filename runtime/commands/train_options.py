@@ -92,6 +92,7 @@ OPTIONS: tuple[TrainOption, ...] = (
     TrainOption("config", Path, help="YAML file of options (keys: option names); the command line overrides it."),
     TrainOption("device", str, field="device"),
     TrainOption("gpus", str, field="gpus", to_field=_gpu_indices),
+    TrainOption("compile", bool, field="compile"),
     TrainOption("timeout", float, field="timeout_s"),
     TrainOption("rdzv_endpoint", str, field="rdzv_endpoint"),
     TrainOption("node", str, field="node"),

@@ -141,6 +141,9 @@ class TrainConfig:
     trace: str | None = None
     """Write a Chrome/Perfetto trace (JSON) of every rank's measured forward, backward, recompute,
     sends/receives, all-reduces and optimizer."""
+    compile: bool = False
+    """Run each layer's operators as torch.compile graphs (compiled in the first step; refused with activation
+    offload); see docs/errors.md."""
 
 
 def _finite(value: float, flag: str, *, minimum: float, inclusive: bool, maximum: float = math.inf) -> None:
@@ -240,6 +243,10 @@ def prepare(cfg: TrainConfig, on_notice=None) -> TrainConfig:
         from runtime.model.hf_import import load_hf
 
         load_hf(cfg.init_from, spec)  # fail early on a wrong directory or config
+    if cfg.compile:
+        from runtime.parallel.stage import check_compile
+
+        check_compile(cfg.plan)
     return cfg
 
 
@@ -286,6 +293,8 @@ def run_rank(cfg: TrainConfig, rank: int, device: torch.device, report=None, sto
     engine = Engine(plan, rank, device=device, seed=cfg.seed, lr=cfg.lr, weight_decay=cfg.weight_decay, full=full,
                     timeout_s=cfg.timeout_s, schedule=schedule_of(cfg), clip_grad=cfg.clip_grad)
     pin_rank(int(os.environ.get("LOCAL_RANK", rank)))  # after the engine made its groups (see runtime.launch.affinity)
+    if cfg.compile:
+        engine.model.compile_layers()
     if cfg.trace:
         from runtime.measure.trace import Tracer
 

@@ -11,6 +11,11 @@ are what autograd keeps for the operator's backward (storages counted once, para
 Every measurement seeds its own inputs, so the table does not depend on the order of the runs.
 The table also holds one timed step after the passes (gradient norm and AdamW update, row ``optimizer``),
 which eq. 10 scales by the weights held.
+
+With ``compile`` (``baton profile --device ... --compile``) the layers timed in a step are compiled as
+``baton train --compile`` compiles them (``ParallelBlock.compile_operators``), their compilation in an untimed
+warm-up; the operators alone stay eager, so their shares of the layer and their saved bytes are the uncompiled
+operators' (a compiled graph keeps at most what its operators keep).
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from runtime.train.optim_settings import grad_square_sum
 from runtime.launch.processes import die_with_parent, stop_processes
 from runtime.parallel.stage import StageModel
 from runtime.parallel.llama_layer import parallel_block
-from runtime.parallel.tp_layer import MicroBatch, ParallelBlock
+from runtime.parallel.tp_layer import MicroBatch, ParallelBlock, forget_compiled_graphs
 
 
 
@@ -273,20 +278,27 @@ def _init(module: torch.nn.Module, seed: int) -> None:
 def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share: float, *, warmup: int, reps: int,
                   seed: int = 0, backward_overhead_ms: float = 0.0,
                   back_to_back_overhead_ms: float | None = None, in_step: bool = False,
-                  segment: bool = False) -> dict[str, Measurement]:
+                  segment: bool = False, compile: bool = False) -> dict[str, Measurement]:
     """Measure every operator of one layer at one (micro-batch, share), then scale the operators to the whole
     layer: with ``in_step`` timed as a step runs it (``in_step``), device and host apart; otherwise from an idle
     device (``measure``), back to back in pieces given ``back_to_back_overhead_ms``, its backward less that.
     Each operator alone gives its share. With ``in_step`` and ``segment``, every operator's ``seg_host_ms`` is
-    the host cost of one recomputed segment (``segment_host_ms``), the same wherever a segment ends."""
+    the host cost of one recomputed segment (``segment_host_ms``), the same wherever a segment ends. With ``compile``
+    (``in_step`` only) the layers timed in a step run compiled."""
+    if compile and not in_step:
+        raise ValueError("compiled layers are timed in a step only (in_step=True)")
     dtype = compute_dtype(spec.dtype)
     nh, nf = local_sizes(spec, share)
+    if compile:
+        forget_compiled_graphs()
 
-    def make_block(layer: int, recompute=frozenset()) -> ParallelBlock:
+    def make_block(layer: int, recompute=frozenset(), compiled: bool = False) -> ParallelBlock:
         blk = parallel_block(spec, layer, heads=range(nh), ffn_cols=range(nf), recompute=recompute)
         _init(blk, seed + layer)
         blk = blk.to(device=device, dtype=dtype)
         blk.train()
+        if compiled:
+            blk.compile_operators()
         return blk
 
     block = make_block(0)
@@ -313,11 +325,11 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
     if not in_step:
         return _in_context(results, block, mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps,
                            **_whole_timing(backward_overhead_ms, back_to_back_overhead_ms))
-    whole = time_in_step(make_block, mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps)
+    whole = time_in_step(lambda i: make_block(i, compiled=compile), mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps)
     scaled = _scaled(results, whole)
     if segment:
         everything = frozenset(o.name for o in layer_operators(spec))
-        rec = time_in_step(lambda i: make_block(i, everything), mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps)
+        rec = time_in_step(lambda i: make_block(i, everything, compile), mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps)
         ms = segment_host_ms(spec, whole, rec)
         scaled = {name: replace(m, seg_host_ms=ms) for name, m in scaled.items()}
     return scaled
@@ -347,6 +359,8 @@ def time_in_step(make_block: Callable[..., ParallelBlock], mb: MicroBatch, x: to
     """
     cuda = device.type == "cuda"
     blocks = [make_block(i) for i in range(STACK_LAYERS)]
+    if any(blk.compiled for blk in blocks):
+        warmup = max(warmup, 1)  # the first iteration compiles the graphs: never a timed one
     params = [p for blk in blocks for p in blk.parameters()]
     saved = SavedBytes(params)
     for blk in blocks:
@@ -543,7 +557,7 @@ def profile_optimizer(spec: ModelSpec, device: torch.device, *, warmup: int, rep
 
 def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2), shares=(1.0,), warmup: int = 2, reps: int = 5,
                   gpu_name: str | None = None, progress=None, concurrent: int = 1, timeout_s: float | None = None,
-                  back_to_back: bool = False, in_step: bool = True) -> pd.DataFrame:
+                  back_to_back: bool = False, in_step: bool = True, compile: bool = False) -> pd.DataFrame:
     """The measured table (schema of ``baton.profile``) for the local device.
 
     With ``in_step`` (the default) each layer is timed as a training iteration runs it (``time_in_step``) and
@@ -563,7 +577,11 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
     median over them. Training keeps every device of a machine busy at once and devices that share
     caches, memory bandwidth or a host run slower then: one layer on this 2-core machine took a
     median 14% longer while the other core ran the same layer than while it was idle.
+
+    With ``compile`` (needs ``in_step``) the layers timed in a step run compiled, as ``baton train --compile`` runs them.
     """
+    if compile and not in_step:
+        raise BatonError("compiled layers are timed as a step runs them; not without in-step timing", field="--compile")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BatonError("CUDA is not available on this machine", field="--device")
@@ -586,12 +604,14 @@ def profile_table(spec: ModelSpec, *, device: str = "cpu", micro_batches=(1, 2),
             raise BatonError(f"GPUs 0..{concurrent - 1} are of different types ({', '.join(sorted(kinds))}): one table is one "
                              "type; profile each type on its own", field="--concurrent")
     if concurrent == 1:
-        return _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, lambda: None, back_to_back, in_step)
+        return _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, lambda: None, back_to_back, in_step,
+                      compile)
     return _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, concurrent, timeout_s, back_to_back,
-                             in_step)
+                             in_step, compile)
 
 
-def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync, back_to_back=False, in_step=True) -> pd.DataFrame:
+def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync, back_to_back=False, in_step=True,
+           compile=False) -> pd.DataFrame:
     if dev.type == "cpu":
         keep_freed_memory()  # host memory in the state training runs in (runtime.train.engine, runtime.launch.host_memory)
     ops = {o.name: o for o in layer_operators(spec)}
@@ -612,11 +632,11 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
         for share in sorted(shares):
             sync()
             measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, in_step=in_step,
-                                     segment=in_step and share == max(shares), **timing)
+                                     segment=in_step and share == max(shares), compile=compile, **timing)
             if in_step and share == max(shares):
                 segment_ms[b] = next(iter(measured.values())).seg_host_ms
             if other_ops:
-                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, in_step=in_step, **timing)
+                layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, in_step=in_step, compile=compile, **timing)
                 measured.update({n: layer[n] for n in other_ops})
             for op_name, m in measured.items():
                 op = ops.get(op_name) or other_ops[op_name]
@@ -649,7 +669,7 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
 
 
 def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, warmup, reps, barrier, results, progress_q,
-                       parent_pid, back_to_back=False, in_step=True) -> None:
+                       parent_pid, back_to_back=False, in_step=True, compile=False) -> None:
     die_with_parent(parent_pid)  # a killed `baton profile` must not leave profilers holding the cores
     try:
         torch.set_num_threads(1)
@@ -659,7 +679,7 @@ def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, war
             torch.cuda.set_device(dev)
         report = (lambda done, total: progress_q.put((done, total))) if rank == 0 else None
         df = _table(spec, dev, name, micro_batches, shares, warmup, reps, report, lambda: barrier.wait(timeout=600), back_to_back,
-                    in_step)
+                    in_step, compile)
         results.put((rank, df.to_dict("list")))
     except threading.BrokenBarrierError:
         results.put((rank, None))  # a peer failed and says why
@@ -669,7 +689,7 @@ def _concurrent_worker(rank, spec, device_type, name, micro_batches, shares, war
 
 
 def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, progress, n, timeout_s, back_to_back=False,
-                      in_step=True) -> pd.DataFrame:
+                      in_step=True, compile=False) -> pd.DataFrame:
     import queue
 
     import torch.multiprocessing as mp
@@ -677,7 +697,7 @@ def _concurrent_table(spec, dev, name, micro_batches, shares, warmup, reps, prog
     ctx = mp.get_context("spawn")
     barrier, results, progress_q = ctx.Barrier(n), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_concurrent_worker, args=(r, spec, dev.type, name, tuple(micro_batches), tuple(shares), warmup, reps,
-                                                          barrier, results, progress_q, os.getpid(), back_to_back, in_step),
+                                                          barrier, results, progress_q, os.getpid(), back_to_back, in_step, compile),
                           daemon=True)
              for r in range(n)]
     for p in procs:

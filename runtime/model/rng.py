@@ -12,6 +12,10 @@ integer tensor ops on the tensor's own device. Consequences:
 The hash is the 32-bit MurmurHash3 finaliser, evaluated in int64 and masked to 32 bits after each
 multiply (int64 multiplication wraps, and the low 32 bits of a wrapped product are exact).
 
+Under ``baton train --compile`` a layer's operators run in compiled graphs, which must not see the step as a
+Python integer (every step would be a new graph): there the key's per-operator bases enter as one int64 tensor
+(``TensorKey``), and the same integer operations give the same masks.
+
 ``dropout`` applies a mask in the activation's dtype and keeps only the boolean mask for backward (one
 byte per element, as ``baton.operators`` counts it).
 """
@@ -63,8 +67,23 @@ class DropoutKey:
     def base(self, op: str) -> int:
         return _key(self.seed, self.step, self.layer, OPS[op])
 
+    def bases(self, device=None) -> torch.Tensor:
+        """Every operator's base, in ``OPS`` order, as an int64 tensor (``TensorKey``'s table)."""
+        return torch.tensor([self.base(op) for op in OPS], dtype=torch.int64, device=device)
 
-def _uniform(base: int, samples: torch.Tensor, rows: torch.Tensor, cols: int, device) -> torch.Tensor:
+
+@dataclass(frozen=True, slots=True)
+class TensorKey:
+    """A ``DropoutKey`` whose bases are a tensor: what a compiled layer takes instead of the step's integers."""
+
+    table: torch.Tensor
+    """``DropoutKey.bases``: int64, one per operator of ``OPS`` in order."""
+
+    def base(self, op: str) -> torch.Tensor:
+        return self.table[OPS[op] - 1]
+
+
+def _uniform(base: int | torch.Tensor, samples: torch.Tensor, rows: torch.Tensor, cols: int, device) -> torch.Tensor:
     """U[0, 1) of shape (len(samples), len(rows), cols): rows index an outer axis (head*T + query pos, or pos)."""
     s = _fmix((samples.to(device=device, dtype=torch.int64) + base) & _M32)  # (B,)
     r = rows.to(device=device, dtype=torch.int64)
@@ -74,7 +93,7 @@ def _uniform(base: int, samples: torch.Tensor, rows: torch.Tensor, cols: int, de
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def attention_keep(key: DropoutKey, samples: torch.Tensor, heads: range, seq_len: int, p: float,
+def attention_keep(key: DropoutKey | TensorKey, samples: torch.Tensor, heads: range, seq_len: int, p: float,
                    device=None) -> torch.Tensor:
     """Boolean keep-mask (B, len(heads), T, T) for attention dropout on heads ``heads`` of the layer."""
     # Built on the device: a copy from pageable host memory would make the host wait for the stream at every dropout.
@@ -84,7 +103,7 @@ def attention_keep(key: DropoutKey, samples: torch.Tensor, heads: range, seq_len
     return (u >= p).view(len(samples), len(heads), seq_len, seq_len)
 
 
-def residual_keep(key: DropoutKey, op: str, samples: torch.Tensor, seq_len: int, hidden: int, p: float,
+def residual_keep(key: DropoutKey | TensorKey, op: str, samples: torch.Tensor, seq_len: int, hidden: int, p: float,
                   device=None) -> torch.Tensor:
     """Boolean keep-mask (B, T, h) for the dropout on a residual branch (``resid1`` or ``resid2``)."""
     return _uniform(key.base(op), samples, torch.arange(seq_len, device=device), hidden, device) >= p

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from baton.model_spec import ModelSpec
 from runtime.model.llama import rotary_tables, rotate_half
-from runtime.parallel.tensor_parallel import copy_to_tp
 from runtime.parallel.tp_layer import ParallelBlock, _Params
 
 
@@ -109,6 +108,14 @@ class ParallelLlamaBlock(ParallelBlock):
         super().__init__(spec, layer, **kwargs)
         self.rotary = rotary or RotaryTables(spec)
 
+    COPIED_INPUTS = frozenset({"qkv", "gate_up"})
+
+    def forward(self, x: torch.Tensor, mb) -> torch.Tensor:
+        if self.compiled:
+            # The tables made here, eagerly: a graph that made them itself would be traced again once they exist.
+            self.rotary(x)
+        return super().forward(x, mb)
+
     def _make_parameters(self, spec: ModelSpec, nl: int, fl: int) -> None:
         C, hs = spec.hidden_dim, spec.head_dim
         nkl = nl * spec.kv_heads // spec.num_heads
@@ -133,7 +140,7 @@ class ParallelLlamaBlock(ParallelBlock):
         # writes q and k in it, the fused kernel keeps them and writes its output in it, and out_proj's
         # (B, T, nl * hs) view of that output is then not a copy.
         B, T, _ = a.shape
-        a = copy_to_tp(a, self.tp_group)
+        a = self._copy_in(a, self.tp_group)
         hs = self.spec.head_dim
         q = F.linear(a, self.attn.q_proj.weight).view(B, T, -1, hs)
         k = F.linear(a, self.attn.k_proj.weight).view(B, T, -1, hs)
@@ -151,7 +158,7 @@ class ParallelLlamaBlock(ParallelBlock):
         return (rms_norm(x, self.ln_2.weight, self.spec.norm_eps),)
 
     def _gate_up(self, mb, a):
-        a = copy_to_tp(a, self.tp_group)
+        a = self._copy_in(a, self.tp_group)
         return F.linear(a, self.mlp.gate_proj.weight), F.linear(a, self.mlp.up_proj.weight)  # (B, T, fl) each
 
     def _swiglu(self, mb, gate, up):

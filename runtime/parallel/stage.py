@@ -16,6 +16,10 @@ an RMSNorm, and an untied head has rows of its own (``lm_head.weight``, split li
 
 A stage that offloads (``offload``: the tensor names of its device's plan entry, the same for every layer) has one
 ``OffloadStash`` (``offload.py``) shared by its layers: the engine runs each pass under ``stash.record(key)``.
+
+``baton train --compile`` compiles each layer's operators (``compile_layers``; ``ParallelBlock.compile_operators``
+says how); the embedding and the head stay eager. ``check_compile`` refuses, before any rank starts, what does not
+compose with it.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import padded_vocab
 from runtime.measure.meters import Meter
@@ -34,6 +39,16 @@ from runtime.parallel.slicing import parameter_slice, take_slice, vocab_range
 from runtime.parallel.tensor_parallel import copy_to_tp, reduce_from_tp
 from runtime.parallel.tp_layer import MicroBatch, _Params
 from runtime.parallel.vocab_parallel import sum_tied_gradient, vocab_embedding, vocab_parallel_cross_entropy
+
+
+def check_compile(plan) -> None:
+    """Refuse, in one line naming --compile, a plan whose layers cannot run compiled (``ParallelBlock.compile_operators``):
+    activation offload, whose saved-tensor hooks must see each operator's own saved tensors."""
+    offloading = [d.id for p in plan.pipelines for st in p.stages for d in st.devices if d.offload]
+    if offloading:
+        raise BatonError(f"not with activation offload (device {offloading[0]} offloads): its saved-tensor hooks name each "
+                         "operator's saved tensors, which a compiled graph replaces with its own; run without --compile",
+                         field="--compile")
 
 
 class StageModel(nn.Module):
@@ -64,6 +79,12 @@ class StageModel(nn.Module):
             self.ln_f = _Params(weight=(spec.hidden_dim,)) if spec.llama else nn.LayerNorm(spec.hidden_dim, eps=LN_EPS)
         if last and not spec.tie_embeddings:
             self.lm_head = _Params(weight=(len(self.vocab), spec.hidden_dim))
+
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """Run every layer's operators as compiled graphs (``baton train --compile``), compiled at their first call
+        (``backend``: torch.compile's; tests take a cheaper one than the run's inductor)."""
+        for block in self.h.values():
+            block.compile_operators(backend)
 
     def slices(self) -> dict[str, object]:
         """Parameter name -> where its local tensor lies in the full one (see ``parameter_slice``)."""

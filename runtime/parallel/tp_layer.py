@@ -19,6 +19,18 @@ the input of a recomputed segment, it reaches the checkpointed function through 
 of as a positional input (which the checkpoint would keep on the device), and the replay reads it back from
 the host. A layer's backward prefetches the layer below it (a hook on its output).
 
+Compiled (``compile_operators``, ``baton train --compile``): every maximal run of kept operators between two
+all-reduces, and every recomputed segment, is one ``torch.compile`` graph (default mode, static shapes); the
+program around them stays eager. With tensor-parallel peers a run is also cut where ``copy_to_tp`` takes an
+operator's input (qkv, fc1; Llama's gate_up), which is applied between the two graphs: a graph break inside
+the operator instead made Dynamo give up on the whole run, which then ran eagerly. So the all-reduces of both
+passes run as the uncompiled layer runs them, outside any graph, timed by ``AllReduceClock``; a segment is still
+a non-reentrant checkpoint whose replay runs the same compiled graphs, counted and timed by the meter; and dropout
+masks take their key as a tensor (``runtime.model.rng.TensorKey``), so one graph serves every step. The
+saved-bytes meter counts what the compiled graphs keep, which may be less than the operators' own (a fused graph
+can keep its inputs instead of its intermediates). Offload is refused (``check_compile``): its saved-tensor hooks
+name each operator's saved tensors, which a graph replaces.
+
 Shape legend: B micro-batch, T sequence, C hidden, nl local heads, hs head size, fl local FFN width.
 """
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -38,7 +51,7 @@ from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, LAYER_INPUT, layer_operators
 from runtime.measure.meters import Meter
 from runtime.model.gpt import LN_EPS
-from runtime.model.rng import DropoutKey, attention_keep, dropout, residual_keep
+from runtime.model.rng import DropoutKey, TensorKey, attention_keep, dropout, residual_keep
 from runtime.parallel.offload import (OffloadStash, OpCapture, SegmentFeed, check_offload, offloaded_of, prefetch_hook,
                                       storage_names)
 from runtime.parallel.tensor_parallel import copy_to_tp, group_size, reduce_from_tp
@@ -57,14 +70,48 @@ class MicroBatch:
     samples: torch.Tensor
     """Indices of the micro-batch's rows in the step's global batch."""
 
+    def dropout_key(self, layer: int) -> DropoutKey:
+        return DropoutKey(self.seed, self.step, layer)
+
+
+@dataclass(frozen=True, slots=True)
+class _CompiledBatch:
+    """What a compiled graph of one layer sees of its micro-batch: tensors only, so no step is a new graph."""
+
+    samples: torch.Tensor
+    """``MicroBatch.samples``."""
+    table: torch.Tensor
+    """The layer's dropout bases at this step (``DropoutKey.bases``)."""
+
+    def dropout_key(self, layer: int) -> TensorKey:
+        return TensorKey(self.table)  # the table is the layer's own already
+
 
 @dataclass(frozen=True, slots=True)
 class _Segment:
     """A run of consecutive recomputed operators, replayed as one checkpoint."""
 
     ops: tuple
+    """The operators, in order."""
     inputs: tuple[str, ...]
+    """Tensors they read that none of them makes."""
     outputs: tuple[str, ...]
+    """Tensors they make that are read after them (or are the layer's output)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """A run of consecutive kept operators between all-reduces or segments: one graph when compiled (or a piece of
+    a run or segment, cut where ``copy_to_tp`` takes an input)."""
+
+    ops: tuple
+    """The operators, in order."""
+    inputs: tuple[str, ...]
+    """Tensors they read that none of them makes."""
+    outputs: tuple[str, ...]
+    """Tensors they make that are read after them (or are the layer's output)."""
+    copied: str | None = None
+    """A piece's input that enters through ``copy_to_tp`` before the graph (its first operator's first input)."""
 
 
 class _Params(nn.Module):
@@ -101,6 +148,31 @@ class ParallelBlock(nn.Module):
         # as nn.Linear does) instead of a separate pass after an all-reduce that does not happen.
         self.bias_in_product = group_size(tp_group) == 1 and hasattr(self.attn.c_proj, "bias")
         self.program = _program(layer_operators(spec), frozenset(recompute))
+        self._copy_in = copy_to_tp
+        """``copy_to_tp``; compiled, the identity (the copy is made between two graphs, ``_run_compiled``)."""
+        self._graphs: dict[tuple[str, ...], list] | None = None
+        """(piece, compiled graph) of each run and segment, by its operators' names (None: not compiled)."""
+        self._backend = "inductor"
+        """torch.compile's backend for them."""
+        self._tables: dict = {}
+        """Dropout bases by (seed, step, device) while compiled: one host-to-device copy per layer and step."""
+
+    def compile_operators(self, backend: str = "inductor") -> None:
+        """Run the operators as compiled graphs from now on (see the module docstring), with torch.compile's
+        ``backend``; the caller has checked the combination (``check_compile``)."""
+        if self.offload:
+            raise ValueError("a compiled layer cannot offload (check_compile refuses the combination)")
+        self._copy_in = _no_copy
+        self._graphs = {}
+        self._backend = backend
+        self.program = _compiled_program(self.program)
+
+    @property
+    def compiled(self) -> bool:
+        return self._graphs is not None
+
+    COPIED_INPUTS = frozenset({"qkv", "fc1"})
+    """Operators whose first input enters through ``copy_to_tp`` (the column-parallel products)."""
 
     def _make_parameters(self, spec: ModelSpec, nl: int, fl: int) -> None:
         """The layer's parameters at ``nl`` local heads and ``fl`` local FFN columns."""
@@ -120,7 +192,7 @@ class ParallelBlock(nn.Module):
 
     def _qkv(self, mb, a):
         B, T, _ = a.shape
-        qkv = F.linear(copy_to_tp(a, self.tp_group), self.attn.c_attn.weight, self.attn.c_attn.bias)
+        qkv = F.linear(self._copy_in(a, self.tp_group), self.attn.c_attn.weight, self.attn.c_attn.bias)
         qkv = qkv.view(B, T, 3, len(self.heads), self.spec.head_dim)
         if self.spec.attention == "fused":
             # Views of the qkv output, each (B, nl, T, hs) laid out as (B, T, nl, hs). Only attn_core reads
@@ -146,8 +218,7 @@ class ParallelBlock(nn.Module):
     def _attn_dropout(self, mb, probs):
         if not self.training:  # evaluation (validation loss): no dropout, as the reference model's eval()
             return (probs,)
-        key = DropoutKey(mb.seed, mb.step, self.layer)
-        keep = attention_keep(key, mb.samples, self.heads, probs.size(-1), self.spec.dropout, probs.device)
+        keep = attention_keep(mb.dropout_key(self.layer), mb.samples, self.heads, probs.size(-1), self.spec.dropout, probs.device)
         return (dropout(probs, keep, self.spec.dropout),)
 
     def _attn_v(self, mb, probs, v):
@@ -172,7 +243,7 @@ class ParallelBlock(nn.Module):
         y = branch if bias is None else branch + bias
         if self.spec.dropout > 0.0 and self.training:
             B, T, C = y.shape
-            keep = residual_keep(DropoutKey(mb.seed, mb.step, self.layer), name, mb.samples, T, C, self.spec.dropout, y.device)
+            keep = residual_keep(mb.dropout_key(self.layer), name, mb.samples, T, C, self.spec.dropout, y.device)
             y = dropout(y, keep, self.spec.dropout)
         return (x + y,)
 
@@ -183,7 +254,7 @@ class ParallelBlock(nn.Module):
         return (F.layer_norm(x, x.shape[-1:], self.ln_2.weight, self.ln_2.bias, LN_EPS),)
 
     def _fc1(self, mb, a):
-        return (F.linear(copy_to_tp(a, self.tp_group), self.mlp.c_fc.weight, self.mlp.c_fc.bias),)  # (B, T, fl)
+        return (F.linear(self._copy_in(a, self.tp_group), self.mlp.c_fc.weight, self.mlp.c_fc.bias),)  # (B, T, fl)
 
     def _gelu(self, mb, h):
         return (F.gelu(h, approximate="tanh"),)
@@ -222,7 +293,10 @@ class ParallelBlock(nn.Module):
         env = dict(zip([n for n in seg.inputs if feed is None or n not in feed.parts], inputs))
         if feed is not None:
             env.update(feed.take())
-        self._run_ops(seg.ops, mb, env)
+        if self.compiled:
+            self._run_compiled(seg, mb, env)
+        else:
+            self._run_ops(seg.ops, mb, env)
         if clock is not None:
             clock.stop(token, ("recompute", meter.backward_mb))
         return tuple(env[n] for n in seg.outputs)
@@ -245,6 +319,8 @@ class ParallelBlock(nn.Module):
                     outs = checkpoint(partial(self._replay, item, mb, feed), *inputs,
                                       use_reentrant=False, preserve_rng_state=False)
                 env.update(zip(item.outputs, outs))
+            elif isinstance(item, _Run):
+                self._run_compiled(item, mb, env)
             else:
                 self._run_ops((item,), mb, env, key)
         y = env["layer_output"]
@@ -254,6 +330,39 @@ class ParallelBlock(nn.Module):
                 y.register_hook(partial(prefetch_hook, self.stash, key, self.layer))
         return y
 
+    def _run_compiled(self, run: _Segment | _Run, mb: MicroBatch, env: dict) -> None:
+        """``run``'s operators as one compiled graph on ``env``, counted on the meter as ``_run_ops`` counts them."""
+        meter = self.meter
+        for op in run.ops:
+            meter.calls[op.name] += 1
+            if meter.in_backward:
+                meter.recomputed[op.name] += 1
+        names = tuple(op.name for op in run.ops)
+        pieces = self._graphs.get(names)
+        if pieces is None:
+            kind = "recomputed" if isinstance(run, _Segment) else "kept"
+            copied = self.COPIED_INPUTS if group_size(self.tp_group) > 1 else frozenset()
+            pieces = self._graphs[names] = [(piece, _compiled_graph(self, piece, kind, self._backend))
+                                            for piece in _pieces(run, copied)]
+        table = self._dropout_table(mb)
+        for piece, graph in pieces:
+            if piece.copied is not None:
+                env[piece.copied] = copy_to_tp(env[piece.copied], self.tp_group)
+            outs = graph(mb.samples, table, *(env[n] for n in piece.inputs))
+            env.update(zip(piece.outputs, outs))
+
+    def _dropout_table(self, mb: MicroBatch) -> torch.Tensor:
+        """This layer's dropout bases at ``mb``'s step, on its device; made once per step (micro-batches share it)."""
+        device = mb.samples.device
+        key = (mb.seed, mb.step, device)
+        table = self._tables.get(key)
+        if table is None:
+            host = mb.dropout_key(self.layer).bases()
+            # Through pinned memory without waiting, as the engine moves its batches (a pageable copy waits).
+            table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+            self._tables = {key: table}
+        return table
+
     def _feed(self, key, names: list[str], env: dict) -> SegmentFeed:
         """Offloaded segment inputs ``names``: copied to the host (once per storage) and fed to the segment."""
         names_of = storage_names(env)
@@ -262,6 +371,79 @@ class ParallelBlock(nn.Module):
             off = offloaded_of(names_of[env[n].untyped_storage().data_ptr()], self.offload, self._held)
             stored[n] = self.stash.store(key, self.layer, "+".join(off), off, env[n])
         return SegmentFeed(self.stash, {n: env[n] for n in names}, stored)
+
+
+def _no_copy(x: torch.Tensor, group) -> torch.Tensor:
+    """``copy_to_tp`` inside a compiled graph: already applied to the graph's input (``_Run.copied``)."""
+    return x
+
+
+def _pieces(run: _Segment | _Run, copied: frozenset[str]) -> list[_Run]:
+    """``run`` cut before every operator of ``copied`` (after the first), each piece with the inputs it reads and the
+    outputs read after it; the one run whole when ``copied`` is empty."""
+    cuts: list[list] = []
+    for op in run.ops:
+        if not cuts or op.name in copied:
+            cuts.append([])
+        cuts[-1].append(op)
+    pieces = []
+    for i, ops in enumerate(cuts):
+        made = [n for op in ops for n in op.outputs]
+        later = set(run.outputs) | {n for rest in cuts[i + 1:] for op in rest for n in op.inputs}
+        first = ops[0]
+        copy = first.inputs[0] if first.name in copied else None
+        # The copy replaces its tensor for every later reader: only the operator it feeds may read it.
+        assert copy is None or all(copy not in op.inputs for op in run.ops if op is not first), f"{copy} has other readers"
+        pieces.append(_Run(ops=tuple(ops), inputs=tuple(dict.fromkeys(n for op in ops for n in op.inputs if n not in made)),
+                           outputs=tuple(n for n in made if n in later), copied=copy))
+    return pieces
+
+
+_GRAPHS: dict[tuple, Callable] = {}
+"""Compiled function of each (layer class, run): shared by the layers of a process, which differ in parameters only."""
+
+
+def forget_compiled_graphs() -> None:
+    """Compile layers made from now on afresh. A rank's layers share their graphs, and a function recompiled for
+    more than torch's limit of shapes (8) runs eagerly without a word: the profiler, which times one layer at
+    many micro-batch sizes and shares in one process, starts each anew."""
+    _GRAPHS.clear()
+
+
+def _compiled_graph(block: ParallelBlock, run: _Run, kind: str, backend: str) -> Callable:
+    """``run``'s operators of ``block`` as one ``torch.compile`` graph: (samples, dropout table, *inputs) -> outputs.
+
+    One function per run, shared by every layer: torch.compile keeps its graphs per code object under a limit of
+    recompilations, and takes a layer as an input (its parameters, not its identity), so the layers of a stage
+    share one graph per run and compile it once. Each run gets a code object of its own, so that no run's graphs
+    count against another's limit."""
+    key = (type(block), run, kind, backend)
+    shared = _GRAPHS.get(key)
+    if shared is None:
+        def graph(layer, samples, table, *values):
+            mb = _CompiledBatch(samples, table)
+            env = dict(zip(run.inputs, values))
+            for op in run.ops:
+                env.update(zip(op.outputs, getattr(layer, "_" + op.name)(mb, *(env[n] for n in op.inputs))))
+            return tuple(env[n] for n in run.outputs)
+
+        graph.__code__ = graph.__code__.replace(co_name=f"{kind}_{run.ops[0].name}_to_{run.ops[-1].name}")
+        shared = _GRAPHS[key] = torch.compile(graph, dynamic=False, backend=backend)
+    return partial(shared, block)
+
+
+def _compiled_program(program: list) -> list:
+    """``program`` with each maximal run of kept operators as one ``_Run`` (its inputs and outputs as a segment's)."""
+    items: list = []
+    for item in program:
+        if isinstance(item, (tuple, _Segment)):  # all-reduces and segments stay as they are
+            items.append(item)
+        elif items and isinstance(items[-1], list):
+            items[-1].append(item)
+        else:
+            items.append([item])
+    return [_Run(ops=tuple(item), **_boundary(items, i)) if isinstance(item, list) else item
+            for i, item in enumerate(items)]
 
 
 def _program(ops, recompute: frozenset) -> list:
@@ -285,19 +467,21 @@ def _program(ops, recompute: frozenset) -> list:
                 flush()
                 items.append(("allreduce", out, ALLREDUCE_OUTPUTS[out]))
     flush()
-    # Give each segment its inputs (read, not made inside) and outputs (made inside, read later).
-    program = []
-    for i, item in enumerate(items):
-        if not isinstance(item, list):
-            program.append(item)
-            continue
-        made = [n for op in item for n in op.outputs]
-        inputs = list(dict.fromkeys(n for op in item for n in op.inputs if n not in made))
-        later = {"layer_output"}
-        for nxt in items[i + 1:]:
-            if isinstance(nxt, tuple):
-                later.add(nxt[1])
-            else:
-                later.update(n for op in (nxt if isinstance(nxt, list) else [nxt]) for n in op.inputs)
-        program.append(_Segment(ops=tuple(item), inputs=tuple(inputs), outputs=tuple(n for n in made if n in later)))
-    return program
+    return [_Segment(ops=tuple(item), **_boundary(items, i)) if isinstance(item, list) else item
+            for i, item in enumerate(items)]
+
+
+def _boundary(items: list, i: int) -> dict:
+    """The inputs (read, not made inside) and outputs (made inside, read later) of the operators ``items[i]``, a list
+    among operators, all-reduces (tuples), segments and other lists."""
+    made = [n for op in items[i] for n in op.outputs]
+    later = {"layer_output"}
+    for nxt in items[i + 1:]:
+        if isinstance(nxt, tuple):
+            later.add(nxt[1])
+        elif isinstance(nxt, _Segment):
+            later.update(nxt.inputs)
+        else:
+            later.update(n for op in (nxt if isinstance(nxt, list) else [nxt]) for n in op.inputs)
+    return {"inputs": tuple(dict.fromkeys(n for op in items[i] for n in op.inputs if n not in made)),
+            "outputs": tuple(n for n in made if n in later)}
