@@ -11,7 +11,8 @@ The two contenders train the same model from the same initial weights on the sam
 * **baton**: a one-device plan (``baton.plan.simple_plan``, as bench/bench_gpu.py builds them) trained by
   ``runtime.train.engine.Engine.train_step``, as ``baton train`` runs its one rank (``runtime.launch.launcher.run_rank``):
   in a default process group of this process alone (gloo on CPU, NCCL on CUDA), with the thread count
-  and TF32 setting the launcher gives a one-rank run.
+  and TF32 setting the launcher gives a one-rank run. A ``+offload`` label (``plan_choices``) also keeps some of its
+  layers' activations in host memory between the passes (the plan's ``offload``); the reference never does.
 
 Precision (``--dtype``): in fp32 both train fp32 weights. In bf16/fp16 the reference does what the runtime
 does (``--precision masters``, the default): the module in the compute dtype, fp32 master weights that
@@ -80,11 +81,22 @@ def bench_spec(base: str, *, seq_len: int | None = None, dtype: str = "fp32", at
 
 
 def one_device_plan(spec: ModelSpec, *, micro_batch_size: int, num_microbatches: int,
-                    recompute: list[str] | tuple[str, ...] = ()) -> Plan:
-    """The whole model on one device, as bench/bench_gpu.py plans it."""
-    return simple_plan(spec, cluster=CLUSTER_NAME, stages=[[(DEVICE_ID, 1)]], layers=[spec.num_layers], units_per_layer=1,
+                    recompute: list[str] | tuple[str, ...] = (), offload: list[str] | tuple[str, ...] = ()) -> Plan:
+    """The whole model on one device, as bench/bench_gpu.py plans it; ``offload``: the tensors its layers keep in host
+    memory between the passes (``DeviceShare.offload``)."""
+    from baton.plan import validate
+
+    plan = simple_plan(spec, cluster=CLUSTER_NAME, stages=[[(DEVICE_ID, 1)]], layers=[spec.num_layers], units_per_layer=1,
                        micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                        recompute={DEVICE_ID: list(recompute)})
+    if not offload:
+        return plan
+    # simple_plan has no offload argument: set it on the one device and validate again (offload_problem).
+    (pipe,) = plan.pipelines
+    (stage,) = pipe.stages
+    (share,) = stage.devices
+    stage = dataclasses.replace(stage, devices=(dataclasses.replace(share, offload=tuple(offload)),))
+    return validate(dataclasses.replace(plan, pipelines=(dataclasses.replace(pipe, stages=(stage,)),)))
 
 
 def recompute_sets(spec: ModelSpec) -> dict[str, list[str]]:
@@ -94,6 +106,41 @@ def recompute_sets(spec: ModelSpec) -> dict[str, list[str]]:
     names = operator_names(spec)
     attention = [n for n in names if n in ("attn_core", "attn_scores", "softmax", "attn_dropout", "attn_v")]
     return {"none": [], "attention": attention, "all": names}
+
+
+OFFLOAD = "+offload"
+"""Suffix of a label whose plan also keeps activations in host memory (``plan_choices``)."""
+
+
+def plan_choices(spec: ModelSpec) -> dict[str, tuple[list[str], list[str]]]:
+    """Label -> (operators recomputed, tensors offloaded) of a one-device plan: each of ``recompute_sets`` as it is, and
+    with ``+offload``:
+
+    * ``all+offload``: the layer boundary, every tensor a layer holds with every operator recomputed
+      (``baton.memory.held_tensors``): Cephalo's choice (``solver.baselines.cephalo_offload``). Four tensors beside
+      a whole layer's compute: the cost model expects the copies in to hide behind the backward and its
+      recomputation, the copies out mostly behind the forward;
+    * ``none+offload`` and ``attention+offload``: the held tensors of the attention block (``baton.memory.tensor_blocks``).
+      Without recomputation the layer holds seven activations of the hidden width there (the input, the
+      LayerNorm's output, q, k, v, the attention's output, the residual sum; and two small statistics) beside the
+      block's few matmuls, so the copies outlast it and eq. 2o predicts an exposed transfer: the other end of the
+      model's range. The MLP block's tensors (two of them 4x wide) would expose it too, at more pinned memory and
+      copy time than the bench needs; fused q, k, v go together, as ``offload_problem`` asks."""
+    from baton.memory import held_tensors, tensor_blocks
+
+    sets = recompute_sets(spec)
+    block = tensor_blocks(spec)
+    out = {label: (ops, []) for label, ops in sets.items()}
+    for label, ops in sets.items():
+        held = held_tensors(spec, frozenset(ops))
+        chosen = list(held) if label == "all" else [t for t in held if block[t] == "attn"]
+        out[label + OFFLOAD] = (ops, chosen)
+    return out
+
+
+def base_label(label: str) -> str:
+    """The label of the same recompute set without offload (``all+offload`` -> ``all``)."""
+    return label[: -len(OFFLOAD)] if label.endswith(OFFLOAD) else label
 
 
 @contextmanager
@@ -292,12 +339,14 @@ def _summary(step_ms: list[list[float]], tokens: int) -> dict:
 
 def run_reference(spec: ModelSpec, *, device: str = "cpu", micro_batch_size: int, global_batch: int, steps: int = 3,
                   rounds: int = 4, warmup: int = 2, seed: int = 0, lr: float = 3e-4,
-                  recompute: dict[str, list[str]] | None = None, precision: str = "masters",
-                  built: tuple[ReferenceLoop, dict] | None = None, threads: int | None = None,
+                  recompute: dict[str, list[str]] | None = None, offload: dict[str, list[str]] | None = None,
+                  precision: str = "masters", built: tuple[ReferenceLoop, dict] | None = None, threads: int | None = None,
                   log=print) -> tuple[dict, dict]:
     """Time the reference loop against Baton's one-device plan of each ``recompute`` entry (label -> operators the plan
     recomputes; default ``{"none": []}``), one plan after another, each in interleaved rounds with the reference
-    (which stays built, and starts every pair from the initial weights and the first batch again).
+    (which stays built, and starts every pair from the initial weights and the first batch again). ``offload``: label
+    -> tensors that label's plan keeps in host memory (``plan_choices``; a label not in it offloads nothing); the
+    reference keeps everything on the device whatever Baton's plan does.
 
     Returns (the JSON-ready result, label -> Baton's ``StepStats`` of the plan's last warm-up step and its measured
     steps, as ``runtime.measure.report.build_report`` wants them: it drops the first). On CUDA each step's peak
@@ -314,6 +363,10 @@ def run_reference(spec: ModelSpec, *, device: str = "cpu", micro_batch_size: int
     cuda = dev.type == "cuda"
     m = global_batch // micro_batch_size
     recompute = {"none": []} if recompute is None else recompute
+    offload = offload or {}
+    unknown = sorted(set(offload) - set(recompute))
+    if unknown:
+        raise ValueError(f"offload names labels without a recompute set: {', '.join(unknown)}")
     tokens = global_batch * spec.seq_len
     if cuda:  # the launcher's one rank: the model's TF32 setting (runtime.launch.launcher.run_rank)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = spec.tf32
@@ -331,7 +384,8 @@ def run_reference(spec: ModelSpec, *, device: str = "cpu", micro_batch_size: int
         for label, ops in recompute.items():
             t0 = time.perf_counter()
             reference.reset(initial)  # every pair starts from the same weights and the same first batch
-            plan = one_device_plan(spec, micro_batch_size=micro_batch_size, num_microbatches=m, recompute=ops)
+            plan = one_device_plan(spec, micro_batch_size=micro_batch_size, num_microbatches=m, recompute=ops,
+                                   offload=offload.get(label, ()))
             baton = BatonContender(plan, device=dev, seed=seed, lr=lr, full=initial.__getitem__)
             build_s[f"baton {label}"] = time.perf_counter() - t0
             record = interleave({"reference": reference, "baton": baton}, data, device=dev, warmup=warmup, rounds=rounds,
@@ -342,8 +396,8 @@ def run_reference(spec: ModelSpec, *, device: str = "cpu", micro_batch_size: int
             ratio = summary["reference"]["median_ms"] / summary["baton"]["median_ms"]
             paired = statistics.median(a / b for a, b in zip(summary["reference"]["round_median_ms"],
                                                               summary["baton"]["round_median_ms"]))
-            pairs.append({"plan": f"mb {micro_batch_size} x {m}, recompute {label}", "recompute": label, **summary,
-                          "ratio": ratio, "ratio_paired": paired})
+            pairs.append({"plan": f"mb {micro_batch_size} x {m}, recompute {label}", "recompute": label,
+                          "offload": list(offload.get(label, ())), **summary, "ratio": ratio, "ratio_paired": paired})
             baton_stats[label] = baton.stats[max(0, warmup - 1):]  # the last warm-up step, then the measured ones
             log(f"{spec.name} {pairs[-1]['plan']}: reference {summary['reference']['median_ms']:.1f} ms "
                 f"({summary['reference']['tokens_per_s']:,.0f} tokens/s), baton {summary['baton']['median_ms']:.1f} ms "
@@ -430,8 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="steps of each contender per round")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--recompute", default="none", choices=("none", "attention", "all"),
-                    help="what Baton's plan recomputes (the reference recomputes nothing)")
+    ap.add_argument("--recompute", default="none",
+                    choices=tuple(f"{r}{o}" for o in ("", OFFLOAD) for r in ("none", "attention", "all")),
+                    help="what Baton's plan recomputes, and with +offload keeps in host memory (plan_choices; the "
+                         "reference recomputes and offloads nothing)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: every core, as baton train gives one rank; 1 is steadier on a shared machine)")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -444,9 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device)  # the load before the run
     if args.device == "cpu":
         env["threads"] = args.threads or max(1, os.cpu_count() or 1)
+    ops, offloaded = plan_choices(spec)[args.recompute]
     result, _ = run_reference(spec, device=args.device, micro_batch_size=args.micro_batch, global_batch=args.global_batch,
                               steps=args.steps, rounds=args.rounds, warmup=args.warmup, precision=args.precision,
-                              recompute={args.recompute: recompute_sets(spec)[args.recompute]}, threads=args.threads)
+                              recompute={args.recompute: ops}, offload={args.recompute: offloaded}, threads=args.threads)
     result = {"command": " ".join(["python bench/bench_reference.py", *(argv if argv is not None else sys.argv[1:])]).strip(),
               "environment": env, **result}
     write_results(result, args.out, args.name)

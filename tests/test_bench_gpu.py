@@ -88,9 +88,66 @@ def test_result_rows_and_table_from_a_report():
     assert "Cut short" not in md and "Cut short: 1 of 3 plans ran." in bench_gpu.markdown([both], {**env, "plans_asked": 3})
 
 
+def test_offloading_labels_follow_their_base_and_carry_the_offload():
+    """``+offload`` labels: each runs right after the same plan without offload (added where not named), and its plan
+    keeps the tensors ``bench_reference.plan_choices`` names in host memory: Cephalo's layer boundary under full
+    recomputation, the attention block's held tensors without it."""
+    from baton.memory import held_tensors, tensor_blocks
+    from solver.baselines import cephalo_offload
+
+    assert bench_gpu.with_bases(("none", "all", "none+offload", "all+offload")) == ("none", "none+offload", "all", "all+offload")
+    assert bench_gpu.with_bases(("all+offload",)) == ("all", "all+offload")
+    spec = bench_gpu.bench_model("gpt3-350m", 1024)
+    plans = dict(bench_gpu.candidate_plans(spec, global_batch=16, micro_batches=(4,), recompute=("all+offload", "none+offload")))
+    assert list(plans) == [f"mb 4 x 4, recompute {label}" for label in ("all", "all+offload", "none", "none+offload")]
+    device = {name: plan.pipelines[0].stages[0].devices[0] for name, plan in plans.items()}
+    assert device["mb 4 x 4, recompute all+offload"].offload == cephalo_offload(spec)
+    attention = device["mb 4 x 4, recompute none+offload"].offload
+    assert attention and set(attention) < set(held_tensors(spec, frozenset()))
+    assert {tensor_blocks(spec)[t] for t in attention} == {"attn"} and {"q", "k", "v"} <= set(attention)
+    assert not device["mb 4 x 4, recompute all"].offload and not device["mb 4 x 4, recompute none"].offload
+    with pytest.raises(ValueError, match="unknown plan labels"):
+        bench_gpu.candidate_plans(spec, global_batch=16, recompute=("most+offload",))
+    # The cost model prices the offload (eq. 2o, 8o): host bytes, and without recomputation an exposed transfer on an H100.
+    from baton.profile import Profile, ProfileSet, derive_table
+
+    profiles = ProfileSet(spec, tables={"h100": Profile(derive_table(spec, "h100", micro_batches=(4,)), source="<derived>")})
+    reports = {name: evaluate(plan, _h100(), profiles) for name, plan in plans.items()}
+    off = reports["mb 4 x 4, recompute none+offload"].devices[0]
+    assert off.host_activation_bytes > 0 and off.offload_ms > 0
+    assert reports["mb 4 x 4, recompute none+offload"].iteration_time_ms > reports["mb 4 x 4, recompute none"].iteration_time_ms
+
+
+def test_exposed_transfer_pairs_an_offloading_row_with_its_base():
+    """The exposed transfer of an offloading row: its step less its base's, against offload_ms x micro-batches; a row
+    whose base did not run has none, and the table says so with dashes."""
+    def row(label, ms, predicted, *, offload=(), host=(None, 0.0), offload_ms=0.0, mb=2, model="m"):
+        return {"plan": f"{model} mb {mb} x 4, recompute {label}", "model": model, "label": label, "micro_batch_size": mb,
+                "num_microbatches": 4, "offload": list(offload), "iteration_ms": ms, "iteration_ms_predicted": predicted,
+                "baton_median_ms": ms + 1.0, "offload_ms_predicted": offload_ms, "offload_late_bytes": 0 if offload else None,
+                "host_activation_bytes": {"measured": host[0], "predicted": host[1]}}
+
+    rows = [row("none", 100.0, 90.0), row("none+offload", 130.0, 110.0, offload=("q", "k", "v"), host=(4096, 4096.0),
+                                          offload_ms=5.0),
+            row("all+offload", 150.0, 140.0, offload=("layer_input",), host=(1024, 1000.0), offload_ms=1.0)]
+    bench_gpu.attach_exposed(rows)
+    e = rows[1]["exposed_transfer"]
+    assert e["against"] == rows[0]["plan"] and e["measured_ms"] == 30.0 and e["measured_wall_ms"] == 30.0
+    assert e["predicted_ms"] == 20.0 and e["predicted_iteration_difference_ms"] == 20.0 and e["error_ms"] == -10.0
+    assert e["host_bytes_measured"] == 4096 and e["host_rel_error"] == 0.0
+    assert rows[2]["exposed_transfer"] is None and "exposed_transfer" not in rows[0]
+    lines = bench_gpu.exposed_markdown(rows)
+    assert "## Exposed transfer of offloaded activations" in lines
+    assert any(line.startswith("| m mb 2 x 4, recompute none+offload | q, k, v | 100.0 | 130.0 | +30.0 | +20.0 | +20.0 | -10.0 |")
+               for line in lines)
+    assert any(line.startswith("| m mb 2 x 4, recompute all+offload | layer_input | - | 150.0 | - | 4.0 |") for line in lines)
+    assert bench_gpu.exposed_markdown(rows[:1]) == []
+
+
 def test_cpu_mode_runs_the_whole_benchmark_end_to_end(tmp_path):
-    """``--device cpu`` runs what a lent GPU runs, at tiny sizes: both tables, the plans, Baton against the reference
-    loop, the cost model's report of every plan, the files. So a GPU run can fail only on the GPU."""
+    """``--device cpu`` runs what a lent GPU runs, at tiny sizes: both tables, the plans (the offloading ones too),
+    Baton against the reference loop, the cost model's report of every plan, the exposed transfer of the offloading
+    ones, the files. So a GPU run can fail only on the GPU."""
     import json
 
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--device", "cpu", "--out", str(tmp_path)],
@@ -99,7 +156,9 @@ def test_cpu_mode_runs_the_whole_benchmark_end_to_end(tmp_path):
     data = json.loads((tmp_path / "gpu.json").read_text())
     env, rows = data["environment"], data["plans"]
     assert "failed" not in env, env.get("failed")
-    assert [r["plan"] for r in rows] == [f"tiny mb {mb} x {4 // mb}, recompute {label}" for mb in (1, 2) for label in ("none", "all")]
+    # The only model is the smallest: it gets the offloading plans, each right after its plan without offload.
+    labels = ("none", "none+offload", "all", "all+offload")
+    assert [r["plan"] for r in rows] == [f"tiny mb {mb} x {4 // mb}, recompute {label}" for mb in (1, 2) for label in labels]
     assert env["plans_asked"] == len(rows) and env["models"][0]["model"] == "tiny-bf16-s32"
     for r in rows:
         assert r["iteration_ms"] > 0 and r["iteration_ms_predicted"] > 0 and r["back_to_back"] is not None
@@ -107,8 +166,28 @@ def test_cpu_mode_runs_the_whole_benchmark_end_to_end(tmp_path):
         assert {"pipeline_ms", "optimizer_ms"} <= set(r["phases_ms"])
         # The same computation: bf16 weights with fp32 masters on both sides, the same first batch.
         assert r["losses"]["baton"] == pytest.approx(r["losses"]["reference"], rel=1e-3)
+    # Offloading rows: Baton's side ran the plan's offload (the host held activations; the reference holds none), and
+    # the exposed transfer is measured against the row before (same micro-batch size, same recompute set).
+    for base, r in zip(rows[::2], rows[1::2]):
+        assert r["offload"] and not base["offload"] and r["label"] == base["label"] + "+offload"
+        e = r["exposed_transfer"]
+        assert e["against"] == base["plan"]
+        assert e["measured_ms"] == pytest.approx(r["iteration_ms"] - base["iteration_ms"])
+        assert e["measured_wall_ms"] == pytest.approx(r["baton_median_ms"] - base["baton_median_ms"])
+        assert e["predicted_ms"] == pytest.approx(r["offload_ms_predicted"] * r["num_microbatches"]) and e["predicted_ms"] >= 0
+        assert e["predicted_iteration_difference_ms"] == pytest.approx(r["iteration_ms_predicted"] - base["iteration_ms_predicted"])
+        assert e["late_bytes"] == 0 and r["offload_copied_bytes"]["out"] == r["offload_copied_bytes"]["in"] > 0
+        # The host bytes the runtime held against eq. 8o. Not to the byte: the CPU table measures a bf16 LayerNorm
+        # saving 128-byte statistics per sample where the analytic split has 256, and baton.memory.tensor_bytes
+        # spreads that over the LayerNorm's input too (x_mid, layer_input), which the runtime copies whole.
+        assert e["host_bytes_measured"] > 0 and base["host_activation_bytes"]["predicted"] == 0
+        assert e["host_bytes_predicted"] == pytest.approx(e["host_bytes_measured"], rel=0.02)
+    none_off = {r["micro_batch_size"]: r["exposed_transfer"]["host_bytes_measured"] for r in rows if r["label"] == "none+offload"}
+    assert none_off[2] == 2 * none_off[1]  # one micro-batch in flight on one stage: its size sets the host's peak
     md = (tmp_path / "gpu.md").read_text()
     assert "| tiny mb 2 x 2, recompute all |" in md and "Baton / reference tokens/s: median" in md
+    assert "## Exposed transfer of offloaded activations" in md
+    assert "| tiny mb 2 x 2, recompute all+offload | layer_input, attn_out, mlp_out, x_mid |" in md
     assert (tmp_path / "profiles" / "measured" / "h100__tiny-bf16-s32__s32.csv").is_file()
     assert (tmp_path / "profiles" / "measured" / "h100__tiny-bf16-s32__s32.command.json").is_file()
     assert (tmp_path / "gpu_table_back_to_back.csv").is_file()

@@ -41,6 +41,31 @@ def test_reference_loop_and_baton_plan_follow_the_same_losses():
     assert result["settings"]["reference_adamw"] in ({"fused": True}, {"foreach": True})
 
 
+def test_baton_side_runs_the_offload_and_the_reference_stays_plain():
+    """An offloading label's plan keeps its tensors in host memory on Baton's side (the engine's stash held them and
+    got them back), the losses are those of the plan without offload bit for bit, and the reference, which offloads
+    nothing, follows the same losses."""
+    spec = bench_reference.bench_spec("tiny")
+    choices = bench_reference.plan_choices(spec)
+    assert set(choices) == {"none", "attention", "all", "none+offload", "attention+offload", "all+offload"}
+    for label, (ops, offload) in choices.items():
+        assert bool(offload) == label.endswith("+offload") and ops == choices[bench_reference.base_label(label)][0]
+        plan = bench_reference.one_device_plan(spec, micro_batch_size=1, num_microbatches=2, recompute=ops, offload=offload)
+        assert plan.pipelines[0].stages[0].devices[0].offload == tuple(offload)
+    ops, offload = choices["none+offload"]
+    result, stats = bench_reference.run_reference(spec, micro_batch_size=2, global_batch=4, steps=1, rounds=1, warmup=1,
+                                                  lr=1e-3, recompute={"none": ops, "none+offload": ops},
+                                                  offload={"none+offload": offload}, threads=1, log=lambda line: None)
+    plain, off = result["pairs"]
+    assert plain["offload"] == [] and off["offload"] == list(offload)
+    assert off["baton"]["losses"] == plain["baton"]["losses"]
+    assert off["baton"]["losses"] == pytest.approx(off["reference"]["losses"], rel=2e-5)
+    assert all(s.peak_host_activation_bytes > 0 and s.offload_in_bytes == s.offload_out_bytes > 0 for s in stats["none+offload"])
+    assert all(s.peak_host_activation_bytes == 0 for s in stats["none"])
+    with pytest.raises(ValueError, match="without a recompute set"):
+        bench_reference.run_reference(spec, micro_batch_size=1, global_batch=2, offload={"all+offload": offload})
+
+
 def test_bf16_reference_keeps_fp32_masters_like_the_runtime():
     """In bf16 the reference computes in bf16 and steps fp32 masters, as runtime.train.precision does."""
     spec = bench_reference.bench_spec("tiny", dtype="bf16")
