@@ -412,11 +412,7 @@ def _device_choices(rules: _ChoiceRules, slot, b: int, s: int, share_options: li
             buffer_limits[(U, u)] = max_layers_with_sync_buffer(
                 slot, spec, found[0][2].param_bytes, edge, rules.max_layers[s], owned_fraction=np.array(owned)[:, None],
                 group_size=r, shard_params_per_layer=levels[None, :] * per_layer, shard_params_fixed=levels[None, :] * fixed)
-        choices[(U, u)] = [Choice(units=u, units_per_layer=U, recompute=rset, offload=oset, host_bytes=lc.host_bytes,
-                                  fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(),
-                                  max_layers=L, param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms,
-                                  edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes) for rset, oset, lc, L in found]
-        choices[(U, u)] += _host_optimizer_choices(rules, slot, b, s, (U, u), edge, params)
+        choices[(U, u)] = _choices(found, (U, u), edge) + _host_optimizer_choices(rules, slot, b, s, (U, u), edge, params)
     return {k: v for k, v in choices.items() if v}, buffer_limits
 
 
@@ -431,10 +427,16 @@ def _host_optimizer_choices(rules: _ChoiceRules, slot, b: int, s: int, share: tu
     if found and rules.ratios.mode == "equal":
         buf = _equal_buffer_limit(rules, slot, found[0][2].param_bytes, edge, params[share], rules.max_layers[s], owned=0.0)
         found = [(rset, oset, lc, (min(L[0], buf),)) for rset, oset, lc, L in found]
-    return [Choice(units=u, units_per_layer=U, recompute=rset, offload=oset, host_bytes=lc.host_bytes, offload_optimizer=True,
-                   fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(), max_layers=L, param_bytes=lc.param_bytes,
-                   edge_fwd_ms=edge.fwd_ms, edge_bwd_ms=edge.bwd_ms, edge_param_bytes=edge.param_bytes)
-            for rset, oset, lc, L in found if L[0] >= rules.min_layers[s]]
+    return _choices([f for f in found if f[3][0] >= rules.min_layers[s]], share, edge, offload_optimizer=True)
+
+
+def _choices(found: list, share: tuple, edge, *, offload_optimizer: bool = False) -> list[Choice]:
+    """The MILP's view of (recompute set, offload set, cost, max layers) rows at ``share`` = (U, u)."""
+    U, u = share
+    return [Choice(units=u, units_per_layer=U, recompute=rset, offload=oset, host_bytes=lc.host_bytes,
+                   offload_optimizer=offload_optimizer, fwd=lc.block_fwd_ms(), bwd=lc.block_bwd_ms(), max_layers=L,
+                   param_bytes=lc.param_bytes, edge_fwd_ms=edge.fwd_ms, edge_bwd_ms=edge.bwd_ms,
+                   edge_param_bytes=edge.param_bytes) for rset, oset, lc, L in found]
 
 
 def _interleaved_choices(rules: _ChoiceRules, slot, b: int, m: int, s: int, p: int, share_options: list, params: dict) -> dict:

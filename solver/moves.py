@@ -41,12 +41,12 @@ from baton.peers import peer_groups
 from baton.plan import LAYERED_ZERO_STAGES, SUPPORTED_ZERO_STAGES, DeviceShare, Pipeline, Plan, validate
 from baton.profile import ProfileSet
 
+from solver.instance import DEFAULT_SHARD_GRID
+
 MOVES = ("drop-device", "add-device", "swap-devices", "move-layer", "move-unit", "move-sample", "shard-ratio",
          "recompute", "micro-batch", "zero-stage")
 """Every move kind, in the order ``neighbours`` yields them."""
 
-DEFAULT_SHARD_GRID = 8
-"""The step of ``shard-ratio``: the planner's default grid (``baton solve --shard-grid``), 1/8 of a group's state."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
