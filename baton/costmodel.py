@@ -414,7 +414,7 @@ def device_slot(cluster: ClusterSpec, profiles: ProfileSet, spec: ModelSpec, mic
                         dev.host_optimizer_gb_per_s)
 
 
-@functools.lru_cache(maxsize=1 << 14)
+@functools.lru_cache(maxsize=1 << 18)  # one per device, position and in-flight count: 1,024-GPU clusters need many
 def _device_slot(device_id, profile, spec, memory_bytes, reserve_bytes, bandwidth, first, last, in_flight, host_link,
                  host_adam):
     on_device = optimizer_step_ms(1.0, spec, bandwidth, profile.optimizer_sample())

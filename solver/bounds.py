@@ -592,7 +592,11 @@ def _layered_state(spec, cluster, profiles, device_id: str, b: int, m: int, n: i
     """Per share a rank of a one-stage replica of TP size n may get (``possible_shares``): (its room left at stage
     2 or 3 owning nothing, at the recompute set with the least memory and no staging buffer: capacity - peak(0);
     the bytes owning everything adds, peak(1) - peak(0)). Eq. 18 is linear in the owned fraction phi (the owned
-    gradients, the optimizer state and, at stage 3, the owned layer weights). Memoised."""
+    gradients, the optimizer state and, at stage 3, the owned layer weights). Memoised, first by device (finding
+    its slot is most of the cost of a repeated call), then by slot (alike devices share the figures)."""
+    by_device = ("layered-state-of", device_id, b, m, n, zero_stage)
+    if by_device in cache.slack:
+        return cache.slack[by_device]
     slot = device_slot(cluster, profiles, spec, b, device_id, stage=0, num_stages=1, num_microbatches=m, layered=True)
     key = ("layered-state", slot, b, n, zero_stage)
     if key not in cache.slack:
@@ -607,6 +611,7 @@ def _layered_state(spec, cluster, profiles, device_id: str, b: int, m: int, n: i
             room.append(slot.memory_bytes - float(np.min(peak(0.0, t.held_bytes, t.transient_bytes))))
             state.append(float(peak(1.0, 0.0, 0.0) - peak(0.0, 0.0, 0.0)))
         cache.slack[key] = (np.array(room), np.array(state))
+    cache.slack[by_device] = cache.slack[key]
     return cache.slack[key]
 
 

@@ -30,6 +30,15 @@ STAGED = ("baton", "poplar", "exhaustive")
 """Strategies that search the sharding stage (``--zero-stage`` restricts them to one)."""
 
 
+def _over_every_plan(result) -> str:
+    """The gap over every plan (eq. 12b), where the family's does not already cover them all."""
+    if result.strategy != "baton" or result.space_bound_ms <= 0:
+        return ""
+    if result.family == "exact" and result.space_bound_ms >= result.bound_ms:
+        return " (the exact family: every plan with these options)"
+    return f"; over every plan: gap {result.space_gap:.2%}, bound {result.space_bound_ms:.1f} ms (eq. 12b)"
+
+
 def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, micro_batch: int | None,
                  time_limit: float, gap: float, threads: int, shard_grid: int = DEFAULT_SHARD_GRID, log=None,
                  zero_stage: int | None = None, max_chunks: int = 1, offload: bool = False, offload_optimizer: bool = False):
@@ -173,7 +182,7 @@ def register(app: typer.Typer) -> None:
             say("shard ratios: " + ("equal parts" if not ratios else f"{len(ratios)} devices with their own ratio"))
         console.print(
             f"solver: [bold]{result.status}[/] (strategy {strategy}, {result.family}), proven gap {result.gap:.3%}, "
-            f"bound {result.bound_ms:.1f} ms, build {result.build_s:.2f} s, solve {result.solve_s:.2f} s, total {result.total_s:.2f} s, "
+            f"bound {result.bound_ms:.1f} ms{_over_every_plan(result)}, build {result.build_s:.2f} s, solve {result.solve_s:.2f} s, total {result.total_s:.2f} s, "
             f"{result.candidates} candidates, {result.solved} MILPs, {result.pruned} pruned by bound", highlight=False)
         if out is not None:
             say(f"wrote {out}")  # the user's path, printed literally

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 
 from baton.costmodel import (LayeredParts, device_optimizer_ms, device_slot, edge_cost, held_weights_bytes, layer_cost,
@@ -198,18 +199,21 @@ _NOTHING = LayeredParts(emb_fwd_ms=0.0, layer_fwd_ms=0.0, head_fwd_ms=0.0, head_
 
 
 def expand_layered(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patterns, limit_ms: float, *,
-                   grid: int, even: bool = False, collectives_ms: float = 0.0):
+                   grid: int, even: bool = False, collectives_ms: float = 0.0, deadline_s: float = math.inf):
     """The structures of one stage-2/3 candidate that may beat an incumbent of ``limit_ms``: (entries, dropped),
     entries (bound, tables, structure, sync terms) below the limit, ``dropped`` a lower bound on every structure
     left out (inf when none was). Raises OverflowError when more than ``LAYOUT_LIMIT`` structures would be
     priced. ``collectives_ms``: a lower bound on the collectives of every structure (``collectives_lower_bound``),
-    added to the compute alone to drop units choices before their syncs are priced."""
+    added to the compute alone to drop units choices before their syncs are priced. Raises TimeoutError when
+    ``time.perf_counter()`` passes ``deadline_s`` before every structure is priced."""
     tables = LayeredTables(spec, cluster, profiles, space, pipes, batches, zero_stage)
     classes = [(pattern, tuple(batch)) for pattern, batch in zip(patterns, batches)]
     one_shape = len({len(pipe[0]) for pipe in pipes}) == 1
     choose = one_shape and not even
     entries, dropped, priced = [], math.inf, 0
     for units in _unit_choices(spec, pipes, classes, even):
+        if time.perf_counter() > deadline_s:
+            raise TimeoutError
         lb = tables.compute_bound(units) + collectives_ms
         if lb >= limit_ms:
             dropped = min(dropped, lb)
@@ -230,6 +234,8 @@ def expand_layered(spec, cluster, profiles, space, pipes, batches, zero_stage: i
             priced += 1
             if priced > LAYOUT_LIMIT:
                 raise OverflowError(priced)
+            if time.perf_counter() > deadline_s:
+                raise TimeoutError
             ratios, terms = None, sync
             if combo is not None and any(vec is not None for vec in combo):
                 ratios = {pipe[0][k]: (None if vec is None else vec[rho]) for k, vec in enumerate(combo)

@@ -1,9 +1,13 @@
-"""The least memory-hungry plan we can write down, used only to explain why nothing fits."""
+"""The least memory-hungry plan we can write down, used only to explain why nothing fits; and the training state's
+shortfall, which proves nothing fits before any search."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
-from baton.costmodel import device_memory, device_slot, edge_cost, layer_cost_of, layer_limits, slot_prices
+from baton.costmodel import (device_memory, device_slot, edge_cost, layer_cost, layer_cost_of, layer_limits,
+                             optimizer_bytes, slot_prices)
 from baton.memory import RecomputeSpace
 from baton.plan import DeviceShare, Pipeline, Plan, Stage
 
@@ -79,3 +83,33 @@ def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: i
         first += layers[s]
     return Plan(model=spec, cluster=cluster.name, micro_batch_size=micro_batch, num_microbatches=m,
                 pipelines=(Pipeline(stages=tuple(stages)),))
+
+
+def state_memory_shortfall(spec, cluster, profiles, *, host_optimizer: bool = False) -> tuple[float, float, float] | None:
+    """A proof that no plan fits, from the training state alone: (bytes every plan needs on the GPUs, bytes the
+    cluster's GPUs have beyond their reserves, what the need would be with the optimizer state in host memory), or
+    None when the state fits in the sum.
+
+    Why it bounds every plan (any layout, sharding stage, schedule, recompute or offload choice): each layer is
+    held by TP ranks whose shares add up to 1, and a rank at share r holds the table's ``param_bytes`` at r, at
+    least r x q where q is the least ``param_bytes / share`` over the cluster's tables (every micro-batch size, every
+    share u / U the planner offers). At sharding stages 0 and 1 every replica holds its weights and gradients
+    whole; at 2 and 3 the owned fractions of one position's peers add up to 1 and each keeps at least its owned part
+    of its gradients (and at 3 of its weights) (eq. 8, 18); the optimizer state is eq. 7 of the owned weights
+    (none on the device with ``host_optimizer``, which stages 0 and 1 allow). So over all GPUs the weights, the
+    gradients and the optimizer state take at least N q each's factor, the edges, activations and buffers only
+    add to it, and every used GPU keeps its reserve."""
+    q = math.inf
+    for g in cluster.gpu_types:
+        prof = profiles[g]
+        for b in prof.micro_batches("qkv"):
+            for U in valid_unit_counts(spec):
+                for u in range(1, U + 1):
+                    q = min(q, layer_cost(prof, spec, b, u / U).param_bytes / (u / U))
+    if not math.isfinite(q) or q <= 0:
+        return None
+    weights = spec.num_layers * q
+    with_host = 2 * weights  # weights and gradients
+    need = with_host if host_optimizer else with_host + optimizer_bytes(weights, spec)
+    have = sum(max(0, d.memory_bytes - d.reserve_bytes) for d in cluster.devices)
+    return (need, have, with_host) if need > have * (1 + 1e-9) else None

@@ -602,7 +602,6 @@ class InnerModel:
     def read_plan(self) -> Plan:
         inst, m = self.inst, self.m
         sk = inst.skeleton
-        p = self.p
         layers = [int(round(pyo.value(m.L[k]))) for k in range(self.K)]
         share = {}
         for (s, k, o) in self.v_index:

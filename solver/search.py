@@ -53,8 +53,11 @@ from solver.milp import InnerModel
 from solver.options import monotone_in_share, valid_unit_counts
 from solver.space import Skeleton, exact_skeletons, iter_structured_skeletons, replica_pattern
 from solver.unlike import expand, solve_structure
+from solver.ideal import ideal_bound
 from solver.splits import _largest_m, canonical, exact_splits_below, replica_classes, structured_splits, uniform_splits
 
+CONSTRUCTIVE_FAILED_SHARE = 0.1
+"""Constructive attempts that find nothing may take this share of the time spent so far (plus a second)."""
 EXACT_LIMIT = 5000
 """Above this many exact skeletons the search switches to the structured family."""
 EXACT_MAX_DEVICES = 8
@@ -90,6 +93,11 @@ class SolveResult:
     """Seconds from the start to the first plan that fits (the constructive one or a MILP's)."""
     unbounded: bool = False
     """The time limit stopped candidate construction: some candidates have no bound, so no gap is proven."""
+    space_bound_ms: float = 0.0
+    """A lower bound on every plan the format can express with the options given, whatever the family: eq. 12b
+    (``solver.ideal``), and in the exact family the search's own bound where that is higher."""
+    space_gap: float = 1.0
+    """The gap of ``objective_ms`` against ``space_bound_ms`` (1 where nothing is claimed: the baselines)."""
     notes: list = field(default_factory=list)
 
     def info(self) -> dict:
@@ -97,7 +105,7 @@ class SolveResult:
                 "status": self.status, "build_s": round(self.build_s, 4), "solve_s": round(self.solve_s, 4),
                 "total_s": round(self.total_s, 4), "family": self.family, "candidates": self.candidates,
                 "milps_solved": self.solved, "pruned": self.pruned, "first_plan_s": self.first_plan_s,
-                "unbounded": self.unbounded}
+                "unbounded": self.unbounded, "space_bound_ms": self.space_bound_ms, "space_gap": self.space_gap}
 
 
 def micro_batch_candidates(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
@@ -169,8 +177,10 @@ def skeleton_family(spec: ModelSpec, cluster: ClusterSpec, family: str = "auto")
 class Progress:
     """One line per improvement (time, incumbent, proven bound, gap, candidates left) for ``log``."""
 
-    def __init__(self, log, t_start: float, detail_log=None):
+    def __init__(self, log, t_start: float, detail_log=None, space_bound_ms: float = 0.0):
         self.log, self.t_start, self.detail_log = log, t_start, detail_log
+        self.space_bound_ms = space_bound_ms
+        """Eq. 12b: every line also gives the gap over every plan against it."""
         self.first_s: float | None = None
 
     def improved(self, objective_ms: float, bound_ms: float | None, how: str, *, left: int | None = None,
@@ -180,12 +190,14 @@ class Progress:
             self.first_s = now
         if not self.log:
             return
-        if bound_ms is None:  # still bounding candidates: no proven bound yet
-            self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound pending ({bounded} candidates bounded)")
+        whole = max(0.0, (objective_ms - self.space_bound_ms) / objective_ms)
+        if bound_ms is None:  # still bounding candidates: no proven bound of the family yet
+            self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound pending ({bounded} candidates bounded); "
+                     f"over every plan gap {whole:.2%}")
             return
         gap = max(0.0, (objective_ms - bound_ms) / objective_ms)
         self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound {bound_ms:.1f} ms, gap {gap:.2%}"
-                 + (f", {left} candidates left" if left is not None else ""))
+                 + (f", {left} candidates left" if left is not None else "") + f"; over every plan gap {whole:.2%}")
 
     def detail(self, line: str) -> None:
         if self.detail_log:
@@ -288,9 +300,13 @@ class _Inputs:
     """Chunk counts per device group offered to every pipeline (1: 1F1B; more: interleaved 1F1B)."""
     host_optimizer: bool = False
     """Devices may keep their optimizer state in host memory (eq. 7h, 10h)."""
+    space_bound_ms: float = 0.0
+    """Eq. 12b: no plan of any layout is faster (``solver.ideal``)."""
     cache: BoundCache = field(default_factory=BoundCache)
     collectives_ms: dict = field(default_factory=dict)
     """(skeleton, stage 2 or 3) -> least collectives of eq. 17 over its units (filled when one reaches the front)."""
+    phi_memo: dict = field(default_factory=dict)
+    """(skeleton, stage, owned, every schedule) -> {(replica, b, m): its cheap bound} (``phi``)."""
 
     def time_left(self) -> bool:
         return time.perf_counter() < self.deadline_s
@@ -341,7 +357,19 @@ class _Inputs:
     def phi(self, info: _Skeleton, z: int, owned: float | None = None, *, every_schedule: bool = False):
         """Replica i's cheap bound on m micro-batches of b (owning ``owned`` of its optimizer state at stage 1;
         None: anything); ``every_schedule``: the least of its 1F1B and interleaved bounds where it is offered (what
-        the exact family lists splits by)."""
+        the exact family lists splits by). Memoised per skeleton: a group's splits are listed again at every window,
+        asking the same (i, b, m) each time."""
+        memo = self.phi_memo.setdefault((info.sk, z, owned, every_schedule), {})
+        bound = self._phi(info, z, owned, every_schedule=every_schedule)
+
+        def phi(i, b, m):
+            key = (i, b, m)
+            if key not in memo:
+                memo[key] = bound(i, b, m)
+            return memo[key]
+        return phi
+
+    def _phi(self, info: _Skeleton, z: int, owned: float | None = None, *, every_schedule: bool = False):
         spec, cluster, profiles, space, cache = self.spec, self.cluster, self.profiles, self.space, self.cache
         mono = self.monotone if self.reduce_symmetry else None
         if z in LAYERED_STAGES:
@@ -398,7 +426,9 @@ class _Frontier:
     """(skeleton index, stage) -> the largest finite bound of its splits: a window beyond it takes all the rest."""
     best: _Incumbent | None = None
     greedy_bound_ms: float = math.inf
-    """Smallest bound of a candidate the constructive plan has been tried on."""
+    """Smallest bound of a candidate the constructive plan found a plan for."""
+    greedy_failed_s: float = 0.0
+    """Seconds spent on constructive attempts that found nothing (instance or plan not fitting)."""
     bounds_ms: list = field(default_factory=list)
     """Bounds of everything not shown worse than the incumbent; with the incumbent, their least is the proven bound."""
     notes: list = field(default_factory=list)
@@ -481,7 +511,9 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     t_start = time.perf_counter()
     monotone = check_profiles(spec, cluster, profiles)
     space = space or recompute_space(spec, offload=offload)
-    micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)  # one clear error when no size fits
+    mbs = micro_batch_candidates(spec, cluster, profiles, global_batch, micro_batch)  # one clear error when no size fits
+    if strategy == "baton":  # proven before any search: the training state alone does not fit (the baselines say their own)
+        _refuse_if_state_does_not_fit(spec, cluster, profiles, global_batch, mbs, space, offload_optimizer)
     dominated = stage_one_dominates(spec, cluster, profiles)
     if skeletons is None:
         family, skeletons = skeleton_family(spec, cluster, family)
@@ -489,8 +521,9 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
                      micro_batch=micro_batch, monotone=monotone, reduce_symmetry=reduce_symmetry, allowed=allowed,
                      shard_grid=shard_grid, exact=family == "exact" and splits == "auto", strategy=strategy, gap=gap,
                      threads=threads, deadline_s=t_start + time_limit, chunks=tuple(sorted(set(chunks) | {1})),
-                     host_optimizer=offload_optimizer)
-    frontier = _Frontier(progress=Progress(log, t_start, detail_log))
+                     host_optimizer=offload_optimizer,
+                     space_bound_ms=ideal_bound(spec, cluster, profiles, global_batch, micro_batch).bound_ms)
+    frontier = _Frontier(progress=Progress(log, t_start, detail_log, inputs.space_bound_ms))
     t0 = time.perf_counter()
     for sk in skeletons:  # the structured family is a generator: enumerating it is inside the time limit too
         if not inputs.time_left():
@@ -548,16 +581,26 @@ def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_s
 
 def _seed_candidate(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: int) -> None:
     """Push a candidate at its cheap bound (none that cannot fit), and try the constructive plan on it when its
-    bound is at least 3% below every one tried so far: an incumbent, and a cutoff, long before the MILPs."""
+    bound is at least 3% below every one it found a plan for so far: an incumbent, and a cutoff, long before the
+    MILPs. Candidates it does not apply to (unlike replicas, stages 2 and 3) do not count, nor do attempts that
+    found nothing; those may take at most ``CONSTRUCTIVE_FAILED_SHARE`` of the time spent so far (plus a second),
+    so a cluster where its rules never fit does not slow the enumeration down."""
     info = frontier.skeletons[k]
     _seed_interleaved(inputs, frontier, k, batches, z)
     lb = inputs.bound(info, batches, z)
     if not math.isfinite(lb):
         return
     frontier.push_candidate(info, k, batches, z, lb, refined=inputs.exact and z not in LAYERED_STAGES)
-    if inputs.strategy == "baton" and lb < frontier.greedy_bound_ms * 0.97 and inputs.time_left():
-        frontier.greedy_bound_ms = lb
-        _try_constructive(inputs, frontier, info, batches, z)
+    if (inputs.strategy == "baton" and lb < frontier.greedy_bound_ms * 0.97 and _constructive_applies(info, z)
+            and inputs.time_left()):
+        spent = time.perf_counter() - frontier.progress.t_start
+        if frontier.greedy_failed_s > CONSTRUCTIVE_FAILED_SHARE * spent + 1.0:
+            return
+        t = time.perf_counter()
+        if _try_constructive(inputs, frontier, info, batches, z):
+            frontier.greedy_bound_ms = lb
+        else:
+            frontier.greedy_failed_s += time.perf_counter() - t
 
 
 def _seed_interleaved(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: int, below: float = math.inf,
@@ -574,16 +617,25 @@ def _seed_interleaved(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: 
             frontier.push_interleaved(info, k, batches, z, v, lb, refined=inputs.exact)
 
 
-def _try_constructive(inputs: _Inputs, frontier: _Frontier, info: _Skeleton, batches, z: int) -> None:
-    """A constructive plan for a promising candidate: an incumbent within seconds (solver/greedy.py)."""
-    if not info.sk.one_shape or z in LAYERED_STAGES:  # its rules cut every replica one way, at stage 0 or 1
-        return
+def _constructive_applies(info: _Skeleton, z: int) -> bool:
+    """The constructive plan's rules cut every replica one way, at stage 0 or 1."""
+    return info.sk.one_shape and z not in LAYERED_STAGES
+
+
+def _try_constructive(inputs: _Inputs, frontier: _Frontier, info: _Skeleton, batches, z: int) -> bool:
+    """A constructive plan for a promising candidate: an incumbent within seconds (solver/greedy.py). True when it
+    found a plan that fits (the evaluator's verdict), better than the incumbent or not."""
+    if not _constructive_applies(info, z):
+        return False
     inst = inputs.instance(info, batches, z, even_shards=True)  # it splits every peer group evenly anyway
     if inst.infeasible_reason is not None:
-        return
+        return False
     found = greedy_incumbent(inst, inputs.cluster, inputs.profiles)
-    if found is not None and (frontier.best is None or found[0] < frontier.best.objective_ms):
+    if found is None:
+        return False
+    if frontier.best is None or found[0] < frontier.best.objective_ms:
         frontier.improve(found[0], found[1], "constructive", None)
+    return True
 
 
 def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
@@ -626,6 +678,10 @@ def _expand_group(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
     last = upto > frontier.group_ceiling_ms[k, z]  # beyond every finite replica bound: this window takes all the rest
     for batches in exact_splits_below(inputs.phi(info, z, every_schedule=True), info.sizes, info.classes,
                                       inputs.global_batch, math.inf if last else upto - const):
+        if not inputs.time_left():  # the rest of the window keeps the group's bound (those listed are not listed twice)
+            frontier.push(lb, "group", k, z, entry.data, True)
+            frontier.build_s += time.perf_counter() - tg
+            return
         x = inputs.bound(info, batches, z)
         if entry.data <= x and (last or x < upto) and math.isfinite(x):
             frontier.push_candidate(info, k, batches, z, x, refined=z not in LAYERED_STAGES)
@@ -659,9 +715,15 @@ def _expand_structures(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> N
     try:
         if z in LAYERED_STAGES:
             entries, dropped = expand_layered(*args, grid=inputs.shard_grid, even=not inputs.exact,
-                                              collectives_ms=inputs.collectives_ms.get((info.sk, z), 0.0))
+                                              collectives_ms=inputs.collectives_ms.get((info.sk, z), 0.0),
+                                              deadline_s=inputs.deadline_s)
         else:
-            entries, dropped = expand(*args)
+            entries, dropped = expand(*args, deadline_s=inputs.deadline_s)
+    except TimeoutError:  # the time limit, mid-listing: its cheap bound stays in the proven bound
+        frontier.bounds_ms.append(lb)
+        frontier.timed_out = True
+        frontier.build_s += time.perf_counter() - tb
+        return
     except OverflowError as exc:
         frontier.bounds_ms.append(lb)  # not searched: its cheap bound stays in the proven bound
         frontier.notes.append(f"{info.sk.describe()} ({_describe(batches)}, stage {z}): {exc.args[0]} layouts, not searched")
@@ -746,11 +808,15 @@ def _result(inputs: _Inputs, frontier: _Frontier, *, t_start: float, time_limit:
         plan, objective = kept, min(objective, report.iteration_time_ms)
     bound_ms = min([objective] + frontier.bounds_ms)
     achieved_gap = max(0.0, (objective - bound_ms) / objective)
+    # The exact family is every plan over the options given (solver/README.md, "Families"), the structured one not.
+    whole = family == "exact" and inputs.exact and inputs.strategy == "baton" and inputs.allowed is None
+    space_bound = min(objective, max(inputs.space_bound_ms, bound_ms if whole else 0.0))
     status = "optimal" if not frontier.timed_out and achieved_gap <= inputs.gap + 1e-9 else "time_limit"
     result = SolveResult(plan=plan, report=report, strategy=inputs.strategy, status=status, objective_ms=objective,
                          bound_ms=bound_ms, gap=achieved_gap, build_s=frontier.build_s, solve_s=frontier.solve_s,
                          total_s=total_s, family=family, candidates=frontier.candidates, solved=frontier.solved,
                          pruned=frontier.pruned, first_plan_s=frontier.progress.first_s, unbounded=frontier.unbounded,
+                         space_bound_ms=space_bound, space_gap=max(0.0, (objective - space_bound) / objective),
                          notes=frontier.notes)
     result.plan = plan.with_info(**result.info())
     return result
@@ -807,6 +873,24 @@ def recheck(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, objective_ms
     if not report.fits:
         raise SolverCheckFailed("the MILP returned a plan that does not fit: " + explain_over_capacity(report))
     return report
+
+
+def _refuse_if_state_does_not_fit(spec, cluster, profiles, global_batch, mbs, space, host_optimizer: bool) -> None:
+    """NoPlanFits, in one line saying why, when the weights, gradients and optimizer state of the model need more
+    than all the GPUs have (``lowmem.state_memory_shortfall``: a proof for every plan, so no search is run)."""
+    from solver.lowmem import state_memory_shortfall
+
+    got = state_memory_shortfall(spec, cluster, profiles, host_optimizer=host_optimizer)
+    if got is None:
+        return
+    need, have, with_host = got
+    what = "weights and gradients" if host_optimizer else "weights, gradients and optimizer state"
+    tries = (["--offload-optimizer (its weights and gradients alone need " + _size(with_host) + ")"]
+             if not host_optimizer and with_host <= have else []) + ["more or larger GPUs", "a smaller model"]
+    device = least_memory_explanation(spec, cluster, profiles, global_batch, mbs, space)
+    raise NoPlanFits(f"no plan fits in memory: the {what} of {spec.name} need at least {_size(need)} over all GPUs "
+                     f"whatever the layout, and the {len(cluster.devices)} GPUs of {cluster.name} have {_size(have)} "
+                     f"beyond their reserves; {device}; try {', '.join(tries[:-1])} or {tries[-1]}")
 
 
 def least_memory_explanation(spec, cluster, profiles, global_batch, mbs, space) -> str:

@@ -97,13 +97,28 @@ def exact_splits_below(phi: Callable[[int, int, int], float], sizes: Sequence[Se
     yield from dfs(0, G, None)
 
 
+def _best_sizes(batches: Batches, phi: Callable[[int, int, int], float], sizes: Sequence[Sequence[int]],
+                classes: Sequence[int]) -> Batches:
+    """``batches`` with every replica at the micro-batch size its tables hold that its cheap bound ranks best for its
+    samples (30 micro-batches of 1 become 15 of 2): a fast replica alone often gains from a larger size that the
+    slowest replica's memory or bubble rules out for everyone."""
+    out = []
+    for i, (b, m) in enumerate(batches):
+        n = b * m
+        fits = [(phi(i, x, n // x), x != b, x) for x in sizes[i] if n % x == 0]  # a tie keeps the size it has
+        t, _, x = min(fits, default=(math.inf, False, b))
+        out.append((x, n // x) if math.isfinite(t) else (b, m))
+    return canonical(tuple(out), classes)
+
+
 def structured_splits(phi: Callable[[int, int, int], float], sizes: Sequence[Sequence[int]], classes: Sequence[int],
                       global_batch: int, *, within_class: bool = False) -> list[Batches]:
     """The structured family's splits (a heuristic restriction, see the module docstring): for each micro-batch
     size b all replicas hold, the uniform split, the split in proportion to each class's speed (``phi`` per
     micro-batch at the uniform count, rounded to whole micro-batches by largest remainder, members of a class
     within one of each other), and its neighbours (one micro-batch moved from the fullest member of one class
-    to the emptiest of another; ``within_class``: also between two members of one class)."""
+    to the emptiest of another; ``within_class``: also between two members of one class); and each of these with
+    every replica at the size its own cheap bound ranks best for its samples (``_best_sizes``)."""
     r, G = len(sizes), global_batch
     if r == 1:
         return [((b, G // b),) for b in sizes[0] if G % b == 0]
@@ -157,4 +172,4 @@ def structured_splits(phi: Callable[[int, int, int], float], sizes: Sequence[Seq
                 moved[src] -= 1
                 moved[dst] += 1
                 out.add(canonical(tuple((b, x) for x in moved), classes))
-    return sorted(out)
+    return sorted(out | {_best_sizes(x, phi, sizes, classes) for x in out})

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -272,10 +273,12 @@ def solve_structure(tables: StageTables, struct, sync: SyncTerms, emb_ms: float,
     return total, structure_plan(spec, tables.pipes, tables.batches, zero_stage, struct, recompute)
 
 
-def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patterns, limit_ms: float):
+def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patterns, limit_ms: float, *,
+           deadline_s: float = math.inf):
     """The structures of one candidate that may beat an incumbent of ``limit_ms``: (entries, dropped) with entries
     (bound, tables, structure, sync terms) below the limit, and ``dropped`` a lower bound on every structure left
-    out (inf when none was). Raises OverflowError when more than ``LAYOUT_LIMIT`` structures would be listed."""
+    out (inf when none was). Raises OverflowError when more than ``LAYOUT_LIMIT`` structures would be listed, and
+    TimeoutError when ``time.perf_counter()`` passes ``deadline_s`` before they are."""
     tables = StageTables(spec, cluster, profiles, space, pipes, batches)
     emb = tables.emb_ms
     layouts, dropped = [], math.inf
@@ -291,6 +294,8 @@ def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patt
              for i in range(len(pipes))]
     entries = []
     for struct in structures(layouts, twins):
+        if time.perf_counter() > deadline_s:
+            raise TimeoutError
         pipe_lb = last_arrival_ms([x.pipe_ms for x in struct], cluster.replica_time_cv) + emb
         if pipe_lb >= limit_ms:
             dropped = min(dropped, pipe_lb)

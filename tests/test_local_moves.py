@@ -81,11 +81,7 @@ BENCH_ONLY = {"scale_512": "its search bounds every candidate in minutes, not wi
 (a machine under load, the large clusters). A search that has not bounded every candidate by then claims no bound,
 and its case is skipped: how fast the search gets there is bench/bench_solver_scale.py's to measure."""
 
-KNOWN_WINS = {
-    "cephalo_8gpu": "structured family: every replica takes one micro-batch size; 'replica 0 at micro-batch size 2' "
-                    "(the A6000 alone, 15 micro-batches of 2 instead of 30 of 1) takes 3039.2 ms against the returned "
-                    "3112.1 ms proven optimal (-2.3%)",
-}
+KNOWN_WINS: dict[str, str] = {}
 """Cases where a move beats the proven bound, found by this test: cluster -> the move and the two times."""
 
 

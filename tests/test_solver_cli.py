@@ -146,6 +146,18 @@ def test_nothing_fits_names_device_and_overflow(tmp_path):
     assert not out.exists()
 
 
+def test_state_that_cannot_fit_is_refused_at_once_saying_why(tmp_path):
+    """gpt3-13b's weights, gradients and Adam state (16 B a parameter) exceed the four GPUs' 108 GiB together: proven
+    before any search, so the command says so in one line within seconds instead of running out its time limit."""
+    out = tmp_path / "plan.json"
+    code, stdout, stderr = run_cli("solve", "--cluster", CLUSTER, "--model", "gpt3-13b", "--out", out, "--time-limit", "60")
+    assert code == 2 and "Traceback" not in stderr
+    assert "no plan fits in memory" in stderr and "time limit" not in stderr
+    assert "optimizer state" in stderr and "--offload-optimizer" in stderr and "GiB" in stderr
+    assert len(stderr.strip().splitlines()) == 1 or "no plan fits" in stderr.replace("\n", " ")
+    assert not out.exists()
+
+
 def test_max_chunks_lets_the_planner_interleave(tmp_path):
     """a100x2_t4x2 / gpt3-1.3b at micro-batches of 2: offered two chunks per group, the planner returns interleaved
     pipelines faster than its 1F1B optimum, and the evaluator prices the plan file as the solver did."""

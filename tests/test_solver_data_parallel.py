@@ -93,6 +93,25 @@ def test_structured_splits_hold_the_uniform_and_the_speed_proportional_split():
             assert max(counts) - min(counts) <= 1
 
 
+def test_structured_splits_give_a_replica_the_micro_batch_size_its_bound_ranks_best():
+    """Class 0 pays 1.0 per micro-batch on top of its samples, class 1 nothing: every split is also offered with
+    class 0 at micro-batches of 2 where its samples allow (its samples kept), and class 1 keeps the size it has
+    where sizes tie."""
+    classes = [0, 0, 1, 1]
+
+    def phi(i, b, m):
+        return m * b + (m if classes[i] == 0 else 0.0)
+
+    got = structured_splits(phi, [(1, 2)] * 4, classes, 32)
+    assert ((2, 4), (2, 4), (1, 8), (1, 8)) in got  # the uniform split of 1s, class 0 at 2
+    assert ((2, 4), (2, 4), (2, 4), (2, 4)) in got
+    assert all(sum(b * m for b, m in split) == 32 for split in got)
+    mixed = [split for split in got if len({b for b, _ in split}) > 1]
+    assert mixed
+    for split in mixed:  # class 0 at 2 wherever its samples allow; class 1 at the size it had
+        assert all(b == 2 for (b, m), k in zip(split, classes) if k == 0 and b * m % 2 == 0)
+
+
 def test_ratio_options_and_vectors():
     """The owned-fraction grid: multiples of 1/K and, when 1/r is not one of them, the equal part."""
     r = ratio_options(1, 3, 3, 4)

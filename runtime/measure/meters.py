@@ -101,14 +101,36 @@ class SavedBytes:
 
     Counts tensors autograd saves outside recomputed segments (a saved-tensors hook) plus the inputs
     a recomputed segment keeps to replay itself; storages are counted once; parameters not at all.
+
+    ``known``: bytes by ``record`` key that an earlier step measured (``measured`` of its meter). A key found there
+    is recorded without hooks: it holds those bytes until its ``release``, so the peak is summed as if measured
+    again. The engine's passes save the same tensors every step (the same operators on the same shapes), and the
+    hooks cost each saved tensor two calls into Python: 616 tensors a step of a 6-layer model of 4 micro-batches,
+    1% of its time on a CPU.
     """
 
-    def __init__(self, params):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    def __init__(self, params, known: dict | None = None):
+        self._params = params
+        self._param_ptrs: set[int] | None = None
         self.moving: list | None = None
         self.live: dict[int, dict[int, int]] = {}
         self.current: dict[int, int] | None = None
         self.peak = 0
+        self.known = known if known is not None else {}
+        self.measured: dict = {}
+        """Bytes of every key recorded with hooks, when its ``record`` ended (what a later step's ``known`` takes)."""
+
+    @property
+    def param_ptrs(self) -> set[int]:
+        """Storage addresses of the parameters (read at the first measured ``record``: a step that measures
+        nothing reads none)."""
+        if self._param_ptrs is None:
+            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self._params}
+        return self._param_ptrs
+
+    @param_ptrs.setter
+    def param_ptrs(self, value: set[int]) -> None:
+        self._param_ptrs = value
 
     def track_params(self, params) -> None:
         """Parameters whose storage moves (stage 3 gathers a layer into new storage and releases it after):
@@ -124,8 +146,9 @@ class SavedBytes:
         if self.current is None or not isinstance(t, torch.Tensor):
             return
         s = t.untyped_storage()
-        if s.data_ptr() not in self.param_ptrs:
-            self.current[s.data_ptr()] = s.nbytes()
+        ptr = s.data_ptr()
+        if ptr not in self.param_ptrs:
+            self.current[ptr] = s.nbytes()
 
     def _pack(self, t):
         self.add(t)
@@ -133,6 +156,13 @@ class SavedBytes:
 
     @contextmanager
     def record(self, mb):
+        if mb in self.known:  # measured before: no hooks, nothing added (``current`` stays None)
+            self.live[mb] = {None: self.known[mb]}
+            try:
+                yield
+            finally:
+                self.peak = max(self.peak, self.total())
+            return
         if self.moving is not None:
             self._refresh()
         self.current = self.live.setdefault(mb, {})
@@ -140,6 +170,7 @@ class SavedBytes:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield
         finally:
+            self.measured[mb] = sum(self.current.values())
             self.current = None
             self.peak = max(self.peak, self.total())
 
