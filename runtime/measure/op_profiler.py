@@ -162,9 +162,10 @@ def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[],
     """Time forward and backward of ``fn(inputs)``; inputs are rebuilt for every repetition.
 
     With ``as_trained`` the passes run as a training step runs them (``runtime.train.engine``): the forward
-    under the saved-activation meter (``runtime.measure.meters.SavedBytes``, a Python hook per kept tensor) and
-    the backward adding into gradients that already exist (the engine's gradient buffer), where
-    otherwise every backward writes fresh gradients and no hook runs.
+    under the saved-activation meter (``runtime.measure.meters.SavedBytes``: a Python hook per kept tensor the
+    first time a key runs, its bytes held without hooks after, as the engine's steps after the first) and the
+    backward adding into gradients that already exist (the engine's gradient buffer, as every micro-batch but a
+    step's first), where otherwise every backward writes fresh gradients and no hook runs.
 
     Each repetition is timed alone by default: the device is idle when it starts and synchronised when
     it ends. With ``back_to_back`` the repetitions after warm-up run in timed pieces of several
@@ -180,6 +181,8 @@ def measure(fn: Callable[[list[torch.Tensor]], tuple], make_inputs: Callable[[],
     storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor)}
     output_bytes = sum(storages.values())
     meter = SavedBytes(params) if as_trained else None
+    if meter is not None:  # hooks on a key's first pass only, as the engine measures a pass once and holds its bytes
+        meter.known = meter.measured
 
     def forward(inputs, key=0):
         if meter is None:
@@ -363,6 +366,7 @@ def time_in_step(make_block: Callable[..., ParallelBlock], mb: MicroBatch, x: to
         warmup = max(warmup, 1)  # the first iteration compiles the graphs: never a timed one
     params = [p for blk in blocks for p in blk.parameters()]
     saved = SavedBytes(params)
+    saved.known = saved.measured  # hooks in the first iteration only (a warm-up one), as the engine's steps after its first
     for blk in blocks:
         blk.meter = Meter(saved=saved)
     for p in params:
