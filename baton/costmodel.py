@@ -478,6 +478,12 @@ class DeviceMemory:
     """The sum; the device fits when it is at most its capacity."""
 
 
+def state_bytes(weight_bytes, spec: ModelSpec, *, offload_optimizer: bool = False):
+    """Eq. 7 for weights held whole: the weights, their gradients (one weight's bytes each) and, on the device unless
+    ``offload_optimizer`` (eq. 7h), their optimizer state."""
+    return 2 * weight_bytes + optimizer_bytes(weight_bytes, spec) * (not offload_optimizer)
+
+
 def device_memory(slot: DeviceSlot, spec: ModelSpec, num_layers, *, param_bytes, held_bytes, transient_bytes,
                   edge: EdgeCost, owned_fraction=1.0, sync_buffer_bytes=0.0, zero_stage: int = 0,
                   owned_layer_fraction=None, activation_bytes=None, offload_optimizer: bool = False) -> DeviceMemory:

@@ -30,7 +30,7 @@ from baton.costmodel import device_slot, edge_cost, layer_cost, layer_train_ms
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
 
-from solver.options import valid_unit_counts
+from solver.options import plan_shares
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,11 +48,6 @@ class IdealBound:
     """The part of ``bound_ms`` that is forward and backward passes."""
     optimizer_ms: float
     """The part that is the Adam step."""
-
-
-def plan_shares(spec: ModelSpec) -> list[float]:
-    """Every share of a layer a device of a plan can hold: k / U for each valid unit count U."""
-    return sorted({k / U for U in valid_unit_counts(spec) for k in range(1, U + 1)})
 
 
 def ideal_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,

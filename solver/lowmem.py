@@ -7,11 +7,11 @@ import math
 import numpy as np
 
 from baton.costmodel import (device_memory, device_slot, edge_cost, layer_cost, layer_cost_of, layer_limits,
-                             optimizer_bytes, slot_prices)
+                             slot_prices, state_bytes)
 from baton.memory import RecomputeSpace
 from baton.plan import DeviceShare, Pipeline, Plan, Stage
 
-from solver.options import valid_unit_counts
+from solver.options import plan_shares, valid_unit_counts
 
 
 def least_memory_plan(spec, cluster, profiles, global_batch: int, micro_batch: int, space: RecomputeSpace) -> Plan:
@@ -103,13 +103,12 @@ def state_memory_shortfall(spec, cluster, profiles, *, host_optimizer: bool = Fa
     for g in cluster.gpu_types:
         prof = profiles[g]
         for b in prof.micro_batches("qkv"):
-            for U in valid_unit_counts(spec):
-                for u in range(1, U + 1):
-                    q = min(q, layer_cost(prof, spec, b, u / U).param_bytes / (u / U))
+            for share in plan_shares(spec):
+                q = min(q, layer_cost(prof, spec, b, share).param_bytes / share)
     if not math.isfinite(q) or q <= 0:
         return None
     weights = spec.num_layers * q
-    with_host = 2 * weights  # weights and gradients
-    need = with_host if host_optimizer else with_host + optimizer_bytes(weights, spec)
+    with_host = state_bytes(weights, spec, offload_optimizer=True)
+    need = state_bytes(weights, spec, offload_optimizer=host_optimizer)
     have = sum(max(0, d.memory_bytes - d.reserve_bytes) for d in cluster.devices)
     return (need, have, with_host) if need > have * (1 + 1e-9) else None

@@ -39,6 +39,11 @@ def valid_unit_counts(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(unit_counts(spec))
 
 
+def plan_shares(spec: ModelSpec) -> list[float]:
+    """Every share of a layer a device of a plan can hold: k / U for each valid unit count U."""
+    return sorted({k / U for U in valid_unit_counts(spec) for k in range(1, U + 1)})
+
+
 def units_in_proportion(weights: list[float], U: int) -> list[int]:
     """U units split in proportion to ``weights`` (largest remainder), at least one each: how the
     constructive plan and HAP's baseline turn continuous shares into whole units."""

@@ -13,7 +13,8 @@ from baton.evaluate import evaluate
 from baton.model_spec import PRESETS
 from baton.profile import ProfileSet
 from solver import baselines
-from solver.ideal import ideal_bound, plan_shares
+from solver.ideal import ideal_bound
+from solver.options import plan_shares
 from solver.moves import price_neighbours
 from solver.search import search
 from tests.conftest import ROOT
