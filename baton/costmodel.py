@@ -35,8 +35,8 @@ from baton.peers import (EDGES, final_norm_param_count, held_params, owned_fract
                          position_param_count, replicated_param_count, split_param_count, unit_groups, whole_groups)
 from baton.profile import OpCost, Profile, ProfileSet
 from baton.pipeline import PipelineTiming
-from baton.schedules import (Backward, Forward, Gather, OptimizerStep, ReduceScatter, Schedule, layer_by_layer,
-                             live_counts, one_f_one_b, peak_in_flight)
+from baton.schedules import (Backward, Forward, Gather, OptimizerStep, ReduceScatter, Schedule, device_live_counts,
+                             layer_by_layer, live_counts, one_f_one_b_order, peak_in_flight)
 from baton.waits import last_arrival_ms
 
 BLOCKS = ("attn", "mlp")
@@ -325,7 +325,8 @@ def in_flight_microbatches(stage: int, num_stages: int, num_microbatches: int, *
     replica holds all m at the end of its forward."""
     if layered:
         return num_microbatches
-    return int(peak_in_flight(one_f_one_b(num_stages, num_microbatches), stage))
+    counts = device_live_counts(one_f_one_b_order(num_stages, num_microbatches, stage), 1)
+    return max((n for n, in counts), default=0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

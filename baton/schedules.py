@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Union
+from typing import Sequence, Union
 
 from baton.operators import EMBEDDING, HEAD
 from baton.peers import EDGES
@@ -178,20 +178,31 @@ def _with_transfers(order, stage_of, num_stages: int) -> tuple[Action, ...]:
 @functools.lru_cache(maxsize=4096)
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """1F1B (eq. 1): stage s runs min(p - s - 1, m) warm-up forwards, then alternates one forward and one
-    backward, then drains its remaining backwards."""
-    p, m = num_stages, num_microbatches
-    devices = []
-    for s in range(p):
-        warmup = min(p - s - 1, m)
-        order = [("F", i, 0) for i in range(warmup)]
-        next_f = warmup
-        for b in range(m):
-            if next_f < m:
-                order.append(("F", next_f, 0))
-                next_f += 1
-            order.append(("B", b, 0))
-        devices.append(_with_transfers(order, lambda _chunk, s=s: s, p))
-    return Schedule(name="1f1b", num_stages=p, num_microbatches=m, devices=tuple(devices))
+    backward, then drains its remaining backwards (``one_f_one_b_device``, stage by stage)."""
+    devices = tuple(one_f_one_b_device(num_stages, num_microbatches, s) for s in range(num_stages))
+    return Schedule(name="1f1b", num_stages=num_stages, num_microbatches=num_microbatches, devices=devices)
+
+
+def one_f_one_b_device(num_stages: int, num_microbatches: int, stage: int) -> tuple[Action, ...]:
+    """Stage ``stage``'s actions under 1F1B."""
+    return _with_transfers(one_f_one_b_order(num_stages, num_microbatches, stage), lambda _chunk: stage, num_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> tuple[tuple[str, int, int], ...]:
+    """Stage ``stage``'s compute passes under 1F1B as ('F' or 'B', micro-batch, chunk 0). Apart from
+    ``one_f_one_b`` because a device's memory reads its own passes only (``baton.costmodel.in_flight_microbatches``),
+    and the planner asks that of thousands of (p, m)."""
+    p, m, s = num_stages, num_microbatches, stage
+    warmup = min(p - s - 1, m)
+    order = [("F", i, 0) for i in range(warmup)]
+    next_f = warmup
+    for b in range(m):
+        if next_f < m:
+            order.append(("F", next_f, 0))
+            next_f += 1
+        order.append(("B", b, 0))
+    return tuple(order)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -264,13 +275,17 @@ def live_counts(schedule: Schedule, device: int) -> list[tuple[int, ...]]:
     runs virtual stage c p + device): a forward's are kept until the same micro-batch's backward of the same
     virtual stage has run, and a peak comes right after a forward. Only moments no other moment holds at least as
     many of on every chunk (the peak of any weighting is at one of them)."""
-    p, v = schedule.num_devices, schedule.num_chunks
-    live, moments = [0] * v, set()
-    for a in schedule.devices[device]:
-        if isinstance(a, (Forward, Backward)):
-            live[(a.stage - device) // p] += 1 if isinstance(a, Forward) else -1
-            if isinstance(a, Forward):
-                moments.add(tuple(live))
+    p = schedule.num_devices
+    return device_live_counts([(kind, i, (k - device) // p) for kind, i, k in schedule.passes(device)], schedule.num_chunks)
+
+
+def device_live_counts(passes: Sequence[tuple[str, int, int]], num_chunks: int) -> list[tuple[int, ...]]:
+    """``live_counts`` of one device's compute passes in order, as ('F' or 'B', micro-batch, chunk)."""
+    live, moments = [0] * num_chunks, set()
+    for kind, _, chunk in passes:
+        live[chunk] += 1 if kind == "F" else -1
+        if kind == "F":
+            moments.add(tuple(live))
     return sorted(n for n in moments if not any(o != n and all(x >= y for x, y in zip(o, n)) for o in moments))
 
 

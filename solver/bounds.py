@@ -34,7 +34,8 @@ from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
 
 from solver.options import valid_unit_counts
-from solver.space import Skeleton, replica_pattern
+from solver.space import Skeleton, device_codes, replica_pattern
+from solver.splits import replica_classes
 
 
 def _layer_ms(profile, spec, mb, share, part="fb") -> float:
@@ -134,6 +135,8 @@ class BoundCache:
         self.joint: dict = {}
         self.shared: dict = {}
         self.slack: dict = {}
+        self.group_pattern: dict = {}
+        """TP group (device ids) -> its ``replica_pattern`` as a one-stage replica."""
 
 
 def _group_key(cluster, ids):
@@ -145,7 +148,7 @@ def _group_key(cluster, ids):
 
 def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, skeleton: Skeleton, batches,
                           space: RecomputeSpace, cache: BoundCache | None = None, monotone: dict | None = None, *,
-                          zero_stage: int = 0, patterns=None, sync: bool = True, even_shards: bool = False,
+                          zero_stage: int = 0, patterns=None, classes=None, sync: bool = True, even_shards: bool = False,
                           host_optimizer: bool = False) -> float:
     """A lower bound on every plan of the candidate (``batches[i]`` = (micro-batch size, micro-batches) of
     replica i): the slowest replica's pipeline bound, the tied embedding sync, the least optimizer step of
@@ -153,13 +156,15 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
 
     A replica is bounded once per ``replica_pattern`` and batch (the same replica on other nodes of the same
     kinds costs the same), here and across candidates: large clusters repeat one replica hundreds of times;
-    ``patterns`` may give the replicas' patterns, computed once per skeleton. With ``host_optimizer`` a device may
+    ``patterns`` may give the replicas' patterns, computed once per skeleton, and ``classes`` their
+    ``splits.replica_classes``. With ``host_optimizer`` a device may
     keep its optimizer state in host memory (eq. 7h): its layer caps count none on the device, and the least
     optimizer step is 0 (a bound on the host step too)."""
     cache = cache or BoundCache()
     best, opt = 0.0, 0.0
     patterns = patterns if patterns is not None else [replica_pattern(cluster, pipe) for pipe in skeleton.pipelines]
-    owned = bound_owned(skeleton.num_replicas, zero_stage, even_shards or (monotone is not None and len(set(patterns)) == 1
+    classes = classes if classes is not None else replica_classes(patterns)  # small keys for what the patterns say
+    owned = bound_owned(skeleton.num_replicas, zero_stage, even_shards or (monotone is not None and len(set(classes)) == 1
                                                                            and len(set(batches)) == 1))
     if not skeleton.one_shape:  # a device of unlike replicas may own less than 1/r (groups of more holders)
         owned = None
@@ -168,15 +173,15 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
     # Replicas alike on one micro-batch size: only the one with the most micro-batches counts (its bound, and
     # its row in the joint bound, dominate the others': more passes, more in-flight activations).
     most: dict = {}
-    for rho, pattern in enumerate(patterns):
-        b, m = batches[rho]
-        if m > most.get((pattern, b), (0, 0))[0]:
-            most[pattern, b] = (m, rho)
+    for rho, (c, (b, m)) in enumerate(zip(classes, batches)):
+        if m > most.get((c, b), (0, 0))[0]:
+            most[c, b] = (m, rho)
     seen = {}
-    for (pattern, b), (m, rho) in most.items():
+    for (c, b), (m, rho) in most.items():
+        pattern = patterns[rho]
         rb, ro = replica_bound(spec, cluster, profiles, skeleton.pipelines[rho], b, m, space, cache, monotone,
                                zero_stage=zero_stage, pattern=pattern, owned=owned)
-        seen[pattern, b, m] = _replica_key(b, m, pattern, monotone, zero_stage, owned)
+        seen[c, b, m] = _replica_key(b, m, pattern, monotone, zero_stage, owned)
         if not math.isfinite(rb):
             return float("inf")
         best, opt = max(best, rb), max(opt, ro)
@@ -186,7 +191,7 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
     if zero_stage and owned is None and skeleton.num_replicas > 1:  # each position's peers share its state
         shared = shared_state_caps(spec, cluster, profiles, skeleton, batches, space, cache)
     if len(seen) > 1 or shared is not None:  # replicas share one layer split (and, at stage 1, their state)
-        keys = tuple(sorted(seen.values(), key=repr))
+        keys = frozenset(seen.values())  # the joint bound does not depend on the rows' order (min, max, unique)
         if (keys, shared) not in cache.joint:
             cache.joint[keys, shared] = _joint_pipeline_bound([cache.rows[k] for k in keys], spec.num_layers, shared)
         best = max(best, cache.joint[keys, shared])
@@ -415,7 +420,9 @@ def _stage_rows(spec, cluster, profiles, pipe, mb, m, space, cache, monotone, ze
     group up to interchangeable nodes and on its position and in-flight count only."""
     p, rows = len(pipe), []
     for s, ids in enumerate(pipe):
-        key = (mb, s == 0, s == p - 1, min(p - s, m), replica_pattern(cluster, (ids,)), bool(monotone), zero_stage, owned)
+        if ids not in cache.group_pattern:
+            cache.group_pattern[ids] = replica_pattern(cluster, (ids,))
+        key = (mb, s == 0, s == p - 1, min(p - s, m), cache.group_pattern[ids], bool(monotone), zero_stage, owned)
         if key not in cache.stage:
             cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone, zero_stage, owned)
         rows.append(cache.stage[key])
@@ -580,8 +587,12 @@ def layered_lower_bound(spec, cluster, profiles, skeleton: Skeleton, batches, sp
     Replicas of one stage hold no tied-embedding copy (eq. 11's term is 0). Eq. 17 is at least every replica's
     compute plus every collective. Infinite when the state cannot fit (``_layered_state_fits``)."""
     cache = cache or BoundCache()
-    best = max(layered_replica_bound(spec, cluster, profiles, pipe[0], b, m, space, cache, zero_stage)
-               for pipe, (b, m) in zip(skeleton.pipelines, batches))
+    codes = device_codes(cluster)[1]
+    alike = {}  # replicas of the same devices' kinds on one batch have one bound: a skeleton may hold 1,024
+    for pipe, batch in zip(skeleton.pipelines, batches):
+        alike.setdefault((tuple(codes[i] for i in pipe[0]), batch), pipe[0])
+    best = max(layered_replica_bound(spec, cluster, profiles, ids, b, m, space, cache, zero_stage)
+               for (_, (b, m)), ids in alike.items())
     if math.isfinite(best) and not _layered_state_fits(spec, cluster, profiles, skeleton, batches, space, cache, zero_stage):
         return float("inf")
     return best + skeleton_constant(spec, cluster, skeleton, cache, sync=False) + (collectives or 0.0)
@@ -630,14 +641,20 @@ def _layered_state_fits(spec, cluster, profiles, skeleton: Skeleton, batches, sp
                 if np.all(room < state / D * (1 - 1e-9)):
                     return False
         return True
-    largest = []
+    largest, codes = [], device_codes(cluster)[1]
     for k in range(len(skeleton.pipelines[0][0])):
-        peers = [(pipe[0][k], batch) for pipe, batch in zip(skeleton.pipelines, batches)]
+        peers: dict = {}  # alike devices on one batch have one row: (device, batch) -> how many peers
+        for pipe, batch in zip(skeleton.pipelines, batches):
+            i = pipe[0][k]
+            first, count = peers.get((codes[i], batch), (i, 0))
+            peers[codes[i], batch] = (first, count + 1)
         n = len(skeleton.pipelines[0][0])
-        rows = [_layered_state(spec, cluster, profiles, i, b, m, n, space, cache, zero_stage) for i, (b, m) in peers]
-        ok = np.all([room >= 0 for room, _ in rows], axis=0)
+        rows = [(_layered_state(spec, cluster, profiles, i, b, m, n, space, cache, zero_stage), count)
+                for (_, (b, m)), (i, count) in peers.items()]
+        ok = np.all([room >= 0 for (room, _), _ in rows], axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
-            total = np.sum([np.where(state > 0, room / np.where(state > 0, state, 1.0), np.inf) for room, state in rows], axis=0)
+            total = np.sum([count * np.where(state > 0, room / np.where(state > 0, state, 1.0), np.inf)
+                            for (room, state), count in rows], axis=0)
         ok &= total >= 1 - 1e-9  # loose: the evaluator's sums may round the other way
         shares = np.array(possible_shares(spec, n, False))
         if not ok.any():

@@ -57,6 +57,9 @@ from solver.ideal import ideal_bound
 from solver.splits import _largest_m, canonical, exact_splits_below, replica_classes, structured_splits, uniform_splits
 
 CONSTRUCTIVE_FAILED_SHARE = 0.1
+
+GROUP_WINDOW = 0.05
+"""A group's first window of splits: 5% above its bound (``_expand_group``)."""
 """Constructive attempts that find nothing may take this share of the time spent so far (plus a second)."""
 EXACT_LIMIT = 5000
 """Above this many exact skeletons the search switches to the structured family."""
@@ -250,8 +253,8 @@ class _Entry(NamedTuple):
     """Index into ``_Frontier.skeletons``."""
     zero_stage: int
     data: object
-    """'cand': the canonical batches; 'interleaved': (canonical batches, chunks); 'group': the start of its window
-    (ms); 'struct': (tables, structure, sync)."""
+    """'cand': the canonical batches; 'interleaved': (canonical batches, chunks); 'group': (the start of its window
+    in ms, its relative width); 'struct': (tables, structure, sync)."""
     refined: bool
     """The bound already holds what is only computed at the front (the sync bound, the collectives' bound)."""
 
@@ -306,7 +309,7 @@ class _Inputs:
     collectives_ms: dict = field(default_factory=dict)
     """(skeleton, stage 2 or 3) -> least collectives of eq. 17 over its units (filled when one reaches the front)."""
     phi_memo: dict = field(default_factory=dict)
-    """(skeleton, stage, owned, every schedule) -> {(replica, b, m): its cheap bound} (``phi``)."""
+    """(skeleton, stage, owned, every schedule) -> {(replica class, b, m): its cheap bound} (``phi``)."""
 
     def time_left(self) -> bool:
         return time.perf_counter() < self.deadline_s
@@ -337,6 +340,7 @@ class _Inputs:
                                        zero_stage=z, collectives=coll)
         return candidate_lower_bound(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, self.cache,
                                      self.monotone if self.reduce_symmetry else None, zero_stage=z, patterns=info.patterns,
+                                     classes=info.classes,
                                      sync=self.exact if sync is None else sync, even_shards=self.even(info),
                                      host_optimizer=self.host_optimizer)
 
@@ -360,10 +364,10 @@ class _Inputs:
         the exact family lists splits by). Memoised per skeleton: a group's splits are listed again at every window,
         asking the same (i, b, m) each time."""
         memo = self.phi_memo.setdefault((info.sk, z, owned, every_schedule), {})
-        bound = self._phi(info, z, owned, every_schedule=every_schedule)
+        bound, classes = self._phi(info, z, owned, every_schedule=every_schedule), info.classes
 
         def phi(i, b, m):
-            key = (i, b, m)
+            key = (classes[i], b, m)  # replicas of one class are one replica on other nodes: one bound
             if key not in memo:
                 memo[key] = bound(i, b, m)
             return memo[key]
@@ -576,7 +580,7 @@ def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_s
         if inputs.exact and sk.num_replicas > 1:  # every other split, expanded lazily in bound order
             floor, frontier.group_ceiling_ms[k, z] = inputs.group_range(info, z)
             if math.isfinite(floor):
-                frontier.push(floor, "group", k, z, 0.0, True)
+                frontier.push(floor, "group", k, z, (0.0, GROUP_WINDOW), True)
 
 
 def _seed_candidate(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: int) -> None:
@@ -669,13 +673,17 @@ def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
 def _expand_group(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
     """List the group's splits whose bounds lie in its window [start, upto) as candidates and push the group back
     at upto: every split not listed yet has a bound of at least that. The window ends at the incumbent times
-    (1 - gap), or 5% above the start, so no split is bounded before it has to be."""
+    (1 - gap), or ``widen`` above the start, so no split is bounded long before it has to be; ``widen`` starts at
+    ``GROUP_WINDOW`` and doubles after a window that listed nothing (each window lists its splits again from the
+    first, so empty windows in a row would cost that listing each)."""
     tg = time.perf_counter()
     lb, k, z, info = entry.bound_ms, entry.skeleton, entry.zero_stage, frontier.skeletons[entry.skeleton]
+    since, widen = entry.data
     inc = frontier.incumbent_ms
-    upto = min(inc * (1 - inputs.gap), lb * 1.05 + 1e-9) if math.isfinite(inc) else lb * 1.25 + 1e-9
+    upto = min(inc * (1 - inputs.gap), lb * (1 + widen) + 1e-9) if math.isfinite(inc) else lb * 1.25 + 1e-9
     const = inputs.constant(info, z)
     last = upto > frontier.group_ceiling_ms[k, z]  # beyond every finite replica bound: this window takes all the rest
+    before = frontier.candidates
     for batches in exact_splits_below(inputs.phi(info, z, every_schedule=True), info.sizes, info.classes,
                                       inputs.global_batch, math.inf if last else upto - const):
         if not inputs.time_left():  # the rest of the window keeps the group's bound (those listed are not listed twice)
@@ -683,11 +691,11 @@ def _expand_group(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
             frontier.build_s += time.perf_counter() - tg
             return
         x = inputs.bound(info, batches, z)
-        if entry.data <= x and (last or x < upto) and math.isfinite(x):
+        if since <= x and (last or x < upto) and math.isfinite(x):
             frontier.push_candidate(info, k, batches, z, x, refined=z not in LAYERED_STAGES)
-        _seed_interleaved(inputs, frontier, k, batches, z, below=math.inf if last else upto, since=entry.data)
+        _seed_interleaved(inputs, frontier, k, batches, z, below=math.inf if last else upto, since=since)
     if not last:  # every split not pushed yet has a bound of at least upto
-        frontier.push(upto, "group", k, z, upto, True)
+        frontier.push(upto, "group", k, z, (upto, widen if frontier.candidates > before else 2 * widen), True)
     frontier.build_s += time.perf_counter() - tg
 
 

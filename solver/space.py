@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.cluster import ClusterSpec
 
@@ -26,6 +26,13 @@ class Skeleton:
     """Device layout without numbers: replicas, each a list of stages, each a TP group in rank order."""
 
     pipelines: tuple[tuple[tuple[str, ...], ...], ...]
+    one_shape: bool = field(init=False, compare=False, repr=False)
+    """Every replica has the same number of stages and the same TP group sizes stage by stage: the peer groups
+    are then the (stage, rank) positions when the replicas share one layer split and units (the MILP's case).
+    Computed once: bounds ask it of every candidate, and a skeleton may hold 1,024 devices."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "one_shape", len({tuple(len(g) for g in pipe) for pipe in self.pipelines}) == 1)
 
     @property
     def num_replicas(self) -> int:
@@ -35,12 +42,6 @@ class Skeleton:
     def num_stages(self) -> int:
         """Stages of replica 0 (of every replica when ``one_shape``)."""
         return len(self.pipelines[0])
-
-    @property
-    def one_shape(self) -> bool:
-        """Every replica has the same number of stages and the same TP group sizes stage by stage: the peer groups
-        are then the (stage, rank) positions when the replicas share one layer split and units (the MILP's case)."""
-        return len({tuple(len(g) for g in pipe) for pipe in self.pipelines}) == 1
 
     def device_ids(self) -> list[str]:
         return [d for p in self.pipelines for s in p for d in s]
@@ -220,7 +221,7 @@ def _device_info(cluster: ClusterSpec) -> dict[str, tuple]:
 _CODES: dict[int, tuple[ClusterSpec, dict[str, int], dict[str, int]]] = {}
 
 
-def _device_codes(cluster: ClusterSpec) -> tuple[dict[str, int], dict[str, int]]:
+def device_codes(cluster: ClusterSpec) -> tuple[dict[str, int], dict[str, int]]:
     """Device id -> its node's number, and device id -> the number of its (node kind, GPU, memory, reserve),
     memoised per cluster object like ``_device_info``."""
     hit = _CODES.get(id(cluster))
@@ -241,7 +242,7 @@ def symmetry_key(cluster: ClusterSpec, sk: Skeleton) -> tuple:
     the whole skeleton. Two skeletons with one key differ by renaming nodes within kinds, swapping devices of one
     node and type and reordering replicas, so each plan of one is a plan of the other priced the same (rules 1
     and 6). Equivalent skeletons may still have two keys (replicas alike but for their nodes keep their order)."""
-    node, cls = _device_codes(cluster)
+    node, cls = device_codes(cluster)
 
     def replica(pipe) -> tuple:
         return tuple(len(st) for st in pipe), tuple(map(cls.__getitem__, itertools.chain.from_iterable(pipe)))

@@ -14,6 +14,7 @@ take non-decreasing (b, m) in member order).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Iterator, Sequence
 
@@ -21,21 +22,30 @@ Batches = tuple
 """((micro-batch size, micro-batches), ...) per replica."""
 
 
-def replica_classes(patterns: Sequence) -> list[int]:
+def replica_classes(patterns: Sequence) -> tuple[int, ...]:
     """Class of each replica: replicas with one pattern share a class, numbered by first appearance."""
     ids: dict = {}
-    return [ids.setdefault(p, len(ids)) for p in patterns]
+    return tuple(ids.setdefault(p, len(ids)) for p in patterns)
 
 
 def canonical(batches: Sequence, classes: Sequence[int]) -> Batches:
     """The representative of ``batches`` modulo swaps inside a class: each class's (b, m) sorted, given to its
     members in member order."""
-    out = list(batches)
-    for c in set(classes):
-        members = [i for i, x in enumerate(classes) if x == c]
-        for i, v in zip(members, sorted(batches[i] for i in members)):
+    out = [tuple(x) for x in batches]
+    for group in _shared_classes(tuple(classes)):
+        for i, v in zip(group, sorted(out[i] for i in group)):
             out[i] = v
-    return tuple(tuple(x) for x in out)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_classes(classes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The members of every class of two or more replicas: a skeleton's splits are made canonical thousands of
+    times, and it may hold 1,024 replicas."""
+    members: dict[int, list[int]] = {}
+    for i, c in enumerate(classes):
+        members.setdefault(c, []).append(i)
+    return tuple(tuple(g) for g in members.values() if len(g) > 1)
 
 
 def uniform_splits(sizes: Sequence[Sequence[int]], global_batch: int) -> list[Batches]:
@@ -102,12 +112,15 @@ def _best_sizes(batches: Batches, phi: Callable[[int, int, int], float], sizes: 
     """``batches`` with every replica at the micro-batch size its tables hold that its cheap bound ranks best for its
     samples (30 micro-batches of 1 become 15 of 2): a fast replica alone often gains from a larger size that the
     slowest replica's memory or bubble rules out for everyone."""
-    out = []
+    out, best = [], {}
     for i, (b, m) in enumerate(batches):
-        n = b * m
-        fits = [(phi(i, x, n // x), x != b, x) for x in sizes[i] if n % x == 0]  # a tie keeps the size it has
-        t, _, x = min(fits, default=(math.inf, False, b))
-        out.append((x, n // x) if math.isfinite(t) else (b, m))
+        key = (classes[i], b, m)  # members of a class on one batch choose alike
+        if key not in best:
+            n = b * m
+            fits = [(phi(i, x, n // x), x != b, x) for x in sizes[i] if n % x == 0]  # a tie keeps the size it has
+            t, _, x = min(fits, default=(math.inf, False, b))
+            best[key] = (x, n // x) if math.isfinite(t) else (b, m)
+        out.append(best[key])
     return canonical(tuple(out), classes)
 
 

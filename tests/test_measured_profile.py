@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from baton.cluster import Link, load_cluster
+from baton.cluster import MAX_REPLICA_TIME_CV, Link, load_cluster
 from baton.costmodel import allreduce_ms, optimizer_step_ms, tp_allreduce_ms
 from baton.model_spec import PRESETS
 from baton.operators import layer_operators, operator_param_count, tensor_sizes
@@ -95,11 +95,12 @@ def test_link_measurement_over_gloo_between_two_processes(tmp_path):
     (tmp_path / "c.yaml").write_text("nodes:\n  - name: n\n    gpus: [{type: cpu, count: 2}]\n" +
                                      "\n".join("    " + line for line in fit.yaml_block().splitlines()) + "\n")
     # The replicas' own spread (eq. 19) was measured too; it goes at the file's top level.
-    assert fit.replica_time_cv is not None and 0.0 <= fit.replica_time_cv < 0.5
+    # How large it is depends on how busy the host is (a cv over eq. 19's limit is written at the limit).
+    assert fit.replica_time_cv is not None and fit.replica_time_cv >= 0.0
     cv_line = next(line for line in fit.yaml_block().splitlines() if line.startswith("# replica_time_cv: "))
     text = (tmp_path / "c.yaml").read_text()
     (tmp_path / "c.yaml").write_text(cv_line.removeprefix("# ") + "\n" + text)
-    assert load_cluster(tmp_path / "c.yaml").replica_time_cv == pytest.approx(fit.replica_time_cv, abs=1e-4)
+    assert load_cluster(tmp_path / "c.yaml").replica_time_cv == pytest.approx(min(fit.replica_time_cv, 0.5), abs=1e-4)
     link = load_cluster(tmp_path / "c.yaml").link("n:0", "n:1")
     assert link.allreduce_bandwidth_gb_per_s == pytest.approx(fit.allreduce_bandwidth_gb_per_s, rel=1e-2)
     assert link.tp_allreduce_bandwidth_gb_per_s == pytest.approx(fit.tp_allreduce_bandwidth_gb_per_s, rel=1e-2)
@@ -118,6 +119,18 @@ def test_link_fit_keeps_in_layer_all_reduces_apart():
     assert allreduce_ms(16777216.0, 2, link) == pytest.approx(0.2 + 16777216.0 / 1e6, rel=1e-3)
     plain = link_fit("gloo", 2, {"p2p": idle, "allreduce": idle})
     assert plain.tp_allreduce_bandwidth_gb_per_s is None and "tp_allreduce" not in plain.yaml_block()
+
+
+def test_a_noisier_host_than_eq19_holds_is_written_at_the_limit(tmp_path):
+    """A busy host can measure a replica-time cv beyond what a cluster file takes: the block still loads."""
+    idle = [(x, 0.2 + x / 1e6) for x in (4096.0, 65536.0, 1048576.0)]
+    for cv, written in ((0.31, 0.31), (0.93, MAX_REPLICA_TIME_CV)):
+        block = link_fit("gloo", 2, {"p2p": idle, "allreduce": idle}, replica_time_cv=cv).yaml_block()
+        line = next(x for x in block.splitlines() if x.startswith("# replica_time_cv: "))
+        assert ("measured 0.9300" in block) == (cv > MAX_REPLICA_TIME_CV)
+        (tmp_path / "c.yaml").write_text(line.removeprefix("# ") + "\nnodes:\n  - name: n\n    gpus: [{type: cpu, count: 2}]\n"
+                                         + "\n".join("    " + x for x in block.splitlines()) + "\n")
+        assert load_cluster(tmp_path / "c.yaml").replica_time_cv == pytest.approx(written)
 
 
 def test_measured_table_times_the_optimizer_step_for_eq10(measured):

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from baton.cluster import MAX_REPLICA_TIME_CV
 from baton.errors import BatonError
 from baton.model_spec import ModelSpec, splits_into
 from runtime.launch.affinity import pin_rank
@@ -108,8 +109,13 @@ class LinkFit:
         import yaml
 
         # The block goes into a node; the replicas' spread belongs at the top of the cluster file.
-        noise = ("" if self.replica_time_cv is None else
-                 f"# at the cluster file's top level (docs/cost-model.md, eq. 19):\n# replica_time_cv: {self.replica_time_cv:.4f}\n")
+        noise, cv = "", self.replica_time_cv
+        if cv is not None:
+            # A cluster file refuses a cv beyond eq. 19's limit, so a noisier measurement is written at the limit.
+            over = (f"# measured {cv:.4f}, beyond eq. 19's limit of {MAX_REPLICA_TIME_CV}: the host was too busy to say; "
+                    "measure again on a quiet one\n" if cv > MAX_REPLICA_TIME_CV else "")
+            noise = (f"# at the cluster file's top level (docs/cost-model.md, eq. 19):\n{over}"
+                     f"# replica_time_cv: {min(cv, MAX_REPLICA_TIME_CV):.4f}\n")
         return (f"# measured by 'baton profile --comm' over {self.backend} ({self.world_size} ranks, {self.dtype} messages)\n"
                 + noise + yaml.safe_dump({key: self.link_fields()}, default_flow_style=None, sort_keys=False,
                                          width=1000))
