@@ -47,7 +47,7 @@ from baton.profile import ProfileSet
 
 from solver.milp import highs_solve
 from solver.options import ratio_vectors, units_in_proportion, valid_unit_counts
-from solver.space import Skeleton, hethub_layout, megatron_layout
+from solver.space import Skeleton, device_codes, hethub_layout, megatron_layout
 from solver.search import NoPlanFits, SolveResult, micro_batch_candidates, search
 
 SELECTIVE = ("attn_scores", "softmax", "attn_dropout", "attn_v")
@@ -315,30 +315,37 @@ def cephalo_offload(spec) -> tuple[str, ...]:
     return held_tensors(spec, frozenset(operator_names(spec)))
 
 
-def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_batch: int | None = None, skip: int = 0):
+def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_batch: int | None = None, skip: int = 0,
+                    deadline_s: float | None = None):
     """Cephalo's compute partition (its dynamic programme, eq. 4 of the paper): every device i gets l_i >= 1
     micro-batches of a size b_i whose compute memory fits it (the unsharded part at stage 3: the edges, one
     gathered layer and one layer's gradient, the activations of all l_i micro-batches with every layer
     recomputed, as layered accumulation keeps them; constraint II), sum b_i l_i = G, the free memory left holds
     the whole training state between them (constraint III: sum_i free_i / state_i >= 1, state_i the state's
     bytes on device i), minimising the slowest device's l_i (F + B). The ``skip``-th smallest feasible threshold
-    is taken (0: the best). Returns [(b, l)] per device or None."""
+    is taken (0: the best). Returns [(b, l)] per device or None. ``deadline_s`` (``time.perf_counter()``): past it,
+    TimeoutError (the dynamic programme is linear in the devices times the batch: minutes at 1,024 GPUs)."""
     full = tuple(operator_names(spec))
     G = global_batch
-    opts = []  # per device: [(b, l, ms, free / state)]
+    offload = cephalo_offload(spec)
+    opts, rows = [], {}  # per device: [(b, l, ms, free / state)]; alike devices (device_codes) share theirs
     for i in ids:
-        row = []
-        for b in _sizes(cluster, profiles, i, G, micro_batch):
-            ms = _lone(spec, cluster, profiles, i, b, full, offload=cephalo_offload(spec))[0]
-            for l in range(1, G // b + 1):
-                bare, state = _cephalo_memory(spec, cluster, profiles, i, b, l)
-                free = cluster.device(i).memory_bytes - bare
-                if free < 0:
-                    break  # more micro-batches in flight only need more
-                row.append((b, l, ms, free / state))
-        if not row:
+        _past(deadline_s)
+        kind = device_codes(cluster)[1][i]
+        if kind not in rows:
+            row = []
+            for b in _sizes(cluster, profiles, i, G, micro_batch):
+                ms = _lone(spec, cluster, profiles, i, b, full, offload=offload)[0]
+                for l in range(1, G // b + 1):
+                    bare, state = _cephalo_memory(spec, cluster, profiles, i, b, l)
+                    free = cluster.device(i).memory_bytes - bare
+                    if free < 0:
+                        break  # more micro-batches in flight only need more
+                    row.append((b, l, ms, free / state))
+            rows[kind] = row
+        if not rows[kind]:
             return None
-        opts.append(row)
+        opts.append(rows[kind])
     times = np.unique([l * ms for row in opts for b, l, ms, _ in row])
 
     def table(T):
@@ -347,6 +354,7 @@ def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_ba
         best[1:] = -np.inf
         picks = []
         for row in opts:
+            _past(deadline_s)
             new = np.full(G + 1, -np.inf)
             pick = np.zeros((G + 1, 2), dtype=np.int64)
             for b, l, ms, free in row:
@@ -390,6 +398,11 @@ def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_ba
         out.append((b, l))
         j -= b * l
     return list(reversed(out)) if j == 0 else None
+
+
+def _past(deadline_s: float | None) -> None:
+    if deadline_s is not None and time.perf_counter() > deadline_s:
+        raise TimeoutError
 
 
 def cephalo_ratios(spec, cluster, profiles, ids, batches) -> list[float] | None:
@@ -437,9 +450,11 @@ def cephalo(spec, cluster, profiles, *, global_batch: int, micro_batch: int | No
     return _result(best, "cephalo", t0, n_eval)
 
 
-def baseline_splits(spec, cluster, profiles, skeleton, *, global_batch: int, micro_batch: int | None = None) -> list:
+def baseline_splits(spec, cluster, profiles, skeleton, *, global_batch: int, micro_batch: int | None = None,
+                    deadline_s: float | None = None) -> list:
     """Poplar's and Cephalo's per-device batches for a skeleton whose replicas are single devices, so that the
-    structured family holds the baselines' layouts with their splits (solver/README.md)."""
+    structured family holds the baselines' layouts with their splits (solver/README.md). Past ``deadline_s``
+    (``time.perf_counter()``), TimeoutError."""
     if not all(len(pipe) == 1 and len(pipe[0]) == 1 for pipe in skeleton.pipelines) or skeleton.num_replicas < 2:
         return []
     ids = [pipe[0][0] for pipe in skeleton.pipelines]
@@ -449,10 +464,19 @@ def baseline_splits(spec, cluster, profiles, skeleton, *, global_batch: int, mic
                              keep_all=True)
         if got is not None:
             out.append(tuple(got[1]))
-    got = cephalo_batches(spec, cluster, profiles, ids, global_batch=global_batch, micro_batch=micro_batch)
+    if len(ids) > CEPHALO_SPLIT_MAX_DEVICES:
+        return out
+    got = cephalo_batches(spec, cluster, profiles, ids, global_batch=global_batch, micro_batch=micro_batch,
+                          deadline_s=deadline_s)
     if got is not None:
         out.append(tuple(got))
     return out
+
+
+CEPHALO_SPLIT_MAX_DEVICES = 128
+"""The structured family holds Cephalo's per-device batches on clusters of up to this many devices: its dynamic
+programme is linear in the devices times the global batch (2 s at 64 GPUs and a batch of 512, minutes at 1,024
+GPUs and 2,048), and Cephalo's own clusters have 64."""
 
 
 # -- exhaustive --------------------------------------------------------------------------------------

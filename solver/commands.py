@@ -65,8 +65,9 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
                       gap=gap, threads=threads, shard_grid=shard_grid, zero_stages=stages, chunks=tuple(range(1, max_chunks + 1)),
                       offload=offload, offload_optimizer=offload_optimizer,
                       log=(lambda line: say(line, err=True)) if log is None else log,
-                      extra_splits=lambda sk: baselines.baseline_splits(spec, cluster, profiles, sk, global_batch=global_batch,
-                                                                        micro_batch=micro_batch))
+                      extra_splits=lambda sk, deadline_s: baselines.baseline_splits(
+                          spec, cluster, profiles, sk, global_batch=global_batch, micro_batch=micro_batch,
+                          deadline_s=deadline_s))
     if max_chunks > 1 and strategy not in ("baton", "exhaustive"):
         raise BatonError(f"strategy '{strategy}' runs 1F1B only; --max-chunks applies to baton and exhaustive", field="--max-chunks")
     if strategy == "megatron":

@@ -503,8 +503,9 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     batch) and the sharding stage (0; 1 with shard ratios multiples of 1/``shard_grid``; 2 and 3, the same
     ratios, for skeletons of at least two replicas of one stage each, solver/layered.py), one of ``zero_stages``. ``splits``:
     'auto' (every split in the exact family, a few in the structured one, solver/splits.py) or 'uniform'
-    (every replica the same batch). ``extra_splits(skeleton)`` may add splits for a skeleton (the baselines'
-    per-GPU batches). ``log`` gets one line per improvement, ``detail_log`` one per MILP solved.
+    (every replica the same batch). ``extra_splits(skeleton, deadline_s)`` may add splits for a skeleton (the baselines'
+    per-GPU batches), given ``time.perf_counter()``'s deadline; past it, it raises TimeoutError and the family is not
+    bounded. ``log`` gets one line per improvement, ``detail_log`` one per MILP solved.
     ``time_limit`` covers the whole search: bounding candidates, constructive plans and MILPs. ``chunks``: the
     chunk counts per device group offered (1: 1F1B; more: interleaved 1F1B, to replicas of one shape at stages 0
     and 1 with equal parts, every replica alike; solver/README.md). ``offload``: 1F1B replicas of one shape at stages
@@ -573,7 +574,11 @@ def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_s
             cands = structured_splits(inputs.phi(info, zb, owned), info.sizes, info.classes, inputs.global_batch)
             if extra_splits is not None:
                 if extras is None:  # once per skeleton, for every stage
-                    extras = [x for x in extra_splits(sk) if sum(b * m for b, m in x) == inputs.global_batch]
+                    try:
+                        extras = [x for x in extra_splits(sk, inputs.deadline_s) if sum(b * m for b, m in x) == inputs.global_batch]
+                    except TimeoutError:  # splits of the family not listed: no bound can be claimed
+                        frontier.unbounded = frontier.timed_out = True
+                        extras = []
                 cands += extras
         for batches in cands:
             _seed_candidate(inputs, frontier, k, batches, z)
