@@ -178,14 +178,10 @@ def _with_transfers(order, stage_of, num_stages: int) -> tuple[Action, ...]:
 @functools.lru_cache(maxsize=4096)
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """1F1B (eq. 1): stage s runs min(p - s - 1, m) warm-up forwards, then alternates one forward and one
-    backward, then drains its remaining backwards (``one_f_one_b_device``, stage by stage)."""
-    devices = tuple(one_f_one_b_device(num_stages, num_microbatches, s) for s in range(num_stages))
+    backward, then drains its remaining backwards (``one_f_one_b_order``, stage by stage)."""
+    devices = tuple(_with_transfers(one_f_one_b_order(num_stages, num_microbatches, s), lambda _chunk, s=s: s, num_stages)
+                    for s in range(num_stages))
     return Schedule(name="1f1b", num_stages=num_stages, num_microbatches=num_microbatches, devices=devices)
-
-
-def one_f_one_b_device(num_stages: int, num_microbatches: int, stage: int) -> tuple[Action, ...]:
-    """Stage ``stage``'s actions under 1F1B."""
-    return _with_transfers(one_f_one_b_order(num_stages, num_microbatches, stage), lambda _chunk: stage, num_stages)
 
 
 @functools.lru_cache(maxsize=4096)
