@@ -29,8 +29,8 @@ attention, sequence ``--seq-len`` 1024), it
    (eq. 8o), and the bytes the backward found not yet prefetched;
 5. writes ``bench/results/gpu.json`` and ``gpu.md`` after every plan, so a run cut short keeps its rows.
 
-Both models live on the GPU during a comparison: a step's peak memory is the allocator's peak less what the idle
-contender holds (``bench_reference.run_reference``).
+Both models live on the GPU during a comparison: a step's peak memory is the contender's own state plus what the step
+allocated above all that was allocated before it (``bench_reference.interleave``).
 
 ``--device cpu`` runs the same code end to end at tiny sizes (the ``tiny`` preset, a couple of steps, tables into
 ``<out>/profiles``, the GPU named ``h100`` for the cost model) so that a lent GPU's run can fail only on the GPU;

@@ -29,8 +29,8 @@ the reference's (target >= 0.97), with the median of the per-round ratios beside
 
 On CPU the engine's ``keep_freed_memory`` (``runtime.launch.host_memory``: freed host memory is reused, not
 returned) holds for the whole process, so the reference runs with it too. On CUDA both models live on the GPU at
-once: the peak memory of a step is the allocator's peak minus what the idle contender holds (its weights,
-gradients and optimizer state, counted from its tensors).
+once: the peak memory of a step is the contender's own state (its weights, gradients and optimizer state, counted
+from its tensors) plus what the step allocated above all that was allocated before it.
 
 On CPU both run on ``--threads`` threads (default: every core, as ``baton train`` gives one rank; on a shared
 machine ``--threads 1`` is steadier: two threads there swung steps tenfold).
@@ -294,24 +294,28 @@ def build_reference(spec: ModelSpec, *, device: torch.device, seed: int = 0, lr:
 
 
 def interleave(contenders: dict, data, *, device: torch.device, warmup: int, rounds: int, steps: int) -> dict:
-    """Train two ``contenders`` (name -> ``ReferenceLoop`` or ``BatonContender``, each counting its own steps from 0, so
-    both see the same batches) ``warmup`` steps each, then ``rounds`` rounds of ``steps`` steps each in turn. Returns
-    per contender its measured step times by round, every step's loss, and (CUDA) each measured step's peak memory
-    less what the other holds; Baton's ``StepStats`` get that peak too (the engine's own would count the other's)."""
+    """Train ``contenders`` (name -> ``ReferenceLoop``, ``BatonContender`` or anything with their ``train_step`` and
+    ``resident_bytes``, each counting its own steps from 0, so all see the same batches) ``warmup`` steps each, then
+    ``rounds`` rounds of ``steps`` steps each in turn. Returns per contender its measured step times by round, every
+    step's loss, and (CUDA) each measured step's peak memory: the contender's own state (``resident_bytes``) plus
+    what its step allocated above all that was allocated before it. Baton's ``StepStats`` get that peak too (the
+    engine's own would count the others')."""
     cuda = device.type == "cuda"
     counters = dict.fromkeys(contenders, 0)
     record = {k: {"step_ms": [], "losses": [], "peak_bytes": []} for k in contenders}
 
     def one_step(name: str, measured: list | None) -> None:
-        (other,) = (c for k, c in contenders.items() if k != name)
-        held_by_other = other.resident_bytes() if cuda else 0
+        contender = contenders[name]
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        contender = contenders[name]
+            before = torch.cuda.memory_allocated(device)
         ms, loss = timed(lambda: contender.train_step(counters[name], data), device)
         counters[name] += 1
         record[name]["losses"].append(loss)
-        peak = torch.cuda.max_memory_allocated(device) - held_by_other if cuda else 0
+        # Its own state plus what the step allocated above everything held before it. Not the allocator's peak less
+        # the other's state: the idle reference loop held about 2 GiB more than its weights, masters and moments
+        # (gpt3-350m on an H200, 2026-11-27), which made Baton's peak read 2 GiB high.
+        peak = contender.resident_bytes() + torch.cuda.max_memory_allocated(device) - before if cuda else 0
         if measured is not None:
             measured.append(ms)
             if cuda:
@@ -350,7 +354,7 @@ def run_reference(spec: ModelSpec, *, device: str = "cpu", micro_batch_size: int
 
     Returns (the JSON-ready result, label -> Baton's ``StepStats`` of the plan's last warm-up step and its measured
     steps, as ``runtime.measure.report.build_report`` wants them: it drops the first). On CUDA each step's peak
-    memory is the allocator's peak less what the idle contender holds. ``built``: a ``build_reference`` of ``spec``
+    memory is the contender's own state plus what the step allocated above all that was held before it (``interleave``). ``built``: a ``build_reference`` of ``spec``
     to reuse (building a 1.3B model on the host takes tens of seconds); its loop takes this call's micro-batches.
     ``threads``: on CPU, torch's threads (default: every core, as ``baton train`` gives a run of one rank)."""
     from runtime.data.source import TokenSource

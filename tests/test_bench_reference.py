@@ -84,3 +84,14 @@ def test_the_command_writes_json_and_markdown(tmp_path):
     assert result["environment"]["cpus"] >= 1 and "--model tiny" in result["command"]
     md = (tmp_path / "ref.md").read_text()
     assert "| tiny-fp32-s32 | mb 1 x 2, recompute none |" in md and f"{pair['ratio']:.3f}" in md
+
+
+def test_the_recompute_bench_times_node_and_checkpoint_side_by_side(tmp_path):
+    """bench/bench_recompute.py: the three plans take turns, and the two mechanisms give the same losses."""
+    import bench_recompute
+
+    assert bench_recompute.main(["--models", "host", "--rounds", "1", "--steps", "1", "--warmup", "0",
+                                 "--out", str(tmp_path)]) == 0
+    (r,) = json.loads((tmp_path / "recompute.json").read_text())["models"]
+    assert set(r["median_ms"]) == {"none", "node", "checkpoint"} and r["same_losses"]
+    assert "| host (24 layers" in (tmp_path / "recompute.md").read_text()

@@ -7,16 +7,17 @@ ones). Column-parallel qkv/fc1 take their input through ``copy_to_tp`` (all-redu
 row-parallel out_proj/fc2 produce partial sums that one all-reduce completes; the row-parallel biases
 are added after that all-reduce, in resid1/resid2. The communication itself is in ``tensor_parallel.py``.
 
-Recomputation: maximal runs of consecutive recomputed operators form segments, each wrapped in a
-non-reentrant ``torch.utils.checkpoint``. The two forward all-reduces end a segment and are never inside
-one (ranks of a TP group recompute different operators; a collective in a recomputed region would
-deadlock). Early stopping of recomputation is off, so every planned operator is re-executed in full,
-which is what the planner charges for.
+Recomputation: maximal runs of consecutive recomputed operators form segments, each one autograd node
+(``_Recompute``): the forward runs its operators without autograd and keeps only the segment's inputs, the
+backward replays them in full (what the planner charges for) and back-propagates through the replay. The two
+forward all-reduces end a segment and are never inside one (ranks of a TP group recompute different operators;
+a collective in a recomputed region would deadlock). ``torch.utils.checkpoint`` did this with Python hooks per
+saved tensor, which on a GPU made a forward at small micro-batches host-bound (``_Recompute``'s docstring).
 
 Offload (``offload.py``): a held tensor named in ``offload`` spends the time between the passes in host
 memory. Saved by a kept operator, it is caught by saved-tensor hooks around that operator (``OpCapture``);
-the input of a recomputed segment, it reaches the checkpointed function through a ``SegmentFeed`` instead
-of as a positional input (which the checkpoint would keep on the device), and the replay reads it back from
+the input of a recomputed segment, it reaches the segment (``_Recompute``) through a ``SegmentFeed`` instead
+of as an input it keeps for the replay (which would hold it on the device), and the replay reads it back from
 the host. A layer's backward prefetches the layer below it (a hook on its output).
 
 Compiled (``compile_operators``, ``baton train --compile``): every maximal run of kept operators between two
@@ -24,8 +25,9 @@ all-reduces, and every recomputed segment, is one ``torch.compile`` graph (defau
 program around them stays eager. With tensor-parallel peers a run is also cut where ``copy_to_tp`` takes an
 operator's input (qkv, fc1; Llama's gate_up), which is applied between the two graphs: a graph break inside
 the operator instead made Dynamo give up on the whole run, which then ran eagerly. So the all-reduces of both
-passes run as the uncompiled layer runs them, outside any graph, timed by ``AllReduceClock``; a segment is still
-a non-reentrant checkpoint whose replay runs the same compiled graphs, counted and timed by the meter; and dropout
+passes run as the uncompiled layer runs them, outside any graph, timed by ``AllReduceClock``; a segment is a
+non-reentrant ``torch.utils.checkpoint`` (its forward traced with autograd, as the graphs were compiled) whose replay
+runs the same compiled graphs, counted and timed by the meter; and dropout
 masks take their key as a tensor (``runtime.model.rng.TensorKey``), so one graph serves every step. The
 saved-bytes meter counts what the compiled graphs keep, which may be less than the operators' own (a fused graph
 can keep its inputs instead of its intermediates). Offload is refused (``check_compile``): its saved-tensor hooks
@@ -156,6 +158,43 @@ class _Run:
     """A piece's input that enters through ``copy_to_tp`` before the graph (its first operator's first input)."""
 
 
+class _Recompute(torch.autograd.Function):
+    """A recomputed segment as one autograd node. Its forward runs the operators without autograd and keeps only
+    the segment's inputs; its backward replays the operators with autograd on those inputs and back-propagates
+    through the replay (parameters' gradients accumulate there, as in the layer's other operators).
+
+    Why not ``torch.utils.checkpoint``: its non-reentrant form records every operator's graph in the forward and
+    runs Python hooks for each tensor saved, packed and unpacked, plus context managers per call. On an H200 that
+    host work made a gpt3-350m forward at micro-batch 2 with every operator recomputed 3x the plain forward
+    (29.5 ms against 9.7, bench/results/gpu-2026-11-27.md), where the recomputation itself is in the backward.
+
+    ``forward(replay, names, feed, *tensors)``: ``tensors`` are the inputs named ``names`` (kept for the
+    replay), then the live tensors of ``feed``'s offloaded inputs, passed only so that autograd links the segment
+    to them: the replay reads them back from the host (``SegmentFeed``). Operators recompute exactly what they
+    computed: dropout is keyed (``runtime.model.rng``), and no collective runs inside a segment's forward."""
+
+    @staticmethod
+    def forward(ctx, replay, names, feed, *tensors):
+        kept = tensors[:len(names)]
+        ctx.replay, ctx.names, ctx.feed = replay, names, feed
+        ctx.save_for_backward(*kept)
+        ctx.set_materialize_grads(False)
+        outs = replay({**dict(zip(names, kept)), **(feed.take() if feed is not None else {})})
+        ctx.mark_non_differentiable(*(o for o in outs if not o.is_floating_point()))
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        kept = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        fed = ctx.feed.take() if ctx.feed is not None else {}
+        with torch.enable_grad():
+            outs = ctx.replay({**dict(zip(ctx.names, kept)), **fed})
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, *(t.grad if t.requires_grad else None for t in (*kept, *fed.values())))
+
+
 class _Params(nn.Module):
     """A bag of parameters named like the reference model's modules (``c_attn.weight``, ...)."""
 
@@ -171,6 +210,10 @@ class ParallelBlock(nn.Module):
     ``offload``: names of ``baton.memory.tensor_roles`` the layer holds under ``recompute`` and keeps in host
     memory between the passes (``check_offload`` says which sets are refused); ``stash``: the stage's
     ``OffloadStash`` (a layer alone makes its own), in whose ``record(key)`` the forward must run."""
+
+    checkpoint_segments = False
+    """Replay recomputed segments through ``torch.utils.checkpoint`` instead of ``_Recompute`` (a compiled layer always
+    does): the same numbers, more host time; bench/bench_recompute.py sets it to time the two side by side."""
 
     def __init__(self, spec: ModelSpec, layer: int, *, heads: range, ffn_cols: range, recompute=frozenset(),
                  tp_group=None, meter: Meter | None = None, offload: frozenset[str] = frozenset(),
@@ -327,14 +370,12 @@ class ParallelBlock(nn.Module):
                 capture.resolve(dict(zip(op.outputs, outs)))
             env.update(zip(op.outputs, outs))
 
-    def _replay(self, seg: _Segment, mb, feed: SegmentFeed | None, *inputs):
+    def _replay(self, seg: _Segment, mb, env: dict) -> tuple:
+        """``seg``'s operators on ``env`` (its inputs by name); its outputs in ``seg.outputs``'s order."""
         meter = self.meter
         # Timed on the engine's clock during a step's backward (events on CUDA: no host wait inside the pass).
         clock = meter.clock if meter.in_backward else None
         token = clock.start() if clock is not None else None
-        env = dict(zip([n for n in seg.inputs if feed is None or n not in feed.parts], inputs))
-        if feed is not None:
-            env.update(feed.take())
         if self.compiled:
             self._run_compiled(seg, mb, env)
         else:
@@ -342,6 +383,13 @@ class ParallelBlock(nn.Module):
         if clock is not None:
             clock.stop(token, ("recompute", meter.backward_mb))
         return tuple(env[n] for n in seg.outputs)
+
+    def _replay_checkpointed(self, seg: _Segment, mb, feed: SegmentFeed | None, *inputs) -> tuple:
+        """``_replay`` as ``torch.utils.checkpoint`` calls it: the positional inputs, then the fed ones."""
+        env = dict(zip([n for n in seg.inputs if feed is None or n not in feed.parts], inputs))
+        if feed is not None:
+            env.update(feed.take())
+        return self._replay(seg, mb, env)
 
     def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         # Without autograd (validation) nothing is held, so nothing is offloaded.
@@ -357,9 +405,14 @@ class ParallelBlock(nn.Module):
                     for t in inputs:
                         self.meter.saved.add(t)
                 feed = self._feed(key, fed, env) if fed else None
-                with set_checkpoint_early_stop(False):
-                    outs = checkpoint(partial(self._replay, item, mb, feed), *inputs,
-                                      use_reentrant=False, preserve_rng_state=False)
+                if self.compiled or self.checkpoint_segments:  # a compiled graph replays under the checkpoint it was traced for
+                    with set_checkpoint_early_stop(False):
+                        outs = checkpoint(partial(self._replay_checkpointed, item, mb, feed), *inputs,
+                                          use_reentrant=False, preserve_rng_state=False)
+                else:
+                    names = tuple(n for n in item.inputs if n not in fed)
+                    live = tuple(env[n] for n in fed)
+                    outs = _Recompute.apply(partial(self._replay, item, mb), names, feed, *inputs, *live)
                 env.update(zip(item.outputs, outs))
             elif isinstance(item, _Run):
                 self._run_compiled(item, mb, env)
