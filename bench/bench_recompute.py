@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               "--rounds and --steps at least 1, --warmup at least 0", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    result = {"command": "python bench/bench_recompute.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": " ".join(["python bench/bench_recompute.py", *(argv if argv is not None else sys.argv[1:])]),
               "environment": environment("cpu"),
               "settings": {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "threads": args.threads},
               "models": []}
