@@ -228,6 +228,8 @@ class ParallelBlock(nn.Module):
         # Kept operators that save an offloaded tensor: the only ones run under saved-tensor hooks.
         self._offload_ops = frozenset(o.name for o in layer_operators(spec)
                                       if o.name not in recompute and self.offload & set(o.saves))
+        self._own_params: tuple | None = None
+        """The layer's parameters, listed at the first offloaded operator (their storage may move, they do not)."""
         self._make_parameters(spec, len(heads), len(ffn_cols))
         # Alone in its group a row-parallel product is whole, so its bias goes into the matrix product (one addmm,
         # as nn.Linear does) instead of a separate pass after an all-reduce that does not happen.
@@ -364,7 +366,10 @@ class ParallelBlock(nn.Module):
                 outs = fn(mb, *args)
             else:
                 count = self.meter.saved.add if self.meter.saved is not None else None
-                params = {p.untyped_storage().data_ptr() for p in self.parameters()}
+                if self._own_params is None:  # nn.Module.parameters() walks the module tree: 130 us a call
+                    self._own_params = tuple(self.parameters())
+                # Read at every call: at ZeRO stage 3 a layer's weights are gathered into new storage each pass.
+                params = {p.untyped_storage().data_ptr() for p in self._own_params}
                 with OpCapture(self.stash, key, self.layer, op, env, self.offload, self._held, params, count).hooks() as capture:
                     outs = fn(mb, *args)
                 capture.resolve(dict(zip(op.outputs, outs)))
