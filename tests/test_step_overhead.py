@@ -1,18 +1,33 @@
 """What a one-device step saves against the plainest loop (bench/bench_reference.py) without changing its numbers.
 
-* The gradient buffer is not zeroed at a step's start: the step's first backward hands each parameter a fresh
-  gradient, copied into its view of the buffer (``Engine._contiguous_grads``). Catches a step whose gradients
-  differ by a bit from accumulating onto zeros, a parameter no backward reached keeping the last step's
-  gradient, and gradients left outside the buffer the synchronisation and the norm read.
+* A step's gradients are the buffer's views zeroed at its start or, for the large ones on CPU, fresh gradients
+  of its first backward copied into their views (``Engine._contiguous_grads``); each test runs with none, some
+  and all of them adopted. Catches a step whose gradients differ by a bit from accumulating onto zeros, a
+  parameter no backward reached keeping the last step's gradient, and gradients left outside the buffer the
+  synchronisation and the norm read.
 * The saved-bytes meter measures each pass once (``SavedBytes.known``). Catches a later step reporting other
   bytes than the measured ones, and a replayed pass still running hooks.
 * ``fused_attention_only`` sets the attention flags ``sdpa_kernel(FUSED_ATTENTION)`` sets, and restores them.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.runtime_helpers import plan_of, tiny
+
+ADOPTED = pytest.mark.parametrize("adopt_bytes", [1 << 40, 4096, 0],
+                                  ids=["none adopted", "some adopted", "all adopted"])
+"""``Engine``'s ``_ADOPT_BYTES`` in the tests of the gradient buffer."""
+
+
+@pytest.fixture
+def adopting(monkeypatch, adopt_bytes):
+    """Engines built in the test adopt the gradients of ``adopt_bytes`` or more (see ``ADOPTED``)."""
+    from runtime.train import engine
+
+    monkeypatch.setattr(engine, "_ADOPT_BYTES", adopt_bytes)
+    return adopt_bytes
 
 
 def _engine(plan, **kwargs):
@@ -21,13 +36,16 @@ def _engine(plan, **kwargs):
     return Engine(plan, 0, seed=0, lr=1e-3, **kwargs)
 
 
-def test_a_step_writes_the_gradients_a_zeroed_buffer_would_hold(one_rank_group):
+@ADOPTED
+def test_a_step_writes_the_gradients_a_zeroed_buffer_would_hold(one_rank_group, adopting):
     from runtime.data.source import TokenSource
 
     spec = tiny(0.1)
     plan = plan_of(spec, [[1]], [spec.num_layers], 1, m=3)
     data = TokenSource(spec, seed=0, global_batch=plan.global_batch)
     stepped, accumulated = _engine(plan), _engine(plan)
+    adopted, views = len(stepped._adopting), len(stepped._grad_views)
+    assert {1 << 40: adopted == 0, 4096: 0 < adopted < views, 0: adopted == views}[adopting]
     stepped.grad_buffer.fill_(float("nan"))  # the last step's gradients: none of it may survive
     for step in range(2):
         stats = stepped.train_step(step, data)
@@ -42,7 +60,8 @@ def test_a_step_writes_the_gradients_a_zeroed_buffer_would_hold(one_rank_group):
         assert torch.equal(a, b)
 
 
-def test_a_parameter_no_backward_reached_has_zero_gradient(one_rank_group):
+@ADOPTED
+def test_a_parameter_no_backward_reached_has_zero_gradient(one_rank_group, adopting):
     from runtime.data.source import TokenSource
 
     spec = tiny(0.0)

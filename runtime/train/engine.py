@@ -91,6 +91,10 @@ ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 from the same peer, each kind in its own order."""
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
+_ADOPT_BYTES = 64 * 1024
+"""On CPU, the size from which a parameter's gradient is adopted rather than summed onto zeros
+(``Engine._contiguous_grads``): on one thread a gradient's zeroing and add cost as much as the hook's calls from
+about 64 KiB (one micro-batch) to 256 KiB (four)."""
 
 
 @dataclass(kw_only=True)
@@ -388,22 +392,33 @@ class Engine:
         place and data-parallel synchronisation all-reduces it as it is. Flattening the gradients
         into a fresh tensor and copying them back cost 60% on top of a 25 MB all-reduce over gloo.
 
-        A step does not zero it (``train_step``): its gradients start unset, so the first backward to reach a
-        parameter hands it a fresh gradient (autograd's own, not a sum with zeros), which a hook after the
-        accumulation copies into the parameter's view (``_adopt_grad``) while it is still in the cache; the
-        later backwards of the step add into the view in place. Zeroing the buffer and adding the first
-        gradient to the zeros cost 2.3 + 4 ms a step on 4.9M fp32 parameters on one CPU thread, the copy
-        about a third of that; the sums are the same numbers."""
+        A step starts each gradient one of two ways (``_start_grads``), both giving the numbers of a zeroed buffer
+        that every backward adds to. Most gradients stay bound to their views, which the step zeroes (one fill for
+        all of them), and every backward adds into them in place. On CPU a gradient of ``_ADOPT_BYTES`` or more is
+        unset instead, so the first backward to reach its parameter hands it a fresh gradient (autograd's own, not a
+        sum with zeros), which a hook after the accumulation copies into the view (``_adopt_grad``) while it is
+        still in the cache; the later backwards of the step add into the view in place. Zeroing and adding onto the
+        zeros cost 2.3 + 4 ms a step on 4.9M fp32 parameters on one CPU thread, the copy about a third of that; but
+        the hook is a call into Python at every backward (about 3 us), more than a small gradient's zeroing and
+        add. On CUDA no gradient is adopted: the zeroing is one kernel and a memory-bound add costs the device
+        little, while the hooks' host time is what bounds a step of small micro-batches."""
         params = list(self.model.parameters())
         dtypes = {p.dtype for p in params}
         assert len(dtypes) == 1, f"parameters of one dtype expected, got {dtypes}"
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtypes.pop(), device=self.device)
-        self._grad_views, offset = [], 0
+        adopt = self.device.type == "cpu"
+        self._grad_views, self._adopting, zeroed, offset = [], [], [], 0
         for p in params:
             view = buffer[offset:offset + p.numel()].view_as(p)
             self._grad_views.append((p, view))
-            p.register_post_accumulate_grad_hook(partial(_adopt_grad, view))
+            if adopt and view.nbytes >= _ADOPT_BYTES:
+                self._adopting.append(p)
+                p.register_post_accumulate_grad_hook(partial(_adopt_grad, view))
+            else:
+                zeroed.append(view)
             offset += p.numel()
+        self._zeroed = zeroed if self._adopting else [buffer]
+        """What ``_start_grads`` zeroes: the views of the gradients not adopted (the whole buffer if none is)."""
         self._bind_grads()
         return buffer
 
@@ -421,10 +436,13 @@ class Engine:
                 view.copy_(grad)
             p.grad = view
 
-    def _unset_grads(self) -> None:
-        """A step's start: every ``.grad`` unset, the buffer left as it is (see ``_contiguous_grads``)."""
-        for p, _ in self._grad_views:
+    def _start_grads(self) -> None:
+        """A step's start (see ``_contiguous_grads``): the adopted gradients unset, the others zeroed in the buffer.
+        A bound gradient that something replaced since is copied into the buffer at the end (``_bind_grads``)."""
+        for p in self._adopting:
             p.grad = None
+        if self._zeroed:  # empty when every gradient is adopted
+            torch._foreach_zero_(self._zeroed)
 
     # --- point-to-point ----------------------------------------------------------------------------
     def _boundary_buffer(self, rows: int | None = None) -> torch.Tensor:
@@ -463,7 +481,7 @@ class Engine:
         if not self.layered:
             if self._fresh_grads:  # train_step: this step's gradients replace the last one's
                 self._fresh_grads = False
-                self._unset_grads()
+                self._start_grads()
             else:  # accumulate onto the gradients there are
                 self._bind_grads()
         meter = self.model.meter
@@ -517,9 +535,9 @@ class Engine:
         return stats
 
     def _read_step(self, step: int, stats: StepStats, clock: PhaseClock, loss_sum: torch.Tensor, scale: float) -> None:
-        """The step's one small all-reduce and its one read to the host: the global loss, (fp16) the count of
-        ranks whose gradients overflowed, so every rank skips an overflowing step together, the squared global
-        gradient norm (each element counted once over all ranks), every stage's compute time and every rank's
+        """The step's one small all-reduce (none with one rank) and its one read to the host: the global loss, (fp16)
+        the count of ranks whose gradients overflowed, so every rank skips an overflowing step together, the squared
+        global gradient norm (each element counted once over all ranks), every stage's compute time and every rank's
         peak memory. Fills ``stats`` from it and from the clock.
 
         On CPU the clock's times are known before the all-reduce, which carries this step's stage times. With
@@ -553,7 +571,8 @@ class Engine:
         if pos.pipeline == 0 and pos.tp_rank == 0:
             metrics[3 + pos.stage].fill_(my_ms)
         metrics[3 + num_stages + dist.get_rank()].fill_(float(max(self._memory_now(), self._carried_peak_bytes)))
-        dist.all_reduce(metrics)
+        if world > 1:  # alone, the sum is this rank's figures: the collective would only cost host time
+            dist.all_reduce(metrics)
         values = metrics.tolist()  # the step's one host read
         if tracer is not None:
             tracer.add("grad norm, step all-reduce", "allreduce", t_metrics, time.perf_counter(), step=step)
@@ -837,7 +856,7 @@ class Engine:
         if self.layered:
             self.units.start_step()  # the gradients were freed unit by unit: nothing to zero
         else:
-            self._fresh_grads = True  # the step's first backwards write the buffer: no zeroing (_contiguous_grads)
+            self._fresh_grads = True  # this step's gradients replace the last one's (_start_grads)
         stats = self.forward_backward(step, data)
         t1 = time.perf_counter()
         stats.lr = self.schedule.lr_at(step)

@@ -203,6 +203,9 @@ class MasterWeights:
                                            weight_decay=weight_decay, **adamw_kernel(self.masters))
         self.scaler = LossScaler(loss_scale) if dtype == "fp16" else None
         self._chunks = self._chunk(self.params) if self.mixed else []
+        self._held: tuple | None = None
+        """``state_bytes``'s count of what changes only with the optimizer's state: (its key, weights, masters,
+        moments)."""
 
     def _make_masters(self) -> list[torch.Tensor]:
         """The fp32 tensors AdamW updates, made while the module is still fp32: copies of the parameters in
@@ -290,6 +293,16 @@ class MasterWeights:
         return [st.get(k) for st in (self.optimizer.state.get(m, {}) for m in self.masters) for k in ("exp_avg", "exp_avg_sq")]
 
     def state_bytes(self) -> StateBytes:
-        return StateBytes(weights_bytes=storage_bytes(self.params), grads_bytes=storage_bytes(p.grad for p in self.params),
-                          master_bytes=storage_bytes(self.masters) if self.mixed else 0,
-                          moments_bytes=storage_bytes(self.moments()))
+        """What this rank holds. The gradients, which come and go, are counted at every call; the weights, masters
+        and moments (about three quarters of the cost, which the engine pays every step) again only when the
+        optimizer's state gained entries or was replaced (the moments appear at a parameter's first update, or a
+        checkpoint puts them in, over any there are with their sizes): AdamW updates them in place, and the
+        parameters and masters keep their storages."""
+        state = self.optimizer.state
+        key = (id(state), len(state))
+        if self._held is None or self._held[0] != key:
+            self._held = (key, storage_bytes(self.params), storage_bytes(self.masters) if self.mixed else 0,
+                          storage_bytes(self.moments()))
+        _, weights, masters, moments = self._held
+        return StateBytes(weights_bytes=weights, grads_bytes=storage_bytes(p.grad for p in self.params),
+                          master_bytes=masters, moments_bytes=moments)
