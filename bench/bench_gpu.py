@@ -274,21 +274,25 @@ def markdown(rows: list[dict], env: dict) -> str:
             return "-"
         return " / ".join(f"{p[k]['measured']:.1f} ({p[k]['predicted']:.1f})" for k in ("fwd_ms", "bwd_ms", "recompute_ms"))
 
+    def optimizer(r):  # the step's phase against the table's row (eq. 10)
+        o = (r.get("phases_ms") or {}).get("optimizer_ms")
+        return "-" if o is None else f"{o['measured']:.1f} ({o['predicted']:.1f})"
+
     def b2b(r, key, fmt):
         x = (r.get("back_to_back") or {}).get(key)
         return "-" if x is None else fmt(x)
 
     lines = ["| plan | iteration ms | predicted | error | predicted, table back to back | error | "
-             "per micro-batch: fwd / bwd / recompute ms (predicted) | peak allocated GiB | "
+             "per micro-batch: fwd / bwd / recompute ms (predicted) | optimizer ms (predicted) | peak allocated GiB | "
              "predicted peak | error | tokens/s | MFU | predicted MFU | reference tokens/s | Baton / reference |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         ref = "-" if r.get("reference") is None else f"{r['reference']['tokens_per_s']:,.0f}"
         ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.3f}"
         lines.append(f"| {r['plan']} | {r['iteration_ms']:.1f} | {r['iteration_ms_predicted']:.1f} | {pct(r['iteration_rel_error'])} | "
                      f"{b2b(r, 'iteration_ms_predicted', lambda x: f'{x:.1f}')} | {b2b(r, 'iteration_rel_error', pct)} | "
-                     f"{passes(r)} | {r['peak_allocated_gib']:.2f} | {r['peak_predicted_gib']:.2f} | {pct(r['peak_rel_error'])} | "
+                     f"{passes(r)} | {optimizer(r)} | {r['peak_allocated_gib']:.2f} | {r['peak_predicted_gib']:.2f} | {pct(r['peak_rel_error'])} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {r['mfu_predicted']:.1%} | {ref} | {ratio} |")
     for label, errs in (("", [r["iteration_rel_error"] for r in rows]),
                         (" with the table timed back to back", [(r.get("back_to_back") or {}).get("iteration_rel_error") for r in rows])):
