@@ -26,9 +26,9 @@ program around them stays eager. With tensor-parallel peers a run is also cut wh
 operator's input (qkv, fc1; Llama's gate_up), which is applied between the two graphs: a graph break inside
 the operator instead made Dynamo give up on the whole run, which then ran eagerly. So the all-reduces of both
 passes run as the uncompiled layer runs them, outside any graph, timed by ``AllReduceClock``; a segment is a
-non-reentrant ``torch.utils.checkpoint`` (its forward traced with autograd, as the graphs were compiled) whose replay
-runs the same compiled graphs, counted and timed by the meter; and dropout
-masks take their key as a tensor (``runtime.model.rng.TensorKey``), so one graph serves every step. The
+non-reentrant ``torch.utils.checkpoint`` (its forward traced with autograd, as the graphs were compiled) whose
+replay runs the same compiled graphs, counted and timed by the meter; and dropout masks take their key as a
+tensor (``runtime.model.rng.TensorKey``), so one graph serves every step. The
 saved-bytes meter counts what the compiled graphs keep, which may be less than the operators' own (a fused graph
 can keep its inputs instead of its intermediates). Offload is refused (``check_compile``): its saved-tensor hooks
 name each operator's saved tensors, which a graph replaces.
