@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from baton.model_spec import PRESETS  # noqa: E402
-from bench_reference import (BatonContender, build_reference, environment, interleave, one_device_plan,  # noqa: E402
-                             one_rank_group, recompute_sets)
+from bench_reference import (BatonContender, build_reference, environment, host_description, interleave,  # noqa: E402
+                             one_device_plan, one_rank_group, recompute_sets)
 
 RESULTS = ROOT / "bench" / "results"
 MODELS = {
@@ -106,9 +106,8 @@ def markdown(result: dict) -> str:
                      f"{t['checkpoint']:.1f} | {r['node_over_none']:.2f} | {r['checkpoint_over_none']:.2f} | "
                      f"{r['checkpoint_over_node']:.2f} | {'yes' if r['same_losses'] else 'NO'} |")
     lines += ["", f"Medians over {s['rounds']} interleaved rounds of {s['steps']} steps each after {s['warmup']} warm-up "
-                  f"steps; fp32, fused attention, one device. {env['processor']} ({env['cpus']} cores, torch "
-                  f"{env['torch']} on {env['threads']} thread{'s' if env['threads'] != 1 else ''}), load average "
-                  f"{env['load_average'][0]:.2f} at the start, {env['date_utc']} UTC."]
+                  f"steps; fp32, fused attention, one device. {host_description(env)}; torch {env['torch']}, load "
+                  f"average {env['load_average'][0]:.2f} at the start, {env['date_utc']} UTC."]
     return "\n".join(lines) + "\n"
 
 

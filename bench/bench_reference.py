@@ -441,6 +441,11 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def host_description(env: dict) -> str:
+    """The CPU of ``environment``, its cores and torch's threads, as the results' Markdown names them."""
+    return f"{env['processor']} ({env['cpus']} cores, torch on {env['threads']} thread{'s' if env['threads'] != 1 else ''})"
+
+
 def markdown(result: dict) -> str:
     """The result as a Markdown table, one line per pair of contenders."""
     s, env = result["settings"], result["environment"]
@@ -454,8 +459,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {model['name']} | {p['plan']} | {ref['median_ms']:.1f} | {ref['tokens_per_s']:,.0f} | "
                      f"{bat['median_ms']:.1f} | {bat['tokens_per_s']:,.0f} | {p['ratio']:.3f} | {p['ratio_paired']:.3f} | "
                      f">= {TARGET} |")
-    threads = f"{env['threads']} thread{'s' if env['threads'] != 1 else ''}"
-    where = env.get("gpu") or f"{env['processor']} ({env['cpus']} cores, torch on {threads})"
+    where = env.get("gpu") or host_description(env)
     load = env.get("load_average")
     lines += ["", f"Model `{model['name']}`: {model['num_layers']} layers, hidden {model['hidden_dim']}, {model['num_heads']} heads, "
                   f"sequence {model['seq_len']}, vocabulary {model['vocab_size']}, {model['dtype']}"

@@ -329,9 +329,10 @@ def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_ba
     G = global_batch
     offload = cephalo_offload(spec)
     opts, rows = [], {}  # per device: [(b, l, ms, free / state)]; alike devices (device_codes) share theirs
+    kind_of = device_codes(cluster)[1]
     for i in ids:
         _past(deadline_s)
-        kind = device_codes(cluster)[1][i]
+        kind = kind_of[i]
         if kind not in rows:
             row = []
             for b in _sizes(cluster, profiles, i, G, micro_batch):
