@@ -118,18 +118,23 @@ def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: flo
 
     fwd, rec_attn, rec_mlp = block_sums("fwd_ms")
     bwd = block_sums("bwd_ms")[0]
+    host_f, host_b = (0.0, 0.0), np.zeros((len(space), 2))  # each block's host time, per row for the backward
     if profile.has_host:  # eq. 2h; without host times eq. 2 exactly, as before them
         fwd_host, rec_attn_host, rec_mlp_host = block_sums("fwd_host_ms")
         bwd_host = block_sums("bwd_host_ms")[0]
         seg = np.array([costs[o].seg_host_ms for o in space.ops])
         ends = segment_ends(spec, space)
         seg_attn, seg_mlp = (ends * (seg * attn)).sum(axis=1), (ends * (seg * ~attn)).sum(axis=1)
+        host_f = fwd_host
+        host_b = np.stack([bwd_host[0] + rec_attn_host + seg_attn, bwd_host[1] + rec_mlp_host + seg_mlp], axis=1)
         plain = tuple(max(d, h) for d, h in zip(bwd, bwd_host))
-        rec_attn = np.maximum(bwd[0] + rec_attn, bwd_host[0] + rec_attn_host + seg_attn) - plain[0]
-        rec_mlp = np.maximum(bwd[1] + rec_mlp, bwd_host[1] + rec_mlp_host + seg_mlp) - plain[1]
+        rec_attn = np.maximum(bwd[0] + rec_attn, host_b[:, 0]) - plain[0]
+        rec_mlp = np.maximum(bwd[1] + rec_mlp, host_b[:, 1]) - plain[1]
         fwd, bwd = tuple(max(d, h) for d, h in zip(fwd, fwd_host)), plain
     host = (space.off * sz).sum(axis=1)
-    off_fwd, off_bwd = _offload_ms(profile, spec, space, sz, fwd, bwd, (rec_attn, rec_mlp), host_link_gb_per_s)
+    per_tensor = costs[ops[0].name]  # the same on every operator's row (op_profiler.offload_host_ms)
+    off_fwd, off_bwd = _offload_ms(profile, spec, space, sz, fwd, np.asarray(bwd)[None, :] + np.stack([rec_attn, rec_mlp], axis=1),
+                                   host_f, host_b, (per_tensor.off_fwd_host_ms, per_tensor.off_bwd_host_ms), host_link_gb_per_s)
     return LayerPrices(
         fwd_ms=fwd, bwd_ms=bwd, rec_attn_ms=rec_attn, rec_mlp_ms=rec_mlp,
         held_bytes=((space.held - space.off) * sz).sum(axis=1),
@@ -138,25 +143,31 @@ def layer_prices(profile: Profile, spec: ModelSpec, micro_batch: int, share: flo
         offload_fwd_ms=off_fwd, offload_bwd_ms=off_bwd)
 
 
-def _offload_ms(profile: Profile, spec: ModelSpec, space: RecomputeSpace, sz: np.ndarray, fwd, bwd, rec,
+def _offload_ms(profile: Profile, spec: ModelSpec, space: RecomputeSpace, sz: np.ndarray, fwd, bwd_rows: np.ndarray,
+                host_f, host_b: np.ndarray, per_tensor_host_ms: tuple[float, float],
                 host_link_gb_per_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """Eq. 2o per row and block: a block's copies over the host link overlap its own pass, and only what they take
-    beyond it is added; on a ``Profile.SYNCHRONOUS`` device (a CPU process copying by itself) all of it."""
+    """Eq. 2o per row and block: a block's copies over the host link overlap its own pass, and its host time grows by
+    the host's cost per offloaded tensor; only what the longer of the two takes beyond the pass as eq. 2h prices it
+    (``fwd``; ``bwd_rows`` per row, recomputation included) is added. ``host_f``, ``host_b``: the blocks' host times
+    (eq. 2h; 0 without host columns). On a ``Profile.SYNCHRONOUS`` device (a CPU process copying by itself) the
+    copies add, and the measured cost per tensor, which includes its copying, stands for them where it is longer."""
     n = len(space)
     if not space.offloads.any():
         return np.zeros((n, 2)), np.zeros((n, 2))
     blocks = tensor_blocks(spec)
-    moved = np.stack([(space.off * (sz * np.array([blocks[t] == b for t in space.tensors]))).sum(axis=1)
-                      for b in BLOCKS], axis=1)
+    in_block = {b: np.array([blocks[t] == b for t in space.tensors]) for b in BLOCKS}
+    moved = np.stack([(space.off * (sz * in_block[b])).sum(axis=1) for b in BLOCKS], axis=1)
+    count = np.stack([(space.off * in_block[b]).sum(axis=1) for b in BLOCKS], axis=1).astype(float)
     if host_link_gb_per_s <= 0:  # nowhere to copy to: a row that offloads cannot run
         copy = np.where(moved > 0, np.inf, 0.0)
     else:
         copy = moved / (host_link_gb_per_s * 1e9) * 1e3
+    off_f, off_b = count * per_tensor_host_ms[0], count * per_tensor_host_ms[1]
     if profile.gpu in Profile.SYNCHRONOUS:
-        return copy, copy.copy()
+        return np.maximum(copy, off_f), np.maximum(copy, off_b)
     with np.errstate(invalid="ignore"):
-        f = np.maximum(0.0, copy - np.asarray(fwd)[None, :])
-        b = np.maximum(0.0, copy - (np.asarray(bwd)[None, :] + np.stack(rec, axis=1)))
+        f = np.maximum(0.0, np.maximum(copy, np.asarray(host_f)[None, :] + off_f) - np.asarray(fwd)[None, :])
+        b = np.maximum(0.0, np.maximum(copy, host_b + off_b) - bwd_rows)
     return f, b
 
 

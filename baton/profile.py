@@ -33,10 +33,12 @@ COLUMNS = [
 ]
 """The table schema, in column order."""
 
-HOST_COLUMNS = ["fwd_host_ms", "bwd_host_ms", "seg_host_ms"]
-"""Optional columns after ``COLUMNS`` (eq. 2h): the host's time to launch the operator's forward and backward,
-and the host's cost of a recomputed segment that ends at this operator beyond its operators' own launches
-(the checkpoint's wrapping in the forward and its replay in the backward, both charged to the backward).
+HOST_COLUMNS = ["fwd_host_ms", "bwd_host_ms", "seg_host_ms", "off_fwd_host_ms", "off_bwd_host_ms"]
+"""Optional columns after ``COLUMNS`` (eq. 2h, 2o): the host's time to launch the operator's forward and backward,
+the host's cost of a recomputed segment that ends at this operator beyond its operators' own launches (the
+checkpoint's wrapping in the forward and its replay in the backward, both charged to the backward), and the
+host's cost per offloaded tensor of a layer in its forward (gathering it, its share of the layer's copy out) and
+in its backward (its share of the copy back, its reads), the same on every operator row of a micro-batch size.
 Measured tables have them (``baton profile --device``); a column absent (derived tables, tables measured
 before them) means 0, so the device times alone decide, as they did."""
 
@@ -71,6 +73,10 @@ class OpCost:
     """Host time to launch the backward."""
     seg_host_ms: float = 0.0
     """Host cost of a recomputed segment ending at this operator, beyond its operators' launches."""
+    off_fwd_host_ms: float = 0.0
+    """Host cost per offloaded tensor of a layer in its forward (eq. 2o; 0 where the table has no such column)."""
+    off_bwd_host_ms: float = 0.0
+    """Host cost per offloaded tensor of a layer in its backward (eq. 2o)."""
 
 
 PROFILES_ENV = "BATON_PROFILES"

@@ -3,6 +3,8 @@
 * A table whose host times exceed its device times prices every pass at the host time, the evaluator and
   the MILP alike; a recomputed segment adds its host cost to the backward of the block it ends in.
 * A table without host columns (derived, or measured before them) gives exactly eq. 2.
+* Each offloaded tensor adds the table's host cost per tensor to its block's host time (eq. 2o), which prices
+  the pass where the host bounds it, and hides behind the kernels where it does not.
 * The CPU profiler writes the host columns, equal to the device times (a CPU runs its operators inside
   the calls), and a table round-trips through its CSV with them.
 """
@@ -17,14 +19,14 @@ import pytest
 import torch
 
 from baton.cluster import from_mapping
-from baton.costmodel import BLOCKS, layer_prices, segments_per_block
+from baton.costmodel import BLOCKS, layer_cost, layer_prices, layer_tensor_bytes, segments_per_block
 from baton.evaluate import evaluate
-from baton.memory import recompute_space
+from baton.memory import held_tensors, recompute_space, tensor_blocks
 from baton.model_spec import PRESETS, ModelSpec
 from baton.operators import layer_operators, operator_names
 from baton.plan import simple_plan
 from baton.profile import COLUMNS, HOST_COLUMNS, Profile, ProfileSet, derive_table, read_table, write_table
-from runtime.measure.op_profiler import Measurement, profile_table, segment_host_ms
+from runtime.measure.op_profiler import Measurement, offload_host_ms, profile_table, segment_host_ms
 from solver.baselines import exhaustive
 from solver.search import search
 from tests.test_priced_plan import _agree_term_by_term, _random_plan
@@ -36,14 +38,17 @@ GPU = "a100-40gb"
 TINY = PRESETS["tiny"]
 
 
-def with_host(df: pd.DataFrame, *, fwd: float | dict = 3.0, bwd: float | dict = 3.0, segment_ms: float | dict = 0.0) -> pd.DataFrame:
-    """``df`` with host columns: each row's device times times ``fwd``/``bwd``, and ``segment_ms`` as the cost of a
-    segment ending at the row's operator (each one number, or one per operator)."""
+def with_host(df: pd.DataFrame, *, fwd: float | dict = 3.0, bwd: float | dict = 3.0, segment_ms: float | dict = 0.0,
+              offload_ms: tuple[float, float] = (0.0, 0.0)) -> pd.DataFrame:
+    """``df`` with host columns: each row's device times times ``fwd``/``bwd``, ``segment_ms`` as the cost of a
+    segment ending at the row's operator (each one number, or one per operator), and ``offload_ms`` as the host cost
+    per offloaded tensor in the forward and in the backward on every row."""
     out = df.copy()
     per_op = lambda f: out["op"].map(f).fillna(0.0).astype(float) if isinstance(f, dict) else f  # noqa: E731
     out["fwd_host_ms"] = out["fwd_ms"] * per_op(fwd)
     out["bwd_host_ms"] = out["bwd_ms"] * per_op(bwd)
     out["seg_host_ms"] = per_op(segment_ms)
+    out["off_fwd_host_ms"], out["off_bwd_host_ms"] = offload_ms
     return out
 
 
@@ -97,6 +102,51 @@ def test_each_recomputed_segment_adds_its_host_cost_where_the_host_bounds_the_ba
     # Device-bound backward (host a tenth of the device): a small segment cost hides behind the kernels.
     assert (_iteration_ms(with_host(derived, fwd=0.1, bwd=0.1, segment_ms=1e-6), everything, m)
             == pytest.approx(_iteration_ms(derived, everything, m), rel=1e-12))
+
+
+@pytest.mark.parametrize("recompute", [(), tuple(operator_names(SPEC))], ids=["none", "all"])
+def test_each_offloaded_tensor_adds_its_host_cost_where_the_host_bounds_the_pass(derived, recompute):
+    """Eq. 2o's host side: a block offloading n tensors over a link fast enough to hide the copies costs n x the
+    table's per-tensor host cost more in each pass where the host bounds it (host three times the device), and
+    nothing more where the kernels outlast it; a slow link still costs its copies. Catches the host's offload work
+    left out (the 2026-11-27 GPU run: +479 ms measured at 350m, micro-batch 2, where +49 ms was predicted)."""
+    recompute = frozenset(recompute)
+    offload = frozenset(held_tensors(SPEC, recompute))
+    blocks = tensor_blocks(SPEC)
+    count = [sum(blocks[t] == b for t in offload) for b in BLOCKS]
+    assert min(count) > 0
+    per_tensor = (0.01, 0.02)
+    prof = Profile(with_host(derived, offload_ms=per_tensor))
+    plain = layer_cost(prof, SPEC, 1, 1.0, recompute)
+    off = layer_cost(prof, SPEC, 1, 1.0, recompute, offload, 1e9)
+    for k in range(2):
+        assert off.block_fwd_ms()[k] - plain.block_fwd_ms()[k] == pytest.approx(count[k] * per_tensor[0], rel=1e-9)
+        assert off.block_bwd_ms()[k] - plain.block_bwd_ms()[k] == pytest.approx(count[k] * per_tensor[1], rel=1e-9)
+    # Device-bound (host a tenth of the device): a small cost per tensor hides behind the kernels.
+    quiet = Profile(with_host(derived, fwd=0.1, bwd=0.1, offload_ms=(1e-6, 1e-6)))
+    assert (layer_cost(quiet, SPEC, 1, 1.0, recompute, offload, 1e9).block_fwd_ms()
+            == pytest.approx(layer_cost(quiet, SPEC, 1, 1.0, recompute).block_fwd_ms(), rel=1e-12))
+    # A link slow enough that the copies outlast the host's work: the copies price the pass, as without host costs.
+    slow = layer_cost(prof, SPEC, 1, 1.0, recompute, offload, 1e-4)
+    sizes = layer_tensor_bytes(prof, SPEC, 1, 1.0)
+    for k, b in enumerate(BLOCKS):
+        copy_ms = sum(sizes[t] for t in offload if blocks[t] == b) / 1e-4 / 1e9 * 1e3
+        assert slow.block_fwd_ms()[k] == pytest.approx(copy_ms, rel=1e-9)
+    # A table without the columns: no host cost per tensor, as before them.
+    old = Profile(with_host(derived).drop(columns=["off_fwd_host_ms", "off_bwd_host_ms"]))
+    assert (layer_cost(old, SPEC, 1, 1.0, recompute, offload, 1e9).block_fwd_ms()
+            == pytest.approx(layer_cost(old, SPEC, 1, 1.0, recompute).block_fwd_ms(), rel=1e-12))
+
+
+def test_offload_host_cost_makes_eq_2o_give_the_measured_layer():
+    """Measured in a step: plain layer 1 ms forward + 2 ms backward of host time, every one of its 4 held tensors
+    offloaded 1.4 + 2.8: 0.1 and 0.2 ms per tensor; noise that makes it negative gives 0."""
+    def m(f, b):
+        return Measurement(fwd_ms=f, bwd_ms=b, saved_bytes=0, output_bytes=0, fwd_host_ms=f, bwd_host_ms=b)
+
+    names = ("layer_input", "attn_out", "x_mid", "mlp_out")
+    assert offload_host_ms(names, m(1.0, 2.0), m(1.4, 2.8)) == pytest.approx((0.1, 0.2))
+    assert offload_host_ms(names, m(1.0, 2.0), m(0.9, 2.0)) == (0.0, 0.0)
 
 
 def test_segments_are_the_runtimes_checkpoints():
@@ -243,6 +293,10 @@ def test_cpu_profiler_writes_host_columns_equal_to_device_times(measured, tmp_pa
     layer = measured["op"].isin(operator_names(TINY) + ["attn_core"])
     assert (measured[~layer]["seg_host_ms"] == 0).all() and (measured[layer]["seg_host_ms"] >= 0).all()
     assert (measured[layer].groupby("micro_batch")["seg_host_ms"].nunique() == 1).all()
+    # The same for the host cost per offloaded tensor, each pass.
+    for col in ("off_fwd_host_ms", "off_bwd_host_ms"):
+        assert (measured[~layer][col] == 0).all() and (measured[layer][col] >= 0).all()
+        assert (measured[layer].groupby("micro_batch")[col].nunique() == 1).all()
     write_table(measured, tmp_path / "m.csv")
     back = read_table(tmp_path / "m.csv")
     key = ["op", "micro_batch", "tp_share"]

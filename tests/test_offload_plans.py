@@ -246,7 +246,7 @@ def test_layer_by_layer_prefetches_the_next_layer_pass_before_running_one(one_ra
     prefetch, backward = OffloadStash.prefetch, engine_module._timed_backward
 
     def logged_prefetch(self, key, layer):
-        if self._groups.get(key, {}).get(layer) and all(s.restored is None for s in self._groups[key][layer].values()):
+        if self._groups.get(key, {}).get(layer) and self._groups[key][layer].restored is None:
             events.append(("prefetch", key))  # copies started now
         return prefetch(self, key, layer)
 

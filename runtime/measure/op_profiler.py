@@ -24,6 +24,7 @@ import os
 import statistics
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -34,7 +35,7 @@ from baton.errors import BatonError
 from baton.model_spec import ModelSpec
 from baton.operators import ALLREDUCE_OUTPUTS, EMBEDDING, HEAD, LAYER_INPUT, layer_operators, operator_param_bytes
 from baton.costmodel import segments_per_block
-from baton.memory import recompute_space
+from baton.memory import held_tensors, recompute_space
 from baton.profile import COLUMNS, HOST_COLUMNS, OPTIMIZER, validate_table
 from runtime.launch.affinity import pin_rank
 from runtime.launch.host_memory import keep_freed_memory
@@ -44,6 +45,7 @@ from runtime.train.optim_settings import grad_square_sum
 from runtime.launch.processes import die_with_parent, stop_processes
 from runtime.parallel.stage import StageModel
 from runtime.parallel.llama_layer import parallel_block
+from runtime.parallel.offload import OffloadStash
 from runtime.parallel.tp_layer import MicroBatch, ParallelBlock, forget_compiled_graphs
 
 
@@ -66,6 +68,10 @@ class Measurement:
     """The same for the backward."""
     seg_host_ms: float = 0.0
     """Host cost of a recomputed segment ending at this operator, beyond its operators' launches (eq. 2h)."""
+    off_fwd_host_ms: float = 0.0
+    """Host cost per offloaded tensor of a layer in its forward (eq. 2o), the same on every operator's row."""
+    off_bwd_host_ms: float = 0.0
+    """The same in its backward."""
 
 
 class _Timer:
@@ -305,7 +311,8 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
     layer: with ``in_step`` timed as a step runs it (``in_step``), device and host apart; otherwise from an idle
     device (``measure``), back to back in pieces given ``back_to_back_overhead_ms``, its backward less that.
     Each operator alone gives its share. With ``in_step`` and ``segment``, every operator's ``seg_host_ms`` is
-    the host cost of one recomputed segment (``segment_host_ms``), the same wherever a segment ends. With ``compile``
+    the host cost of one recomputed segment (``segment_host_ms``), the same wherever a segment ends, and its
+    ``off_fwd_host_ms``/``off_bwd_host_ms`` the host cost per offloaded tensor (``offload_host_ms``). With ``compile``
     (``in_step`` only) the layers timed in a step run compiled."""
     if compile and not in_step:
         raise ValueError("compiled layers are timed in a step only (in_step=True)")
@@ -314,8 +321,9 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
     if compile:
         forget_compiled_graphs()
 
-    def make_block(layer: int, recompute=frozenset(), compiled: bool = False) -> ParallelBlock:
-        blk = parallel_block(spec, layer, heads=range(nh), ffn_cols=range(nf), recompute=recompute)
+    def make_block(layer: int, recompute=frozenset(), compiled: bool = False, offload=frozenset(), stash=None) -> ParallelBlock:
+        blk = parallel_block(spec, layer, heads=range(nh), ffn_cols=range(nf), recompute=recompute, offload=offload,
+                             stash=stash)
         _init(blk, seed + layer)
         blk = blk.to(device=device, dtype=dtype)
         blk.train()
@@ -353,7 +361,11 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
         everything = frozenset(o.name for o in layer_operators(spec))
         rec = time_in_step(lambda i: make_block(i, everything, compile), mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps)
         ms = segment_host_ms(spec, whole, rec)
-        scaled = {name: replace(m, seg_host_ms=ms) for name, m in scaled.items()}
+        held, stash = held_tensors(spec, frozenset()), OffloadStash()
+        off = time_in_step(lambda i: make_block(i, offload=frozenset(held), stash=stash), mb, env[LAYER_INPUT], device,
+                           warmup=warmup, reps=reps)
+        off_f, off_b = offload_host_ms(held, whole, off)
+        scaled = {name: replace(m, seg_host_ms=ms, off_fwd_host_ms=off_f, off_bwd_host_ms=off_b) for name, m in scaled.items()}
     return scaled
 
 
@@ -381,6 +393,7 @@ def time_in_step(make_block: Callable[..., ParallelBlock], mb: MicroBatch, x: to
     """
     cuda = device.type == "cuda"
     blocks = [make_block(i) for i in range(STACK_LAYERS)]
+    stash = blocks[0].stash if blocks[0].offload else None  # offloading blocks share one, as a stage's do
     if any(blk.compiled for blk in blocks):
         warmup = max(warmup, 1)  # the first iteration compiles the graphs: never a timed one
     params = [p for blk in blocks for p in blk.parameters()]
@@ -405,7 +418,7 @@ def time_in_step(make_block: Callable[..., ParallelBlock], mb: MicroBatch, x: to
         xs = [x.detach().requires_grad_()]
         if cuda:
             torch.cuda.synchronize()
-        with saved.record(0):
+        with saved.record(0), stash.record(0) if stash is not None else nullcontext():
             mark(f_ev, f_clock)
             for blk in blocks:
                 xs.append(blk(xs[-1], mb))
@@ -417,6 +430,8 @@ def time_in_step(make_block: Callable[..., ParallelBlock], mb: MicroBatch, x: to
         mark(b_ev, b_clock)
         torch.autograd.backward(xs[-1], grad)
         saved.release(0)
+        if stash is not None:
+            stash.release(0)
         if cuda:
             torch.cuda.synchronize()
         # Not the first layer's forward (from an idle device) nor the last layer's backward (starting the pass).
@@ -445,6 +460,16 @@ def segment_host_ms(spec: ModelSpec, plain: Measurement, recomputed: Measurement
     segments = float(attn[0] + mlp[0])
     extra = (recomputed.fwd_host_ms + recomputed.bwd_host_ms) - (2 * plain.fwd_host_ms + plain.bwd_host_ms)
     return max(extra / segments, 0.0)
+
+
+def offload_host_ms(offloaded: tuple[str, ...], plain: Measurement, offloading: Measurement) -> tuple[float, float]:
+    """Host cost per offloaded tensor in a layer's forward and in its backward, from a layer timed in a step with
+    nothing offloaded and with every tensor it holds offloaded (``offloaded``; ``time_in_step``): eq. 2o charges
+    a block's host time this for each tensor it offloads. Per tensor name, as eq. 2o counts them (fused attention's
+    q, k and v are one storage and three names); 0 where noise makes it less."""
+    n = max(len(offloaded), 1)
+    return (max((offloading.fwd_host_ms - plain.fwd_host_ms) / n, 0.0),
+            max((offloading.bwd_host_ms - plain.bwd_host_ms) / n, 0.0))
 
 
 def _scaled(results: dict[str, Measurement], whole: Measurement) -> dict[str, Measurement]:
@@ -656,7 +681,7 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
               "back_to_back_overhead_ms": backward_call_overhead_ms(dev, back_to_back=True) if back_to_back else None}
     opt_bytes, opt_ms = profile_optimizer(spec, dev, warmup=warmup, reps=reps)
     rows = []
-    segment_ms: dict[int, float] = {}
+    segment_ms: dict[int, tuple[float, float, float]] = {}
     total = len(micro_batches) * (len(shares) + 1)
     done = 0
     for b in sorted(micro_batches):
@@ -665,7 +690,8 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
             measured = profile_layer(spec, dev, b, share, warmup=warmup, reps=reps, in_step=in_step,
                                      segment=in_step and share == max(shares), compile=compile, **timing)
             if in_step and share == max(shares):
-                segment_ms[b] = next(iter(measured.values())).seg_host_ms
+                m0 = next(iter(measured.values()))
+                segment_ms[b] = (m0.seg_host_ms, m0.off_fwd_host_ms, m0.off_bwd_host_ms)
             if other_ops:
                 layer = profile_layer(other, dev, b, share, warmup=warmup, reps=reps, in_step=in_step, compile=compile, **timing)
                 measured.update({n: layer[n] for n in other_ops})
@@ -676,7 +702,7 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
                 row_share = share if op.tp_split else 1.0
                 params = operator_param_bytes(spec, op, share)
                 rows.append((name, spec.name, op_name, b, spec.seq_len, row_share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes, params,
-                             "measured", m.fwd_host_ms, m.bwd_host_ms, 0.0))
+                             "measured", m.fwd_host_ms, m.bwd_host_ms, 0.0, 0.0, 0.0))
             done += 1
             if progress:
                 progress(done, total)
@@ -684,16 +710,17 @@ def _table(spec, dev, name, micro_batches, shares, warmup, reps, progress, sync,
         for share in sorted(shares):  # the vocabulary is split like the units
             for op_name, (m, params) in profile_edges(spec, dev, b, share, warmup=warmup, reps=reps, **timing).items():
                 rows.append((name, spec.name, op_name, b, spec.seq_len, share, m.fwd_ms, m.bwd_ms, m.saved_bytes, m.output_bytes,
-                             params, "measured", m.fwd_host_ms, m.bwd_host_ms, 0.0))
-        rows.append((name, spec.name, OPTIMIZER, b, spec.seq_len, 1.0, opt_ms, 0.0, 0, 0, opt_bytes, "measured", 0.0, 0.0, 0.0))
+                             params, "measured", m.fwd_host_ms, m.bwd_host_ms, 0.0, 0.0, 0.0))
+        rows.append((name, spec.name, OPTIMIZER, b, spec.seq_len, 1.0, opt_ms, 0.0, 0, 0, opt_bytes, "measured", 0.0, 0.0, 0.0, 0.0, 0.0))
         done += 1
         if progress:
             progress(done, total)
     table = pd.DataFrame(rows, columns=COLUMNS + HOST_COLUMNS)
-    # A segment's cost, measured at the largest share, at every share of the layer's operators (either attention's).
+    # A segment's and an offloaded tensor's costs, measured at the largest share, at every share of the layer's
+    # operators (either attention's).
     layer_rows = table["op"].isin(list(ops) + list(other_ops))
-    for b, ms in segment_ms.items():
-        table.loc[layer_rows & (table["micro_batch"] == b), "seg_host_ms"] = ms
+    for b, costs in segment_ms.items():
+        table.loc[layer_rows & (table["micro_batch"] == b), ["seg_host_ms", "off_fwd_host_ms", "off_bwd_host_ms"]] = costs
     if not in_step:  # the table as it was before host times: their columns absent, so eq. 2h is eq. 2
         table = table[COLUMNS]
     return validate_table(table, source=f"<measured {name}/{spec.name}>")

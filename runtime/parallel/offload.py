@@ -7,15 +7,19 @@ those of ``baton.memory.tensor_roles``; ``ParallelBlock`` decides which tensor i
 
 ``OffloadStash`` (one per stage, shared by its layers) holds the host copies of every micro-batch in flight:
 
-* a *storage* is the unit of a copy. Tensors of one storage (fused attention's q, k and v, views of one qkv
-  output) are copied once and come back as views with their strides and offsets, so the backward reads the
-  very bytes, in the very layout, that it would have read on the device;
+* a *storage* is the unit of what is stored. Tensors of one storage (fused attention's q, k and v, views of
+  one qkv output) are stored once and come back as views with their strides and offsets, so the backward reads
+  the very bytes, in the very layout, that it would have read on the device;
+* a *layer* is the unit of a copy (``LayerCopy``): its storages are gathered during its forward and copied at
+  its end (``flush``) into one host buffer, each at an aligned offset, and brought back by one copy into one
+  device buffer that their views share. The host's bookkeeping per copy (a stream switch, a wait, an event) is
+  then paid per layer, not per storage: per storage it was the step's bottleneck on a GPU;
 * on CUDA the copies run on a side stream: a device-to-host copy waits for the kernels launched before it
-  (``wait_stream``), and the device storage stays referenced until its copy's event has completed (polled
-  with ``Event.query``, never waited for), then is dropped, so the allocator really gets it back. Host
+  (``wait_stream``), and the device storages stay referenced until the copy's event has completed (polled
+  with ``Event.query``, never waited for), then are dropped, so the allocator really gets them back. Host
   buffers are pinned and come from ``HostPool``, which keeps them across micro-batches and steps (pinning
-  memory at every step is slow). ``prefetch`` issues the host-to-device copies ahead of the backward that
-  needs them; reading one makes the current stream wait for the copy's event, the host never waits;
+  memory at every step is slow). ``prefetch`` issues the host-to-device copy ahead of the backward that
+  needs it; the first read of it on a stream makes that stream wait for the copy's event, the host never waits;
 * in a CPU process the same code runs with plain host buffers and no streams (copies are host to host), so
   the bookkeeping and the numerics are testable anywhere.
 
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,27 +70,59 @@ class HostPool:
         self._free.setdefault(buf.numel(), []).append(buf)
 
 
+COPY_ALIGN_BYTES = 512
+"""Alignment of each storage within a layer's copy: the byte offset of every part is a multiple of it, so any
+element type lies aligned in the buffers and the restored views keep the alignment fused kernels ask for."""
+
+
 @dataclass(eq=False)
 class Stored:
-    """One device storage copied to the host: the unit of every copy."""
+    """One device storage copied to the host: its part of a layer's copy (``LayerCopy``)."""
 
     names: tuple[str, ...]
     """Tensor names whose bytes it holds (q, k, v for fused attention's qkv; a private tensor's name)."""
-    host: torch.Tensor
-    """Flat uint8 host buffer of the storage's bytes."""
-    device: torch.device
-    """Where it came from and goes back to."""
+    nbytes: int
+    """Bytes of the storage (what the cost model counts; its part of the layer's buffers is padded)."""
+    layer: "LayerCopy"
+    """The layer's copy it is part of."""
+    offset: int = 0
+    """Byte offset of its part in the layer's host buffer and in the restored device buffer."""
     uses: int = 0
-    """Reads the backward has still to make (saved-tensor unpacks, segment replays); at 0 the device copy
-    brought back is dropped, so it lives only as long as the last reader keeps it."""
-    restored: torch.Tensor | None = None
-    """Flat uint8 device copy brought back (prefetched or on demand), until the last read."""
-    ready: object = None
-    """CUDA event: the host-to-device copy into ``restored`` is complete (None on CPU)."""
+    """Reads the backward has still to make (saved-tensor unpacks, segment replays)."""
 
     @property
-    def nbytes(self) -> int:
-        return self.host.numel()
+    def host(self) -> torch.Tensor:
+        """Its bytes in the layer's host buffer (after ``OffloadStash.flush``)."""
+        return self.layer.host[self.offset:self.offset + self.nbytes]
+
+
+@dataclass(eq=False)
+class LayerCopy:
+    """What one layer offloaded for one micro-batch, copied as one: the forward gathers the storages and
+    ``OffloadStash.flush`` copies them at the layer's end into one pinned buffer behind one event; the backward
+    brings the whole buffer back with one copy into one device buffer, read by every part. Per storage the host
+    then does a slice and a copy call, not a stream switch, a wait and an event each: with a few thousand
+    storages a step, that bookkeeping was the step's bottleneck on a GPU (about 0.15 ms a storage)."""
+
+    device: torch.device | None = None
+    """Where the storages came from and go back to (set by the first ``store``)."""
+    stored: dict[str, Stored] = field(default_factory=dict)
+    """Label -> its storages' parts."""
+    pending: list = field(default_factory=list)
+    """(part, flat device storage) stored since the last flush, not yet copied."""
+    nbytes: int = 0
+    """Bytes of the buffers: the parts, each padded to ``COPY_ALIGN_BYTES``."""
+    host: torch.Tensor | None = None
+    """Flat uint8 host buffer (pinned for CUDA), from ``HostPool``."""
+    restored: torch.Tensor | None = None
+    """Flat uint8 device copy brought back (prefetched or on demand), until the parts' last read."""
+    ready: object = None
+    """CUDA event: the copy into ``restored`` is complete (None on CPU)."""
+    reader: int | None = None
+    """The stream (``cuda_stream`` handle) made to wait for ``ready`` already: one wait per stream and copy."""
+
+    def in_use(self) -> bool:
+        return any(s.uses > 0 for s in self.stored.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +148,8 @@ class OffloadStash:
 
     The engine wraps a micro-batch's forward in ``record(key)`` (as ``SavedBytes.record``), may call
     ``prefetch(key, layer)`` ahead of a layer's backward, and calls ``release(key)`` after the micro-batch's
-    backward; ``reset`` starts a step's counters. A layer's backward prefetches the layer below it itself
-    (``prefetch_ahead``)."""
+    backward; ``reset`` starts a step's counters. A layer's forward ends with ``flush`` (its copies start) and
+    its backward prefetches the layer below it itself (``prefetch_ahead``)."""
 
     def __init__(self):
         self.current = None
@@ -129,10 +165,11 @@ class OffloadStash:
         """Peak of host bytes held, over all micro-batches in flight, since ``reset``."""
         self.pools = {False: HostPool(pin=False), True: HostPool(pin=True)}
         """Host buffers by pinned-ness (pinned for CUDA tensors)."""
-        self._groups: dict[object, dict[int, dict[str, Stored]]] = {}  # key -> layer (forward order) -> label -> storage
+        self._groups: dict[object, dict[int, LayerCopy]] = {}  # key -> layer (forward order) -> its copy
+        self._unflushed: list[LayerCopy] = []
         self._held_now = 0  # host bytes of every group, kept as a sum: a step makes thousands of copies
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._in_flight: deque = deque()  # (device storage, event): device-to-host copies not known complete
+        self._in_flight: deque = deque()  # (device storages, event): device-to-host copies not known complete
 
     # --- forward ------------------------------------------------------------------------------------
     @contextmanager
@@ -154,34 +191,51 @@ class OffloadStash:
         if layer in layers:
             raise RuntimeError(f"layer {layer} of micro-batch {self.current!r} ran its forward again before "
                                "OffloadStash.release of the previous one")
-        layers[layer] = {}
+        layers[layer] = LayerCopy()
+        self._unflushed.append(layers[layer])
         return self.current
 
     def store(self, key, layer: int, label: str, names: tuple[str, ...], t: torch.Tensor) -> Stored:
-        """The host copy of ``t``'s whole storage under ``label`` (copied once per layer and micro-batch)."""
-        group = self._groups[key][layer]
-        if label in group:
-            return group[label]
-        storage = t.untyped_storage()
-        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)  # every byte of the storage
-        buf = self.pools[t.device.type == "cuda"].take(flat.numel())
-        stream = self._stream(t.device)
-        if stream is None:
-            buf.copy_(flat)
-        else:
-            # After the kernels that made it; the device storage stays referenced until the copy is done.
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(stream):
-                buf.copy_(flat, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-            self._in_flight.append((flat, done))
-        self.copied_out_bytes += buf.numel()
-        stored = group[label] = Stored(names=names, host=buf, device=t.device)
-        self._held_now += buf.numel()
+        """``t``'s whole storage under ``label``, to be copied to the host at the layer's ``flush`` (once per layer
+        and micro-batch); its device storage stays referenced until that copy is done."""
+        copy = self._groups[key][layer]
+        copy.device = t.device
+        if label in copy.stored:
+            return copy.stored[label]
+        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())  # every byte of it
+        stored = copy.stored[label] = Stored(names=names, nbytes=flat.numel(), layer=copy, offset=copy.nbytes)
+        copy.nbytes += -(-stored.nbytes // COPY_ALIGN_BYTES) * COPY_ALIGN_BYTES
+        copy.pending.append((stored, flat))
+        self.copied_out_bytes += stored.nbytes
+        self._held_now += stored.nbytes
         self.peak_held_bytes = max(self.peak_held_bytes, self._held_now)
-        self.reap()
         return stored
+
+    def flush(self) -> None:
+        """Copy what the layers stored since the last flush to the host: per layer one pinned buffer and, on CUDA,
+        one stream switch, one wait for the kernels launched so far and one event."""
+        for copy in self._unflushed:
+            if not copy.pending:
+                continue
+            if copy.host is not None:
+                raise RuntimeError("a layer stored tensors after its copy to the host was made")
+            copy.host = self.pools[copy.device.type == "cuda"].take(copy.nbytes)
+            stream = self._stream(copy.device)
+            if stream is None:
+                for stored, flat in copy.pending:
+                    stored.host.copy_(flat)
+            else:
+                # After the kernels that made them; the device storages stay referenced until the copy is done.
+                stream.wait_stream(torch.cuda.current_stream(copy.device))
+                with torch.cuda.stream(stream):
+                    for stored, flat in copy.pending:
+                        stored.host.copy_(flat, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+                self._in_flight.append(([flat for _, flat in copy.pending], done))
+            copy.pending = []
+        self._unflushed = []
+        self.reap()
 
     def reap(self) -> None:
         """Drop the device storages whose copy to the host has completed (polled: the host does not wait)."""
@@ -191,13 +245,10 @@ class OffloadStash:
     # --- backward -----------------------------------------------------------------------------------
     def prefetch(self, key, layer: int) -> None:
         """Start copying back what ``layer`` of micro-batch ``key`` offloaded (nothing if already under way)."""
-        group = self._groups.get(key, {}).get(layer)
-        if group is None:
-            return
-        for stored in group.values():
-            if stored.restored is None and stored.uses > 0:
-                self._copy_in(stored)
-        self.reap()
+        copy = self._groups.get(key, {}).get(layer)
+        if copy is not None and copy.restored is None and copy.in_use():
+            self._copy_in(copy)
+            self.reap()
 
     def prefetch_ahead(self, key, layer: int) -> None:
         """A layer's backward starts: its own tensors (if not yet under way) and those of the layer before it
@@ -209,55 +260,65 @@ class OffloadStash:
 
     def read(self, stored: Stored, view: View) -> torch.Tensor:
         """The tensor ``view`` of ``stored`` on its device: from the prefetched copy, else copied back now."""
-        if stored.restored is None:
-            self._copy_in(stored)
-            self.late_bytes += stored.nbytes
-        dev = stored.restored
-        if stored.ready is not None:
+        copy = stored.layer
+        if copy.restored is None:
+            self._copy_in(copy)
+            self.late_bytes += sum(s.nbytes for s in copy.stored.values())
+        dev = copy.restored
+        if copy.ready is not None:
             stream = torch.cuda.current_stream(dev.device)
-            stream.wait_event(stored.ready)
-            dev.record_stream(stream)  # allocated on the copy stream, read on this one
-        t = torch.empty(0, dtype=view.dtype, device=dev.device).set_(dev.untyped_storage(), view.offset, view.size, view.stride)
+            if copy.reader != stream.cuda_stream:
+                stream.wait_event(copy.ready)
+                dev.record_stream(stream)  # allocated on the copy stream, read on this one
+                copy.reader = stream.cuda_stream
+        offset = stored.offset // view.dtype.itemsize + view.offset
+        t = torch.empty(0, dtype=view.dtype, device=dev.device).set_(dev.untyped_storage(), offset, view.size, view.stride)
         stored.uses -= 1
-        if stored.uses <= 0:
-            stored.restored, stored.ready = None, None
+        if not copy.in_use():  # the last read of the layer's parts: the device copy goes with the views
+            copy.restored, copy.ready, copy.reader = None, None, None
         return t
 
-    def _copy_in(self, stored: Stored) -> None:
-        stream = self._stream(stored.device)
+    def _copy_in(self, copy: LayerCopy) -> None:
+        if copy.pending:
+            self.flush()
+        stream = self._stream(copy.device)
         if stream is None:
-            stored.restored = stored.host.clone()
+            copy.restored = copy.host.clone()
         else:
             # The copy to the host ran on this stream before, so no wait is needed for the buffer.
             with torch.cuda.stream(stream):
-                dev = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
-                dev.copy_(stored.host, non_blocking=True)
+                dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+                dev.copy_(copy.host, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(stream)
-            stored.restored, stored.ready = dev, ready
-        self.copied_in_bytes += stored.nbytes
+            copy.restored, copy.ready, copy.reader = dev, ready, None
+        self.copied_in_bytes += sum(s.nbytes for s in copy.stored.values())
 
     def release(self, key) -> None:
         """Micro-batch ``key``'s backward is done: its host buffers go back to the pool."""
-        for group in self._groups.pop(key, {}).values():
-            for stored in group.values():
+        copies = list(self._groups.pop(key, {}).values())
+        for copy in copies:
+            for stored in copy.stored.values():
                 self._held_now -= stored.nbytes
-                self.pools[stored.host.is_pinned()].give(stored.host)
+            if copy.host is not None:
+                self.pools[copy.host.is_pinned()].give(copy.host)
+        if self._unflushed:  # a forward that failed before its layer's flush
+            self._unflushed = [c for c in self._unflushed if all(c is not r for r in copies)]
         self.reap()
 
     # --- accounting ---------------------------------------------------------------------------------
     def held_bytes(self, key=None) -> int:
         """Host bytes micro-batch ``key`` holds (all micro-batches in flight when None)."""
         keys = list(self._groups) if key is None else [key]
-        return sum(s.nbytes for k in keys for g in self._groups.get(k, {}).values() for s in g.values())
+        return sum(s.nbytes for k in keys for c in self._groups.get(k, {}).values() for s in c.stored.values())
 
     def held_by_tensor(self, key, layer: int | None = None) -> dict[str, int]:
         """Host bytes of micro-batch ``key`` (one layer, or all) by tensor name; a storage of several names
         (fused q, k, v) under their names joined by '+'."""
         out: dict[str, int] = {}
-        for lay, group in self._groups.get(key, {}).items():
+        for lay, copy in self._groups.get(key, {}).items():
             if layer is None or lay == layer:
-                for s in group.values():
+                for s in copy.stored.values():
                     name = "+".join(s.names)
                     out[name] = out.get(name, 0) + s.nbytes
         return out

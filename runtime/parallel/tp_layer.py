@@ -425,7 +425,7 @@ class ParallelBlock(nn.Module):
                 self._run_ops((item,), mb, env, key)
         y = env["layer_output"]
         if key is not None:
-            self.stash.reap()
+            self.stash.flush()  # the layer's copies to the host start now, all at once
             if y.requires_grad:
                 y.register_hook(partial(prefetch_hook, self.stash, key, self.layer))
         return y
