@@ -21,7 +21,7 @@ from baton.operators import layer_operators, operator_names
 from baton.profile import Profile, derive_table
 from runtime.measure.meters import SavedBytes
 from runtime.parallel.llama_layer import parallel_block
-from runtime.parallel.offload import OffloadStash
+from runtime.parallel.offload import COPY_ALIGN_BYTES, OffloadStash, View
 from runtime.parallel.tp_layer import MicroBatch
 
 B = 2
@@ -189,6 +189,39 @@ def test_micro_batches_in_flight_stay_apart():
     assert one > 0
     assert stash.peak_held_bytes == stash.copied_out_bytes == 2 * one
     assert stash.late_bytes == 0
+
+
+def test_a_layers_storages_travel_as_one_copy_and_come_back_as_they_were():
+    """Storages of several element types and layouts (a float32 tensor, a bool mask, a transposed float64 slice) of
+    one layer: one host buffer, each part at an aligned offset, and each view read back equal, strides and all; a
+    read before the layer's flush (and so before any prefetch) copies it out and back then. Catches parts overlapping or misaligned in the shared buffer and
+    element offsets counted in bytes."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randn(5, 7, generator=gen), "mask": torch.rand(33, generator=gen) > 0.5,
+               "t": torch.randn(6, 9, generator=gen, dtype=torch.float64)[1:, 2:].t()}
+    for flush_first in (True, False):
+        stash = OffloadStash()
+        with stash.record(0):
+            stash.begin(0)
+            parts = {n: stash.store(0, 0, n, (n,), t) for n, t in tensors.items()}
+            for p in parts.values():
+                p.uses = 1
+            if flush_first:
+                stash.flush()
+        if flush_first:
+            stash.prefetch(0, 0)
+        copy = stash._groups[0][0]
+        assert [p.offset % COPY_ALIGN_BYTES for p in parts.values()] == [0, 0, 0]
+        ends = sorted((p.offset, p.offset + p.nbytes) for p in parts.values())
+        assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:]))  # no part overlaps the next
+        assert stash.held_bytes(0) == sum(t.untyped_storage().nbytes() for t in tensors.values())
+        for n, t in tensors.items():
+            back = stash.read(parts[n], View.of(t))
+            assert back.dtype == t.dtype and back.stride() == t.stride() and torch.equal(back, t), n
+        assert copy.host is not None and copy.restored is None  # the last read let the device copy go
+        assert stash.late_bytes == (0 if flush_first else stash.held_bytes(0))  # not prefetched: copied when read
+        stash.release(0)
+        assert stash.held_bytes() == 0 and stash.host_buffers_allocated == 1
 
 
 def test_a_second_step_allocates_no_host_buffers():

@@ -246,7 +246,8 @@ def test_layer_by_layer_prefetches_the_next_layer_pass_before_running_one(one_ra
     prefetch, backward = OffloadStash.prefetch, engine_module._timed_backward
 
     def logged_prefetch(self, key, layer):
-        if self._groups.get(key, {}).get(layer) and self._groups[key][layer].restored is None:
+        copy = self._groups.get(key, {}).get(layer)
+        if copy is not None and copy.restored is None and copy.in_use():
             events.append(("prefetch", key))  # copies started now
         return prefetch(self, key, layer)
 

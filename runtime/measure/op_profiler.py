@@ -361,10 +361,12 @@ def profile_layer(spec: ModelSpec, device: torch.device, micro_batch: int, share
         everything = frozenset(o.name for o in layer_operators(spec))
         rec = time_in_step(lambda i: make_block(i, everything, compile), mb, env[LAYER_INPUT], device, warmup=warmup, reps=reps)
         ms = segment_host_ms(spec, whole, rec)
-        held, stash = held_tensors(spec, frozenset()), OffloadStash()
-        off = time_in_step(lambda i: make_block(i, offload=frozenset(held), stash=stash), mb, env[LAYER_INPUT], device,
-                           warmup=warmup, reps=reps)
-        off_f, off_b = offload_host_ms(held, whole, off)
+        off_f = off_b = 0.0  # compiled layers cannot offload (check_compile): no plan reads the cost then
+        if not compile:
+            held, stash = held_tensors(spec, frozenset()), OffloadStash()
+            off = time_in_step(lambda i: make_block(i, offload=frozenset(held), stash=stash), mb, env[LAYER_INPUT], device,
+                               warmup=warmup, reps=reps)
+            off_f, off_b = offload_host_ms(held, whole, off)
         scaled = {name: replace(m, seg_host_ms=ms, off_fwd_host_ms=off_f, off_bwd_host_ms=off_b) for name, m in scaled.items()}
     return scaled
 
