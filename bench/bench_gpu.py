@@ -7,7 +7,9 @@ attention, sequence ``--seq-len`` 1024), it
    table to ``profiles/measured/<gpu>__<model>__s<seq>.csv`` with ``<same>.command.json`` beside it (the command,
    torch and CUDA versions, the device); then profiles it again with each layer, embedding and head timed back
    to back (``back_to_back=True``) into ``bench/results/gpu_table_back_to_back[_<model>].csv``;
-2. describes the GPU as a one-device cluster (its catalog type, its total memory as capacity);
+2. describes the GPU as a one-device cluster (its catalog type, its total memory as capacity, and as its node's
+   ``host_link_gb_per_s`` the slower direction of this machine's pinned copies, ``runtime.measure.host_link``,
+   which the offloading plans' copies are priced at, eq. 2o);
 3. builds one-GPU plans: global batch ``--global-batch`` 16 at three micro-batch sizes (``--micro-batches`` 2,4,8),
    each without recomputation and recomputing every operator (``--recompute none,all``), and for the smaller model
    (``--offload-models``) each of these again keeping activations in host memory (``none+offload``: the attention
@@ -115,11 +117,14 @@ def bench_model(base: str = "gpt3-350m", seq_len: int = 1024) -> ModelSpec:
                                         seq_len=seq_len)
 
 
-def cluster_mapping(gpu_type: str, memory_bytes: int) -> dict:
-    """A cluster spec (as parsed YAML) of this one GPU: catalog type, its real memory, no links to price."""
-    return {"name": CLUSTER_NAME, "description": "the benchmark's local GPU",
-            "nodes": [{"name": "gpu", "gpus": [{"type": gpu_type, "count": 1, "memory_gib": memory_bytes / GIB}],
-                       "intra_node_link": {"bandwidth_gb_per_s": 100.0, "latency_us": 10.0}}]}
+def cluster_mapping(gpu_type: str, memory_bytes: int, host_link_gb_per_s: float | None = None) -> dict:
+    """A cluster spec (as parsed YAML) of this one GPU: catalog type, its real memory, no links to price, and the host
+    link this machine measured (``runtime.measure.host_link``; the catalog's figure where None)."""
+    node = {"name": "gpu", "gpus": [{"type": gpu_type, "count": 1, "memory_gib": memory_bytes / GIB}],
+            "intra_node_link": {"bandwidth_gb_per_s": 100.0, "latency_us": 10.0}}
+    if host_link_gb_per_s is not None:
+        node["host_link_gb_per_s"] = round(float(host_link_gb_per_s), 2)
+    return {"name": CLUSTER_NAME, "description": "the benchmark's local GPU", "nodes": [node]}
 
 
 def with_bases(labels) -> tuple[str, ...]:
@@ -311,6 +316,11 @@ def markdown(rows: list[dict], env: dict) -> str:
     else:
         steps = f"{env['steps']} steps per plan, the first dropped"
     lines += [f"On {env['device']} (catalog `{env['gpu_type']}`), torch {env['torch']}, CUDA {env['cuda']}; {steps}."]
+    if env.get("host_link"):
+        link = env["host_link"]
+        lines += [f"Host link: {link['to_host_gb_per_s']:.1f} GB/s to the host, {link['to_device_gb_per_s']:.1f} GB/s to the "
+                  f"device (pinned copies of {link['copy_bytes'] >> 20} MiB); the cost model takes the slower, "
+                  f"{env['host_link_gb_per_s']:.2f} GB/s."]
     lines += [f"Failed: {name}: {why}" for name, why in env.get("failed", {}).items()]
     if env.get("not_run"):
         lines += [f"Not started (past --deadline-s): {', '.join(env['not_run'])}."]
@@ -373,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     for label in {x for v in labels.values() for x in v} - set(known):
         parser.error(f"--recompute: unknown label {label!r} (known: {', '.join(known)})")
 
+    import dataclasses
+
     import torch
+
+    from runtime.measure.host_link import measure_host_link
 
     if not cpu and (not torch.cuda.is_available() or torch.cuda.device_count() == 0):
         print("skipped: no CUDA device")
@@ -395,15 +409,21 @@ def main(argv: list[str] | None = None) -> int:
         if gpu_type is None:
             print(f"skipped: {props.name} is not in the GPU catalog (baton show gpus); add it to compare with the cost model")
             return 0
+    # The offloading plans' copies priced at this machine's own pinned-copy rate, not its PCIe generation's: the
+    # H200 host of 2026-11-27 copied at 52-55 GB/s each way where the catalog says 48 (eq. 2o).
+    link = None if cpu else measure_host_link(torch.device("cuda", 0))
     work = Path(tempfile.mkdtemp(prefix="baton-bench-gpu-"))
     cluster_path = work / "cluster.yaml"
-    cluster_path.write_text(yaml.safe_dump(cluster_mapping(gpu_type, capacity[1]), sort_keys=False))
+    cluster_path.write_text(yaml.safe_dump(cluster_mapping(gpu_type, capacity[1], link.gb_per_s if link else None),
+                                           sort_keys=False))
     cluster = load_cluster(cluster_path)
     env = {"device": name, "gpu_type": gpu_type, "memory_gib": capacity[1] / GIB, "torch": torch.__version__,
            "cuda": torch.version.cuda, "python": platform.python_version(), "command": shlex.join([sys.executable, *sys.argv]),
            "global_batch": global_batch, "micro_batches": list(micro_batches),
            "recompute": {base: list(with_bases(v)) for base, v in labels.items()},
-           "steps": steps, "rounds": rounds, "warmup": warmup, "reps": reps, "models": [], "plans_asked": 0}
+           "steps": steps, "rounds": rounds, "warmup": warmup, "reps": reps, "models": [], "plans_asked": 0,
+           "host_link": dataclasses.asdict(link) if link else None,
+           "host_link_gb_per_s": cluster.devices[0].host_link_gb_per_s}
     rows: list[dict] = []
     dev = torch.device("cpu" if cpu else "cuda:0")
     with one_rank_group(dev):  # baton train's one rank: one process group (NCCL on CUDA) for every plan

@@ -27,6 +27,29 @@ def _h100():
     return from_mapping(bench_gpu.cluster_mapping("h100", int(79.6 * 1024**3)), source="<h100>")
 
 
+def test_the_measured_host_link_prices_the_offloading_plans():
+    """The machine's pinned-copy rate goes on the node (the slower direction), and a faster link shortens what an
+    offloading plan exposes (eq. 2o); without a measurement the catalog's figure stays."""
+    from runtime.measure.host_link import HostLink, measure_host_link
+
+    link = measure_host_link(torch.device("cpu"), copy_bytes=4 << 20, reps=2, warmup=1)
+    assert 0 < link.gb_per_s == min(link.to_host_gb_per_s, link.to_device_gb_per_s)
+    assert HostLink(to_host_gb_per_s=54.6, to_device_gb_per_s=51.8, copy_bytes=1).gb_per_s == 51.8
+    catalog = _h100()
+    measured = from_mapping(bench_gpu.cluster_mapping("h100", int(79.6 * 1024**3), 96.0), source="<h100>")
+    assert measured.devices[0].host_link_gb_per_s == 96.0 != catalog.devices[0].host_link_gb_per_s
+    from baton.memory import held_tensors, tensor_blocks
+    from bench_reference import one_device_plan
+    from runtime.launch.devices import prediction_profiles
+
+    spec = bench_gpu.bench_model("gpt3-350m", 1024)
+    offload = [t for t in held_tensors(spec, frozenset()) if tensor_blocks(spec)[t] == "attn"]
+    plan = one_device_plan(spec, micro_batch_size=8, num_microbatches=2, offload=offload)
+    profiles = prediction_profiles(plan, catalog, None)
+    slow, fast = evaluate(plan, catalog, profiles), evaluate(plan, measured, profiles)
+    assert slow.devices[0].offload_ms > fast.devices[0].offload_ms >= 0
+
+
 def test_plans_that_fit_one_h100():
     """The candidates are valid one-GPU plans of the bf16 fused-attention model; those kept fit by the
     evaluator's eq. 8 against the GPU's real memory, and recomputation makes more of them fit."""
