@@ -229,7 +229,9 @@ class ParallelBlock(nn.Module):
         self._offload_ops = frozenset(o.name for o in layer_operators(spec)
                                       if o.name not in recompute and self.offload & set(o.saves))
         self._own_params: tuple | None = None
-        """The layer's parameters, listed at the first offloaded operator (their storage may move, they do not)."""
+        """The layer's parameters, listed at the first offloading forward (their storage may move, they do not)."""
+        self._param_ptrs: set[int] = set()
+        """Their storages' addresses in the offloading forward running now: saved tensors that are not offloaded."""
         self._make_parameters(spec, len(heads), len(ffn_cols))
         # Alone in its group a row-parallel product is whole, so its bias goes into the matrix product (one addmm,
         # as nn.Linear does) instead of a separate pass after an all-reduce that does not happen.
@@ -366,11 +368,8 @@ class ParallelBlock(nn.Module):
                 outs = fn(mb, *args)
             else:
                 count = self.meter.saved.add if self.meter.saved is not None else None
-                if self._own_params is None:  # nn.Module.parameters() walks the module tree: 130 us a call
-                    self._own_params = tuple(self.parameters())
-                # Read at every call: at ZeRO stage 3 a layer's weights are gathered into new storage each pass.
-                params = {p.untyped_storage().data_ptr() for p in self._own_params}
-                with OpCapture(self.stash, key, self.layer, op, env, self.offload, self._held, params, count).hooks() as capture:
+                with OpCapture(self.stash, key, self.layer, op, env, self.offload, self._held, self._param_ptrs,
+                               count).hooks() as capture:
                     outs = fn(mb, *args)
                 capture.resolve(dict(zip(op.outputs, outs)))
             env.update(zip(op.outputs, outs))
@@ -400,6 +399,11 @@ class ParallelBlock(nn.Module):
         # Without autograd (validation) nothing is held, so nothing is offloaded.
         key = self.stash.begin(self.layer) if self.offload and torch.is_grad_enabled() else None
         env = {LAYER_INPUT: x}
+        if key is not None:
+            if self._own_params is None:  # nn.Module.parameters() walks the module tree: 130 us a call
+                self._own_params = tuple(self.parameters())
+            # Read at every pass: at ZeRO stage 3 a layer's weights are gathered into new storage each pass.
+            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self._own_params}
         for item in self.program:
             if isinstance(item, tuple):  # ("allreduce", partial sum, full tensor)
                 env[item[2]] = reduce_from_tp(env[item[1]], self.tp_group)
