@@ -111,7 +111,9 @@ class LayerCopy:
     pending: list = field(default_factory=list)
     """(part, flat device storage) stored since the last flush, not yet copied."""
     nbytes: int = 0
-    """Bytes of the buffers: the parts, each padded to ``COPY_ALIGN_BYTES``."""
+    """Bytes of the buffers: the parts, each padded to ``COPY_ALIGN_BYTES``. The stash's accounting (``held_bytes``,
+    the peak, the bytes copied) counts the parts' own bytes, as eq. 8o does; the padding, under 512 bytes a
+    storage, is not counted."""
     host: torch.Tensor | None = None
     """Flat uint8 host buffer (pinned for CUDA), from ``HostPool``."""
     restored: torch.Tensor | None = None
