@@ -144,8 +144,14 @@ class ClusterSpec:
         da, db = self.device(a), self.device(b)
         if da.node == db.node:
             return self.intra_links[da.node]
-        na, nb = self.nic(da.node), self.nic(db.node)
-        return na if na == nb else slower_end(na, nb)
+        # Pipelines price every sender-receiver pair of every candidate: a new Link per call was most of the cost.
+        pairs = _cluster_cache(self)[3]
+        key = (da.node, db.node)
+        found = pairs.get(key)
+        if found is None:
+            na, nb = self.nic(da.node), self.nic(db.node)
+            found = pairs[key] = na if na == nb else slower_end(na, nb)
+        return found
 
     def nic(self, node: str) -> Link:
         """A node's network figures: its own NICs, else the cluster-wide ``inter_node_link``."""
@@ -382,12 +388,12 @@ def homogeneous_cpu_cluster(num_devices: int, *, name: str = "cpu") -> ClusterSp
     return from_mapping(data, source=f"<{name}>")
 
 
-_CLUSTER_CACHE: dict[int, tuple[ClusterSpec, dict[str, Device], dict]] = {}
+_CLUSTER_CACHE: dict[int, tuple[ClusterSpec, dict[str, Device], dict, dict]] = {}
 
 
-def _cluster_cache(cluster: ClusterSpec) -> tuple[ClusterSpec, dict[str, Device], dict]:
-    """(the spec, device id -> Device, peer-id tuple -> slowest link): planners look devices and peer
-    sets' links up millions of times on clusters of 1,000 GPUs.
+def _cluster_cache(cluster: ClusterSpec) -> tuple[ClusterSpec, dict[str, Device], dict, dict]:
+    """(the spec, device id -> Device, peer-id tuple -> slowest link, (node, other node) -> their link): planners
+    look devices, peer sets' links and pairs' links up millions of times on clusters of 1,000 GPUs.
 
     Keyed by identity (the spec holds dicts, so it has no hash); the entry keeps the spec alive, so
     the id cannot be reused while it is cached. A spec is frozen, so what is derived from it stays true.
@@ -396,7 +402,7 @@ def _cluster_cache(cluster: ClusterSpec) -> tuple[ClusterSpec, dict[str, Device]
     if hit is None or hit[0] is not cluster:
         if len(_CLUSTER_CACHE) >= 32:
             _CLUSTER_CACHE.clear()
-        hit = _CLUSTER_CACHE[id(cluster)] = (cluster, {d.id: d for d in cluster.devices}, {})
+        hit = _CLUSTER_CACHE[id(cluster)] = (cluster, {d.id: d for d in cluster.devices}, {}, {})
     return hit
 
 

@@ -132,6 +132,17 @@ class BoundCache:
         self.skeleton: dict = {}
         self.rows: dict = {}
         self.links: dict = {}
+        self.scopes: dict = {}
+        """(ids of a skeleton, its patterns and classes) -> (those, {(class, b, m, ...): (bound, step, key number)})."""
+        self.key_numbers: dict = {}
+        """Replica key (``_replica_key``) -> its number, for the joint memo's keys."""
+        self.numbered_keys: list = []
+        self.transfers: dict = {}
+        """(micro-batch, TP group, next TP group) -> both transfers between them: replicas of other patterns
+        (other skeletons) pass between the same groups."""
+        self.pipeline: dict = {}
+        """(stage keys of ``_stage_rows``, m) -> (1F1B bound, chain bound without links, optimizer step, joint row):
+        replicas of other patterns (nodes shared differently across stages) often have the same stage rows."""
         self.joint: dict = {}
         self.shared: dict = {}
         self.slack: dict = {}
@@ -162,6 +173,7 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
     optimizer step is 0 (a bound on the host step too)."""
     cache = cache or BoundCache()
     best, opt = 0.0, 0.0
+    scope = _skeleton_scope(cache, skeleton, patterns, classes) if patterns is not None and classes is not None else None
     patterns = patterns if patterns is not None else [replica_pattern(cluster, pipe) for pipe in skeleton.pipelines]
     classes = classes if classes is not None else replica_classes(patterns)  # small keys for what the patterns say
     owned = bound_owned(skeleton.num_replicas, zero_stage, even_shards or (monotone is not None and len(set(classes)) == 1
@@ -177,25 +189,55 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
         if m > most.get((c, b), (0, 0))[0]:
             most[c, b] = (m, rho)
     seen = {}
+    mono = bool(monotone)
     for (c, b), (m, rho) in most.items():
-        pattern = patterns[rho]
-        rb, ro = replica_bound(spec, cluster, profiles, skeleton.pipelines[rho], b, m, space, cache, monotone,
-                               zero_stage=zero_stage, pattern=pattern, owned=owned)
-        seen[c, b, m] = _replica_key(b, m, pattern, monotone, zero_stage, owned)
+        # A replica's key holds its whole pattern, costly to hash on 10^5 candidates: within one skeleton its class
+        # stands for it, and across skeletons a number given to each key once.
+        hit = scope.get((c, b, m, mono, zero_stage, owned)) if scope is not None else None
+        if hit is None:
+            pattern = patterns[rho]
+            rb, ro = replica_bound(spec, cluster, profiles, skeleton.pipelines[rho], b, m, space, cache, monotone,
+                                   zero_stage=zero_stage, pattern=pattern, owned=owned)
+            key = _replica_key(b, m, pattern, monotone, zero_stage, owned)
+            number = cache.key_numbers.get(key)
+            if number is None:
+                number = cache.key_numbers[key] = len(cache.numbered_keys)
+                cache.numbered_keys.append(key)
+            hit = (rb, ro, number)
+            if scope is not None:
+                scope[c, b, m, mono, zero_stage, owned] = hit
+        rb, ro, seen[c, b, m] = hit
         if not math.isfinite(rb):
             return float("inf")
         best, opt = max(best, rb), max(opt, ro)
     shared = None
+    if scope is None:
+        constant = skeleton_constant(spec, cluster, skeleton, cache, sync=sync)
+    else:  # hashing the skeleton (every device id) to find its constant cost more than the rest of a bound
+        constant = scope.get(("constant", sync))
+        if constant is None:
+            constant = scope["constant", sync] = skeleton_constant(spec, cluster, skeleton, cache, sync=sync)
     if not skeleton.one_shape:  # each replica its own layer split (solver/unlike.py): nothing couples them here
-        return best + skeleton_constant(spec, cluster, skeleton, cache, sync=sync) + opt
+        return best + constant + opt
     if zero_stage and owned is None and skeleton.num_replicas > 1:  # each position's peers share its state
         shared = shared_state_caps(spec, cluster, profiles, skeleton, batches, space, cache)
     if len(seen) > 1 or shared is not None:  # replicas share one layer split (and, at stage 1, their state)
         keys = frozenset(seen.values())  # the joint bound does not depend on the rows' order (min, max, unique)
         if (keys, shared) not in cache.joint:
-            cache.joint[keys, shared] = _joint_pipeline_bound([cache.rows[k] for k in keys], spec.num_layers, shared)
+            cache.joint[keys, shared] = _joint_pipeline_bound([cache.rows[cache.numbered_keys[k]] for k in keys],
+                                                              spec.num_layers, shared)
         best = max(best, cache.joint[keys, shared])
-    return best + skeleton_constant(spec, cluster, skeleton, cache, sync=sync) + opt
+    return best + constant + opt
+
+
+def _skeleton_scope(cache: BoundCache, skeleton: Skeleton, patterns, classes) -> dict:
+    """A memo for one skeleton's replicas, found by the identity of its skeleton, patterns and classes (kept alive
+    here, so no other object can take their ids)."""
+    key = (id(skeleton), id(patterns), id(classes))
+    hit = cache.scopes.get(key)
+    if hit is None:
+        hit = cache.scopes[key] = (skeleton, patterns, classes, {})
+    return hit[3]
 
 
 def bound_owned(replicas: int, zero_stage: int, even: bool) -> float | None:
@@ -224,23 +266,29 @@ def _joint_pipeline_bound(rows, N: int, shared=None) -> float:
     caps = np.min([cap for _, _, cap, _ in rows], axis=0)
     if shared is not None:
         caps = np.minimum(caps, np.array(shared))
-    values = np.unique(scaled[np.isfinite(scaled)])
     lo = rows[0][3]
+    # A stage fits L layers within T in every replica iff the slowest replica's c[s, L] is within T.
+    return _least_largest(scaled.max(axis=0), caps, lo, N)
 
-    def feasible(T):
-        within = np.minimum((scaled <= T).sum(axis=2).min(axis=0) - 1, caps)
-        return np.all(within >= lo) and within.sum() >= N
 
-    a, b = 0, len(values) - 1
-    if b < 0 or not feasible(values[b]):
+def _least_largest(c, caps, lo, N: int) -> float:
+    """min over layer splits (lo_s <= L_s <= caps_s, sum N) of max_s c[s, L_s], each row of c non-decreasing in L;
+    inf if none. At a threshold T stage s holds at most its largest L with c[s, L] <= T (capped), so T suffices iff
+    T >= c[s, lo_s] for every s and at least N - sum(lo) of the steps c[s, L], lo_s < L <= caps_s, are within T: the
+    least T is the larger of the first and the (N - sum(lo))-th smallest step. The search this replaces tried every
+    value of c (a few thousand numpy operations per replica, on 10^5 replicas)."""
+    if np.any(caps < lo):
         return float("inf")
-    while a < b:
-        mid = (a + b) // 2
-        if feasible(values[mid]):
-            b = mid
-        else:
-            a = mid + 1
-    return float(values[a])
+    p, width = c.shape
+    least = c[np.arange(p), lo].max()
+    need = N - int(lo.sum())
+    if need > 0:
+        Ls = np.arange(width)
+        steps = c[(Ls[None, :] > lo[:, None]) & (Ls[None, :] <= caps[:, None])]
+        if steps.size < need:
+            return float("inf")
+        least = max(least, np.partition(steps, need - 1)[need - 1])
+    return float(least) if np.isfinite(least) else float("inf")
 
 
 def skeleton_constant(spec, cluster, skeleton: Skeleton, cache: BoundCache, *, sync: bool = True) -> float:
@@ -259,6 +307,10 @@ def replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: B
     samples; the pipeline bound does not decrease with m (more passes, more in-flight activations). At stage 1
     every device is taken to own ``owned`` of its optimizer state when that is known (replicas modelled as
     one), else anything from none to all."""
+    if pattern is not None:  # asked millions of times on 1,024 GPUs, mostly for a replica already bounded
+        found = cache.replica.get(_replica_key(b, m, pattern, monotone, zero_stage, owned))
+        if found is not None:  # only bounds that passed the checks below are kept
+            return found
     p = len(pipe)
     if p > spec.num_layers + 2:
         return float("inf"), 0.0
@@ -269,12 +321,21 @@ def replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: B
     key = _replica_key(b, m, pattern, monotone, zero_stage, owned)
     if key not in cache.replica:
         if (b, pattern) not in cache.links:  # transfers depend on the micro-batch size, not the count
-            cache.links[b, pattern] = sum(sum(pipeline_transfers(cluster, spec, b, pipe[s], pipe[s + 1])) for s in range(p - 1))
+            cache.links[b, pattern] = sum(_transfers(cluster, spec, b, pipe[s], pipe[s + 1], cache) for s in range(p - 1))
         links = cache.links[b, pattern]
         bound, opt, rows = _replica_bound(spec, cluster, profiles, pipe, b, m, lo, links, space, cache, monotone, zero_stage,
                                           key[-1])
         cache.replica[key], cache.rows[key] = (bound, opt), rows
     return cache.replica[key]
+
+
+def _transfers(cluster, spec, b: int, ids, next_ids, cache: BoundCache) -> float:
+    """Both transfers between two consecutive stages (eq. 6), memoised per pair of groups."""
+    key = (b, ids, next_ids)
+    found = cache.transfers.get(key)
+    if found is None:
+        found = cache.transfers[key] = sum(pipeline_transfers(cluster, spec, b, ids, next_ids))
+    return found
 
 
 def shared_state_caps(spec, cluster, profiles, skeleton: Skeleton, batches, space: RecomputeSpace,
@@ -372,14 +433,23 @@ def dp_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleto
 def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache, monotone, zero_stage=0, owned=1.0) -> tuple[float, float]:
     """(pipeline bound, least optimizer step of its devices) of one replica."""
     p, N = len(pipe), spec.num_layers
-    rows = _stage_rows(spec, cluster, profiles, pipe, mb, m, space, cache, monotone, zero_stage, owned)
-    tau, tau_b, edge, edge_b, cap, per_fb, per_b, opts = (list(x) for x in zip(*rows))
-    tau, edge, cap, lo_a = np.array(tau), np.array(edge), np.array(cap), np.array(lo)
-    if np.any(cap < lo_a) or cap.sum() < N or not np.all(np.isfinite(tau)):
+    keys = tuple(_stage_keys(cluster, pipe, mb, m, cache, monotone, zero_stage, owned))
+    if (keys, m) not in cache.pipeline:
+        rows = [_stage_row(spec, cluster, profiles, pipe, s, key, mb, m, space, cache, monotone, zero_stage, owned)
+                for s, key in enumerate(keys)]
+        tau, tau_b, edge, edge_b, cap, per_fb, per_b, opts = (list(x) for x in zip(*rows))
+        tau, edge, cap, lo_a = np.array(tau), np.array(edge), np.array(cap), np.array(lo)
+        if np.any(cap < lo_a) or cap.sum() < N or not np.all(np.isfinite(tau)):
+            cache.pipeline[keys, m] = None
+        else:
+            c, cb = _stage_costs(per_fb, edge, N), _stage_costs(per_b, np.array(edge_b), N)
+            cache.pipeline[keys, m] = (_pipeline_bound(c, tau, edge, cap, lo_a, N, m, p),
+                                       _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p), max(opts), (m, c, cap, lo_a))
+    found = cache.pipeline[keys, m]
+    if found is None:
         return float("inf"), 0.0, None
-    c, cb = _stage_costs(per_fb, edge, N), _stage_costs(per_b, np.array(edge_b), N)
-    bound = max(_pipeline_bound(c, tau, edge, cap, lo_a, N, m, p), _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p) + links)
-    return bound, max(opts), (m, c, cap, lo_a)
+    one_f_one_b, chain, opt, row = found
+    return max(one_f_one_b, chain + links), opt, row
 
 
 def interleaved_replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: BoundCache, monotone=None, *,
@@ -418,15 +488,26 @@ def _interleaved_replica_bound(spec, cluster, profiles, pipe, b, m, space, cache
 def _stage_rows(spec, cluster, profiles, pipe, mb, m, space, cache, monotone, zero_stage, owned) -> list:
     """``_stage_bound`` of every stage of ``pipe`` on m micro-batches, memoised: a stage's figures depend on its
     group up to interchangeable nodes and on its position and in-flight count only."""
-    p, rows = len(pipe), []
+    return [_stage_row(spec, cluster, profiles, pipe, s, key, mb, m, space, cache, monotone, zero_stage, owned)
+            for s, key in enumerate(_stage_keys(cluster, pipe, mb, m, cache, monotone, zero_stage, owned))]
+
+
+def _stage_keys(cluster, pipe, mb, m, cache, monotone, zero_stage, owned) -> list:
+    """What each stage's ``_stage_bound`` depends on: its group up to interchangeable nodes, its position and
+    in-flight count."""
+    p, keys = len(pipe), []
     for s, ids in enumerate(pipe):
         if ids not in cache.group_pattern:
             cache.group_pattern[ids] = replica_pattern(cluster, (ids,))
-        key = (mb, s == 0, s == p - 1, min(p - s, m), cache.group_pattern[ids], bool(monotone), zero_stage, owned)
-        if key not in cache.stage:
-            cache.stage[key] = _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monotone, zero_stage, owned)
-        rows.append(cache.stage[key])
-    return rows
+        keys.append((mb, s == 0, s == p - 1, min(p - s, m), cache.group_pattern[ids], bool(monotone), zero_stage, owned))
+    return keys
+
+
+def _stage_row(spec, cluster, profiles, pipe, s, key, mb, m, space, cache, monotone, zero_stage, owned):
+    if key not in cache.stage:
+        cache.stage[key] = _stage_bound(spec, cluster, profiles, pipe[s], s, len(pipe), m, mb, space, cache, monotone,
+                                        zero_stage, owned)
+    return cache.stage[key]
 
 
 def _stage_costs(per_layer, edge, N: int) -> np.ndarray:
@@ -503,21 +584,20 @@ def _fill_cost(tau, edge, caps, lo, N):
 
 
 def _caps_from(values, term, cap):
-    """Largest L per stage with term[s, L] <= T for each threshold T (term non-decreasing in L)."""
-    out = np.empty((len(values), term.shape[0]))
-    for s in range(term.shape[0]):
-        out[:, s] = np.searchsorted(term[s], values, side="right") - 1
-    return np.minimum(out, cap[None, :])
+    """Largest L per stage with term[s, L] <= T for each threshold T (term non-decreasing in L, ``values`` sorted
+    and unique): the count of a row's entries at or below T, less one. One search of every entry among the
+    thresholds and a running count, rather than a search per stage (tens of thousands of replicas each)."""
+    V, p = len(values), term.shape[0]
+    first = np.searchsorted(values, term, side="left")  # first threshold an entry is at or below (V: none)
+    first += np.arange(0, p * (V + 1), V + 1)[:, None]
+    counts = np.bincount(first.ravel(), minlength=p * (V + 1)).reshape(p, V + 1)[:, :V].cumsum(axis=1)
+    return np.minimum(counts.T - 1, cap[None, :]).astype(float)
 
 
 def _pipeline_bound(c, tau, edge, cap, lo, N, m, p) -> float:
     """m * min over splits of max_s c_s(L_s)."""
-    values = np.unique(c[np.isfinite(c)])
-    caps = _caps_from(values, c, cap)
-    ok = np.isfinite(_fill_cost(tau, edge, caps, lo, N))
-    if not ok.any():
-        return float("inf")
-    return m * float(values[np.argmax(ok)])
+    least = _least_largest(c, cap, lo, N)
+    return m * least if math.isfinite(least) else float("inf")
 
 
 def _chain_bound(c, cb, tau, edge, cap, lo, N, m, p) -> float:

@@ -108,11 +108,12 @@ def exact_splits_below(phi: Callable[[int, int, int], float], sizes: Sequence[Se
 
 
 def _best_sizes(batches: Batches, phi: Callable[[int, int, int], float], sizes: Sequence[Sequence[int]],
-                classes: Sequence[int]) -> Batches:
+                classes: Sequence[int], best: dict | None = None) -> Batches:
     """``batches`` with every replica at the micro-batch size its tables hold that its cheap bound ranks best for its
     samples (30 micro-batches of 1 become 15 of 2): a fast replica alone often gains from a larger size that the
-    slowest replica's memory or bubble rules out for everyone."""
-    out, best = [], {}
+    slowest replica's memory or bubble rules out for everyone. ``best``: the choices already made with this ``phi``,
+    ``sizes`` and ``classes``, shared by the calls of one listing (a thousand replicas each)."""
+    out, best = [], {} if best is None else best
     for i, (b, m) in enumerate(batches):
         key = (classes[i], b, m)  # members of a class on one batch choose alike
         if key not in best:
@@ -185,4 +186,5 @@ def structured_splits(phi: Callable[[int, int, int], float], sizes: Sequence[Seq
                 moved[src] -= 1
                 moved[dst] += 1
                 out.add(canonical(tuple((b, x) for x in moved), classes))
-    return sorted(out | {_best_sizes(x, phi, sizes, classes) for x in out})
+    best: dict = {}
+    return sorted(out | {_best_sizes(x, phi, sizes, classes, best) for x in out})
