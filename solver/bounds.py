@@ -307,25 +307,23 @@ def replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: B
     samples; the pipeline bound does not decrease with m (more passes, more in-flight activations). At stage 1
     every device is taken to own ``owned`` of its optimizer state when that is known (replicas modelled as
     one), else anything from none to all."""
-    if pattern is not None:  # asked millions of times on 1,024 GPUs, mostly for a replica already bounded
-        found = cache.replica.get(_replica_key(b, m, pattern, monotone, zero_stage, owned))
-        if found is not None:  # only bounds that passed the checks below are kept
-            return found
+    pattern = pattern if pattern is not None else replica_pattern(cluster, pipe)
+    key = _replica_key(b, m, pattern, monotone, zero_stage, owned)
+    found = cache.replica.get(key)  # asked millions of times on 1,024 GPUs, mostly for a replica already bounded
+    if found is not None:  # only bounds that passed the checks below are kept
+        return found
     p = len(pipe)
     if p > spec.num_layers + 2:
         return float("inf"), 0.0
     lo, _ = layer_limits(spec.num_layers, p)
     if sum(lo) > spec.num_layers:
         return float("inf"), 0.0
-    pattern = pattern if pattern is not None else replica_pattern(cluster, pipe)
-    key = _replica_key(b, m, pattern, monotone, zero_stage, owned)
-    if key not in cache.replica:
-        if (b, pattern) not in cache.links:  # transfers depend on the micro-batch size, not the count
-            cache.links[b, pattern] = sum(_transfers(cluster, spec, b, pipe[s], pipe[s + 1], cache) for s in range(p - 1))
-        links = cache.links[b, pattern]
-        bound, opt, rows = _replica_bound(spec, cluster, profiles, pipe, b, m, lo, links, space, cache, monotone, zero_stage,
-                                          key[-1])
-        cache.replica[key], cache.rows[key] = (bound, opt), rows
+    if (b, pattern) not in cache.links:  # transfers depend on the micro-batch size, not the count
+        cache.links[b, pattern] = sum(_transfers(cluster, spec, b, pipe[s], pipe[s + 1], cache) for s in range(p - 1))
+    links = cache.links[b, pattern]
+    bound, opt, rows = _replica_bound(spec, cluster, profiles, pipe, b, m, lo, links, space, cache, monotone, zero_stage,
+                                      key[-1])
+    cache.replica[key], cache.rows[key] = (bound, opt), rows
     return cache.replica[key]
 
 
@@ -443,7 +441,7 @@ def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache
             cache.pipeline[keys, m] = None
         else:
             c, cb = _stage_costs(per_fb, edge, N), _stage_costs(per_b, np.array(edge_b), N)
-            cache.pipeline[keys, m] = (_pipeline_bound(c, tau, edge, cap, lo_a, N, m, p),
+            cache.pipeline[keys, m] = (_pipeline_bound(c, cap, lo_a, N, m),
                                        _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p), max(opts), (m, c, cap, lo_a))
     found = cache.pipeline[keys, m]
     if found is None:
@@ -482,7 +480,7 @@ def _interleaved_replica_bound(spec, cluster, profiles, pipe, b, m, space, cache
     lo = np.ones(p, dtype=int)
     if np.any(cap < lo) or cap.sum() < N or not np.all(np.isfinite(tau)):
         return float("inf"), 0.0
-    return _pipeline_bound(_stage_costs(per_fb, edge, N), tau, edge, cap, lo, N, m, p), max(opts)
+    return _pipeline_bound(_stage_costs(per_fb, edge, N), cap, lo, N, m), max(opts)
 
 
 def _stage_rows(spec, cluster, profiles, pipe, mb, m, space, cache, monotone, zero_stage, owned) -> list:
@@ -594,10 +592,9 @@ def _caps_from(values, term, cap):
     return np.minimum(counts.T - 1, cap[None, :]).astype(float)
 
 
-def _pipeline_bound(c, tau, edge, cap, lo, N, m, p) -> float:
-    """m * min over splits of max_s c_s(L_s)."""
-    least = _least_largest(c, cap, lo, N)
-    return m * least if math.isfinite(least) else float("inf")
+def _pipeline_bound(c, cap, lo, N, m) -> float:
+    """m * min over splits of max_s c_s(L_s) (inf where no split fits)."""
+    return m * _least_largest(c, cap, lo, N)
 
 
 def _chain_bound(c, cb, tau, edge, cap, lo, N, m, p) -> float:

@@ -256,8 +256,8 @@ def test_offloaded_device_tensors_are_freed_after_the_forward(name, recompute, o
         refs: dict[str, list] = {}
         run_ops = blocks[0]._run_ops
 
-        def watching(ops, mb, env, key=None):
-            run_ops(ops, mb, env, key)
+        def watching(ops, mb, env, *rest):
+            run_ops(ops, mb, env, *rest)
             if not blocks[0].meter.in_backward:
                 for n, t in env.items():
                     refs.setdefault(n, []).append(weakref.ref(t.untyped_storage()))

@@ -230,8 +230,6 @@ class ParallelBlock(nn.Module):
                                       if o.name not in recompute and self.offload & set(o.saves))
         self._own_params: tuple | None = None
         """The layer's parameters, listed at the first offloading forward (their storage may move, they do not)."""
-        self._param_ptrs: set[int] = set()
-        """Their storages' addresses in the offloading forward running now: saved tensors that are not offloaded."""
         self._make_parameters(spec, len(heads), len(ffn_cols))
         # Alone in its group a row-parallel product is whole, so its bias goes into the matrix product (one addmm,
         # as nn.Linear does) instead of a separate pass after an all-reduce that does not happen.
@@ -355,9 +353,9 @@ class ParallelBlock(nn.Module):
         return self._resid("resid2", None if self.bias_in_product else self.mlp.c_proj.bias, mb, mlp_out, x_mid)
 
     # Execution.
-    def _run_ops(self, ops, mb, env, key=None):
+    def _run_ops(self, ops, mb, env, key=None, params=frozenset()):
         """Run ``ops`` on ``env``; ``key``: the micro-batch whose kept operators' saved tensors are offloaded
-        (None: nothing is)."""
+        (None: nothing is), ``params``: the storage addresses of the layer's parameters (saved, never offloaded)."""
         meter = self.meter
         for op in ops:
             meter.calls[op.name] += 1
@@ -368,7 +366,7 @@ class ParallelBlock(nn.Module):
                 outs = fn(mb, *args)
             else:
                 count = self.meter.saved.add if self.meter.saved is not None else None
-                with OpCapture(self.stash, key, self.layer, op, env, self.offload, self._held, self._param_ptrs,
+                with OpCapture(self.stash, key, self.layer, op, env, self.offload, self._held, params,
                                count).hooks() as capture:
                     outs = fn(mb, *args)
                 capture.resolve(dict(zip(op.outputs, outs)))
@@ -398,12 +396,12 @@ class ParallelBlock(nn.Module):
     def forward(self, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         # Without autograd (validation) nothing is held, so nothing is offloaded.
         key = self.stash.begin(self.layer) if self.offload and torch.is_grad_enabled() else None
-        env = {LAYER_INPUT: x}
+        env, params = {LAYER_INPUT: x}, frozenset()
         if key is not None:
             if self._own_params is None:  # nn.Module.parameters() walks the module tree: 130 us a call
                 self._own_params = tuple(self.parameters())
             # Read at every pass: at ZeRO stage 3 a layer's weights are gathered into new storage each pass.
-            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self._own_params}
+            params = {p.untyped_storage().data_ptr() for p in self._own_params}
         for item in self.program:
             if isinstance(item, tuple):  # ("allreduce", partial sum, full tensor)
                 env[item[2]] = reduce_from_tp(env[item[1]], self.tp_group)
@@ -426,7 +424,7 @@ class ParallelBlock(nn.Module):
             elif isinstance(item, _Run):
                 self._run_compiled(item, mb, env)
             else:
-                self._run_ops((item,), mb, env, key)
+                self._run_ops((item,), mb, env, key, params)
         y = env["layer_output"]
         if key is not None:
             self.stash.flush()  # the layer's copies to the host start now, all at once
