@@ -27,6 +27,7 @@ and the bounds' memos, are one frozen ``_Inputs`` every step reads.
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
@@ -45,7 +46,7 @@ from baton.plan import DeviceShare, Plan, validate
 
 from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, interleaved_candidate_bound,
                            interleaved_replica_bound, layered_lower_bound, layered_replica_bound,
-                           replica_bound, skeleton_constant)
+                           replica_bound, skeleton_constant, splits_lower_bound)
 from solver.greedy import greedy_incumbent
 from solver.instance import DEFAULT_SHARD_GRID, build_instance
 from solver.layered import LAYERED_STAGES, collectives_lower_bound, expand_layered, layered_skeleton, solve_layered
@@ -57,10 +58,16 @@ from solver.ideal import ideal_bound
 from solver.splits import _largest_m, canonical, exact_splits_below, replica_classes, structured_splits, uniform_splits
 
 CONSTRUCTIVE_FAILED_SHARE = 0.1
+"""Constructive attempts that find nothing may take this share of the time spent so far (plus a second)."""
 
 GROUP_WINDOW = 0.05
 """A group's first window of splits: 5% above its bound (``_expand_group``)."""
-"""Constructive attempts that find nothing may take this share of the time spent so far (plus a second)."""
+
+EAGER_SPLITS_SHARE = 0.5
+"""While skeletons are enumerated, the structured family lists a skeleton's splits at once (for constructive plans:
+a first plan, and a good one, within seconds) when no plan exists yet or its splits bound lies 3% below every
+candidate a constructive plan was found for; such listings may take this share of the time spent so far (plus a
+second)."""
 EXACT_LIMIT = 5000
 """Above this many exact skeletons the search switches to the structured family."""
 EXACT_MAX_DEVICES = 8
@@ -178,13 +185,21 @@ def skeleton_family(spec: ModelSpec, cluster: ClusterSpec, family: str = "auto")
 
 
 class Progress:
-    """One line per improvement (time, incumbent, proven bound, gap, candidates left) for ``log``."""
+    """One line per improvement (time, incumbent, proven bound, gap, candidates left) for ``log``: a better plan, or
+    a bound that shrank the gap by ``BOUND_LINE_SHRINK`` since the last line that gave one."""
+
+    BOUND_LINE_SHRINK = 0.9
+    BOUND_CHECK_S = 0.5
+    """The proven bound is the least of every bound kept: recomputed at most this often while candidates are taken."""
 
     def __init__(self, log, t_start: float, detail_log=None, space_bound_ms: float = 0.0):
         self.log, self.t_start, self.detail_log = log, t_start, detail_log
         self.space_bound_ms = space_bound_ms
         """Eq. 12b: every line also gives the gap over every plan against it."""
         self.first_s: float | None = None
+        self.last_gap: float | None = None
+        """The family's gap of the last line that gave one."""
+        self.checked_s = -math.inf
 
     def improved(self, objective_ms: float, bound_ms: float | None, how: str, *, left: int | None = None,
                  bounded: str = "") -> None:
@@ -199,8 +214,22 @@ class Progress:
                      f"over every plan gap {whole:.2%}")
             return
         gap = max(0.0, (objective_ms - bound_ms) / objective_ms)
+        self.last_gap = gap
         self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound {bound_ms:.1f} ms, gap {gap:.2%}"
                  + (f", {left} candidates left" if left is not None else "") + f"; over every plan gap {whole:.2%}")
+
+    def bound_rose(self, frontier: "_Frontier", *, now: bool = False) -> None:
+        """A line for the same plan when the proven bound has shrunk the gap enough (checked every
+        ``BOUND_CHECK_S``, or ``now``): in the structured family most of the gap closes by bounds, not plans."""
+        t = time.perf_counter()
+        if not self.log or frontier.best is None or frontier.unbounded or (not now and t - self.checked_s < self.BOUND_CHECK_S):
+            return
+        self.checked_s = t
+        objective = frontier.best.objective_ms
+        bound = min(objective, frontier.proven_bound_ms())
+        gap = max(0.0, (objective - bound) / objective)
+        if self.last_gap is None or gap < self.BOUND_LINE_SHRINK * self.last_gap:
+            self.improved(objective, bound, "so far", left=len(frontier.heap))
 
     def detail(self, line: str) -> None:
         if self.detail_log:
@@ -236,6 +265,8 @@ class _Skeleton:
     """Micro-batch sizes each replica may use (``replica_micro_batches``)."""
     pushed: set = field(default_factory=set)
     """(zero stage, canonical batches) already pushed as candidates."""
+    extras: list | None = None
+    """``extra_splits`` of the skeleton, asked once for every stage (None: not yet)."""
 
 
 class _Entry(NamedTuple):
@@ -248,13 +279,15 @@ class _Entry(NamedTuple):
     """Push order."""
     kind: str
     """'cand' (one candidate), 'interleaved' (one candidate run interleaved), 'group' (the exact family's splits of a
-    (skeleton, stage) not listed yet) or 'struct' (one structure of an unlike or stage-2/3 candidate)."""
+    (skeleton, stage) not listed yet), 'splits' (the structured family's splits of a (skeleton, stage), not listed
+    yet) or 'struct' (one structure of an unlike or stage-2/3 candidate)."""
     skeleton: int
     """Index into ``_Frontier.skeletons``."""
     zero_stage: int
     data: object
     """'cand': the canonical batches; 'interleaved': (canonical batches, chunks); 'group': (the start of its window
-    in ms, its relative width); 'struct': (tables, structure, sync)."""
+    in ms, its relative width); 'splits': (the stage whose replica bounds rank the replicas' speeds, ``extra_splits``);
+    'struct': (tables, structure, sync)."""
     refined: bool
     """The bound already holds what is only computed at the front (the sync bound, the collectives' bound)."""
 
@@ -316,8 +349,12 @@ class _Inputs:
 
     def skeleton_info(self, sk: Skeleton) -> _Skeleton:
         patterns = [replica_pattern(self.cluster, pipe) for pipe in sk.pipelines]
-        return _Skeleton(sk=sk, patterns=patterns, classes=replica_classes(patterns),
-                         sizes=replica_micro_batches(self.cluster, self.profiles, patterns, self.global_batch, self.micro_batch))
+        classes = replica_classes(patterns)
+        # Sizes per class: a pattern is hashed once per replica here, not again per lookup (1,024 GPUs: 700,000).
+        first = {c: i for i, c in reversed(list(enumerate(classes)))}
+        sizes = dict(zip(first, replica_micro_batches(self.cluster, self.profiles, [patterns[i] for i in first.values()],
+                                                      self.global_batch, self.micro_batch)))
+        return _Skeleton(sk=sk, patterns=patterns, classes=classes, sizes=[sizes[c] for c in classes])
 
     def even(self, info: _Skeleton) -> bool:
         """Stage 1 with equal parts only: the structured family (a heuristic restriction), except Cephalo's layout,
@@ -402,7 +439,16 @@ class _Inputs:
     def constant(self, info: _Skeleton, z: int) -> float:
         """What a candidate's bound adds to its slowest replica's before it reaches the front (the splits of a group
         are listed against it): at stages 2 and 3 no sync bound (``bounds.layered_lower_bound``)."""
-        return skeleton_constant(self.spec, self.cluster, info.sk, self.cache, sync=z not in LAYERED_STAGES)
+        return skeleton_constant(self.spec, self.cluster, info.sk, self.cache, sync=z not in LAYERED_STAGES,
+                                 classes=info.classes)
+
+    def splits_bound(self, info: _Skeleton, z: int) -> float:
+        """A bound on every candidate of the skeleton at stage z, whatever its batch split
+        (``bounds.splits_lower_bound``), at an owned fraction no larger than its candidates' bounds assume."""
+        owned = bound_owned(info.sk.num_replicas, z, self.even(info)) if info.sk.one_shape else None
+        return splits_lower_bound(self.spec, self.cluster, self.profiles, info.sk, info.sizes, info.classes, info.patterns,
+                                  self.global_batch, self.space, self.cache, self.monotone if self.reduce_symmetry else None,
+                                  zero_stage=z, owned=0.0 if self.host_optimizer else owned)
 
     def group_range(self, info: _Skeleton, z: int) -> tuple[float, float]:
         """Bounds of the skeleton's splits: below, each replica runs at least one micro-batch; above, the largest
@@ -445,6 +491,8 @@ class _Frontier:
     unbounded: bool = False
     """The time limit stopped the enumeration of skeletons: those not reached could hold anything."""
     timed_out: bool = False
+    eager_s: float = 0.0
+    """Seconds spent listing structured splits while skeletons were enumerated (``EAGER_SPLITS_SHARE``)."""
     build_s: float = 0.0
     solve_s: float = 0.0
 
@@ -530,12 +578,20 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
                      space_bound_ms=ideal_bound(spec, cluster, profiles, global_batch, micro_batch).bound_ms)
     frontier = _Frontier(progress=Progress(log, t_start, detail_log, inputs.space_bound_ms))
     t0 = time.perf_counter()
-    for sk in skeletons:  # the structured family is a generator: enumerating it is inside the time limit too
-        if not inputs.time_left():
-            frontier.unbounded = frontier.timed_out = True  # the rest were never even enumerated
-            break
-        _seed_skeleton(inputs, frontier, sk, zero_stages=zero_stages, dominated=dominated, splits=splits,
-                       extra_splits=extra_splits)
+    collecting = gc.isenabled()
+    # Enumerating makes millions of tuples that live on (patterns, keys, heap entries) and no reference cycles, so
+    # the collector's full passes only rescan them: on the shipped 1,024-GPU cluster 8 of 55 s.
+    gc.disable()
+    try:
+        for sk in skeletons:  # the structured family is a generator: enumerating it is inside the time limit too
+            if not inputs.time_left():
+                frontier.unbounded = frontier.timed_out = True  # the rest were never even enumerated
+                break
+            _seed_skeleton(inputs, frontier, sk, zero_stages=zero_stages, dominated=dominated, splits=splits,
+                           extra_splits=extra_splits)
+    finally:
+        if collecting:
+            gc.enable()
     frontier.build_s = time.perf_counter() - t0
     if frontier.unbounded:
         frontier.bounds_ms.append(0.0)  # candidates never bounded could hold anything
@@ -555,7 +611,10 @@ def _stages_searched(sk: Skeleton, zero_stages, dominated: bool) -> list[int]:
 def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_stages, dominated: bool, splits: str,
                    extra_splits) -> None:
     """Push one skeleton's candidates at their cheap bounds: at every stage its uniform splits (exact family) or
-    structured ones, and in the exact family one group entry standing for all its other splits."""
+    structured ones, and in the exact family one group entry standing for all its other splits. The structured
+    family's splits of a stage wait in one 'splits' entry at a bound on all of them (``_Inputs.splits_bound``) until
+    it reaches the front, except when listed at once for a constructive plan (``EAGER_SPLITS_SHARE``): on 1,024
+    GPUs most skeletons' splits never have to be bounded, and the family's gap is proven once every skeleton is in."""
     info = inputs.skeleton_info(sk)
     if any(not x for x in info.sizes):
         return
@@ -563,29 +622,52 @@ def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_s
     frontier.skeletons.append(info)
     zs = _stages_searched(sk, zero_stages, dominated)
     pipelined = [z for z in zs if z not in LAYERED_STAGES]
-    extras = None
     for z in zs:
         if splits == "uniform" or inputs.exact:
-            cands = uniform_splits(info.sizes, inputs.global_batch)
+            for batches in uniform_splits(info.sizes, inputs.global_batch):
+                _seed_candidate(inputs, frontier, k, batches, z)
         else:
-            # Speeds from the bound the candidates get (its stage bounds are then shared with theirs).
             zb = z if z in LAYERED_STAGES or not pipelined else pipelined[-1]
-            owned = bound_owned(sk.num_replicas, zb, inputs.even(info))
-            cands = structured_splits(inputs.phi(info, zb, owned), info.sizes, info.classes, inputs.global_batch)
-            if extra_splits is not None:
-                if extras is None:  # once per skeleton, for every stage
-                    try:
-                        extras = [x for x in extra_splits(sk, inputs.deadline_s) if sum(b * m for b, m in x) == inputs.global_batch]
-                    except TimeoutError:  # splits of the family not listed: no bound can be claimed
-                        frontier.unbounded = frontier.timed_out = True
-                        extras = []
-                cands += extras
-        for batches in cands:
-            _seed_candidate(inputs, frontier, k, batches, z)
+            key = inputs.splits_bound(info, z)
+            if not math.isfinite(key):  # no replica of some class can run any micro-batch
+                continue
+            spent = time.perf_counter() - frontier.progress.t_start
+            if ((frontier.best is None or key < frontier.greedy_bound_ms * 0.97)
+                    and frontier.eager_s <= EAGER_SPLITS_SHARE * spent + 1.0):
+                t = time.perf_counter()
+                _list_structured(inputs, frontier, k, z, zb, extra_splits, key)
+                frontier.eager_s += time.perf_counter() - t
+            else:
+                frontier.push(key, "splits", k, z, (zb, extra_splits), True)
         if inputs.exact and sk.num_replicas > 1:  # every other split, expanded lazily in bound order
             floor, frontier.group_ceiling_ms[k, z] = inputs.group_range(info, z)
             if math.isfinite(floor):
                 frontier.push(floor, "group", k, z, (0.0, GROUP_WINDOW), True)
+
+
+def _list_structured(inputs: _Inputs, frontier: _Frontier, k: int, z: int, zb: int, extra_splits, key: float) -> None:
+    """Push the structured family's candidates of skeleton k at stage z (solver/splits.py), with the speeds of the
+    replicas ranked by their bounds at stage ``zb`` (the candidates' own stage bounds are then shared with them),
+    and ``extra_splits``'. ``key``: the bound of them all, which stays in the proven bound if the extra splits'
+    time runs out."""
+    tb = time.perf_counter()
+    info = frontier.skeletons[k]
+    owned = bound_owned(info.sk.num_replicas, zb, inputs.even(info))
+    cands = structured_splits(inputs.phi(info, zb, owned), info.sizes, info.classes, inputs.global_batch)
+    if extra_splits is not None:
+        if info.extras is None:  # once per skeleton, for every stage
+            try:
+                info.extras = [x for x in extra_splits(info.sk, inputs.deadline_s)
+                               if sum(b * m for b, m in x) == inputs.global_batch
+                               and all(b in sizes for (b, _), sizes in zip(x, info.sizes))]  # what ``key`` covers
+            except TimeoutError:  # the time limit: the splits not listed are covered by the key
+                frontier.bounds_ms.append(key)
+                frontier.timed_out = True
+                return
+        cands = cands + info.extras
+    for batches in cands:
+        _seed_candidate(inputs, frontier, k, batches, z)
+    frontier.build_s += time.perf_counter() - tb
 
 
 def _seed_candidate(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: int) -> None:
@@ -651,7 +733,9 @@ def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
     """Take heap entries in bound order until the front cannot beat the incumbent (then its bound bounds every
     entry left) or the time is up."""
     heap = frontier.heap
+    frontier.progress.bound_rose(frontier, now=True)  # every skeleton is in: the family's gap is proven from here on
     while heap:
+        frontier.progress.bound_rose(frontier)
         entry = heap[0]
         if entry.bound_ms >= frontier.threshold_ms(inputs.gap):
             frontier.pruned += len(heap)
@@ -665,6 +749,8 @@ def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
         info = frontier.skeletons[entry.skeleton]
         if entry.kind == "group":
             _expand_group(inputs, frontier, entry)
+        elif entry.kind == "splits":
+            _list_structured(inputs, frontier, entry.skeleton, entry.zero_stage, *entry.data, entry.bound_ms)
         elif not entry.refined and _requeued_at_sync_bound(inputs, frontier, entry):
             pass  # back in the heap at its higher bound: other entries may now come first
         elif entry.kind == "struct":

@@ -270,7 +270,8 @@ def iter_structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: i
 
     * TP groups hold devices of one node and one type (a node's devices of that type cut into equal
       groups of size n, n dividing both that count and the head count; every node of a kind is cut the
-      same way; a type of a mixed node may be left idle). Exception: the layouts of the baselines below.
+      same way; a type of a mixed node may be left idle, or only some of its groups used, the rest of its
+      devices idle). Exception: the layouts of the baselines below.
     * Nodes of a kind are used all or none. Every replica has one shape (stage count and group sizes). With
       r replicas, either each used kind's groups (nodes in cluster order, a node's groups consecutive) are cut
       into r consecutive blocks of equal count, one per replica, each block whole nodes or part of one node
@@ -309,13 +310,17 @@ def iter_structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: i
             continue
         type_lists = [[(g, mem, res, n) for g, mem, res, n in k.layout] for k in chosen]
         mixed = any(len(tl) > 1 for tl in type_lists)  # only then can a spread block hold other group sizes
-        cut: dict[tuple, list] = {}  # (node, type index, TP size) -> its TP groups
+        cut: dict[tuple, list] = {}  # (node, type index, TP size, groups used) -> its TP groups
         size_opts = []
         for tl in type_lists:
-            per_type = [_tp_sizes(n, heads) + ([0] if len(tl) > 1 else []) for *_, n in tl]
+            # (TP size, groups used) per type; in a mixed node also some of its groups, or none (0): a slow or
+            # small type may serve better as one stage beside the others than not at all or all of it.
+            per_type = [[(q, n // q) for q in _tp_sizes(n, heads)]
+                        + ([(q, k) for q in _tp_sizes(n, heads) for k in range(1, n // q)] + [0] if len(tl) > 1 else [])
+                        for *_, n in tl]
             size_opts.append([c for c in itertools.product(*per_type) if any(c)])
         for sizes in itertools.product(*size_opts):
-            per_type_groups = [[n // q if q else 0 for (*_, n), q in zip(tl, sz)] for tl, sz in zip(type_lists, sizes)]
+            per_type_groups = [[q[1] if q else 0 for q in sz] for sz in sizes]
             groups_per_node = [sum(g) for g in per_type_groups]
             totals = [len(k.nodes) * g for k, g in zip(chosen, groups_per_node)]
             # A spread block is whole nodes or part of one node: a block across a node boundary would give
@@ -339,12 +344,12 @@ def iter_structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: i
                             row = []
                             for ti in torder[pos]:
                                 g, mem, res, n = type_lists[ki][ti]
-                                q = sizes[ki][ti]
-                                if q:
-                                    if (node, ti, q) not in cut:
+                                if sizes[ki][ti]:
+                                    q, used = sizes[ki][ti]
+                                    if (node, ti, q, used) not in cut:  # devices of a node and type are alike
                                         ids = by_node[node][g, mem, res]
-                                        cut[node, ti, q] = [tuple(ids[j:j + q]) for j in range(0, n, q)]
-                                    row.append(cut[node, ti, q])
+                                        cut[node, ti, q, used] = [tuple(ids[j:j + q]) for j in range(0, used * q, q)]
+                                    row.append(cut[node, ti, q, used])
                             rows.append(row)
                         node_groups.append(rows)
                     seqs = [[grp for row in rows for per_type in row for grp in per_type] for rows in node_groups]

@@ -1,0 +1,98 @@
+"""The structured family lists a skeleton's batch splits only when a bound on all of them reaches the front
+(``bounds.splits_lower_bound``, issue 25: a proven gap within seconds on 1,024 GPUs instead of after bounding every
+candidate). These tests would catch a bound above some split's candidate bound (the search could then skip the
+optimum), a bound that says nothing, and a lazy search that ends elsewhere than listing every split at once."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from baton.cluster import from_mapping
+from baton.memory import recompute_space
+from baton.model_spec import PRESETS
+from baton.profile import ProfileSet
+from solver import search as S
+from solver.layered import LAYERED_STAGES
+from solver.splits import exact_splits_below, structured_splits, uniform_splits
+
+MIX16 = {"name": "mix16", "memory_reserve_gib": 1.0,
+         "nodes": [{"name": "a100", "count": 2, "gpus": [{"type": "a100-40gb", "count": 4}],
+                    "intra_node_link": {"bandwidth_gb_per_s": 300.0, "latency_us": 2.0}},
+                   {"name": "t4", "count": 2, "gpus": [{"type": "t4", "count": 4}],
+                    "intra_node_link": {"bandwidth_gb_per_s": 12.0, "latency_us": 5.0}}],
+         "inter_node_link": {"bandwidth_gb_per_s": 2.8, "latency_us": 30.0}}
+"""Two nodes of four A100s and two of four T4s: 16 devices, so the structured family, solved in about a second."""
+
+
+def _inputs(spec, cluster, profiles, global_batch, chunks=(1,)):
+    return S._Inputs(spec=spec, cluster=cluster, profiles=profiles, space=recompute_space(spec),
+                     global_batch=global_batch, micro_batch=None, monotone=S.check_profiles(spec, cluster, profiles),
+                     reduce_symmetry=True, allowed=None, shard_grid=8, exact=False, strategy="baton", gap=1e-4, threads=1,
+                     deadline_s=math.inf, chunks=chunks)
+
+
+def _candidate_bounds(inputs, info, z, splits) -> list[float]:
+    """The cheap bound of every split, run 1F1B and, where offered, interleaved (without the sync bound, which the
+    front adds)."""
+    out = [inputs.bound(info, x, z, sync=False) for x in splits]
+    if z not in LAYERED_STAGES and inputs.interleavings(info, z):
+        out += [inputs.interleaved_bound(info, x, z, sync=False) for x in splits]
+    return out
+
+
+@pytest.mark.parametrize("model,batch", [("gpt3-1.3b", 64), ("gpt3-6.7b", 128)])
+def test_a_skeletons_splits_bound_lies_below_every_candidate_of_it(model, batch):
+    """Every skeleton of the family, every sharding stage it takes: the bound is at most the cheap bound of every
+    split (all of them for up to two replicas, else the family's own and the uniform ones), run 1F1B or
+    interleaved."""
+    spec, cluster = PRESETS[model], from_mapping(MIX16, source="mix16.yaml")
+    profiles = ProfileSet(spec)
+    inputs = _inputs(spec, cluster, profiles, batch, chunks=(1, 2))
+    dominated = S.stage_one_dominates(spec, cluster, profiles)
+    checked = 0
+    for sk in S.skeleton_family(spec, cluster)[1]:
+        info = inputs.skeleton_info(sk)
+        if not all(info.sizes):
+            continue
+        for z in S._stages_searched(sk, (0, 1, 2, 3), dominated):
+            key = inputs.splits_bound(info, z)
+            if sk.num_replicas <= 2:
+                splits = list(exact_splits_below(lambda i, b, m: 0.0, info.sizes, info.classes, batch, 1.0))
+            else:
+                splits = structured_splits(inputs.phi(info, z), info.sizes, info.classes, batch)
+                splits += uniform_splits(info.sizes, batch)
+            least = min(_candidate_bounds(inputs, info, z, splits), default=math.inf)
+            assert key <= least * (1 + 1e-12), (sk.describe(), z, key, least)
+            checked += 1
+    assert checked > 100, checked
+
+
+@pytest.mark.parametrize("replicas,z", [(1, 0), (4, 0), (4, 1), (4, 2)])
+def test_the_splits_bound_is_the_least_candidate_bound_for_replicas_of_one_device(replicas, z):
+    """Replicas of one A100 each on one node: a replica's time is m times its per-micro-batch time whatever m, and
+    a uniform split reaches the least time the bound allows, so the bound is exactly the least candidate bound."""
+    spec, cluster = PRESETS["gpt3-1.3b"], from_mapping(MIX16, source="mix16.yaml")
+    profiles = ProfileSet(spec)
+    inputs = _inputs(spec, cluster, profiles, 64)
+    info = inputs.skeleton_info(S.Skeleton(pipelines=tuple(((f"a100-0:{k}",),) for k in range(replicas))))
+    splits = list(exact_splits_below(lambda i, b, m: 0.0, info.sizes, info.classes, 64, 1.0))
+    least = min(_candidate_bounds(inputs, info, z, splits))
+    assert math.isfinite(least) and inputs.splits_bound(info, z) == pytest.approx(least, rel=1e-12)
+
+
+@pytest.mark.parametrize("model,batch", [("gpt3-1.3b", 64), ("gpt3-6.7b", 128)])
+def test_listing_splits_lazily_ends_at_the_optimum_of_listing_them_all(model, batch, monkeypatch):
+    """The same family searched twice: with its splits listed when their bound reaches the front, and with every
+    skeleton's splits listed at once (a bound of 0 puts them all first). Same optimum; fewer candidates bounded;
+    and a progress line with the family's proven gap before the search ends, not only with a better plan."""
+    spec, cluster = PRESETS[model], from_mapping(MIX16, source="mix16.yaml")
+    profiles = ProfileSet(spec)
+    lines: list[str] = []
+    lazy = S.search(spec, cluster, profiles, global_batch=batch, time_limit=120, gap=1e-4, threads=1, log=lines.append)
+    monkeypatch.setattr(S._Inputs, "splits_bound", lambda self, info, z: 0.0)
+    eager = S.search(spec, cluster, profiles, global_batch=batch, time_limit=120, gap=1e-4, threads=1)
+    assert lazy.family == "structured" and lazy.status == eager.status == "optimal"
+    assert lazy.objective_ms == pytest.approx(eager.objective_ms, rel=1e-9)
+    assert lazy.candidates < eager.candidates, (lazy.candidates, eager.candidates)
+    assert any("(so far), bound" in line for line in lines), lines
