@@ -227,6 +227,11 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
             cache.joint[keys, shared] = _joint_pipeline_bound([cache.rows[cache.numbered_keys[k]] for k in keys],
                                                               spec.num_layers, shared)
         best = max(best, cache.joint[keys, shared])
+        if sync and len(seen) > 1:  # costlier: where the sync bound is added too (at the front of the heap)
+            if (keys, shared, "chain") not in cache.joint:
+                cache.joint[keys, shared, "chain"] = _joint_chain_bound(
+                    [cache.rows[cache.numbered_keys[k]] for k in keys], spec.num_layers, shared)
+            best = max(best, cache.joint[keys, shared, "chain"])
     return best + constant + opt
 
 
@@ -262,13 +267,85 @@ def _joint_pipeline_bound(rows, N: int, shared=None) -> float:
     stage s holding L layers; ``shared``: further layer caps per stage (``shared_state_caps``)."""
     if any(row is None for row in rows):
         return float("inf")
-    scaled = np.stack([m * c for m, c, _, _ in rows])  # (kinds, stages, L); non-decreasing in L
-    caps = np.min([cap for _, _, cap, _ in rows], axis=0)
+    scaled = np.stack([row[0] * row[1] for row in rows])  # (kinds, stages, L); non-decreasing in L
+    caps = np.min([row[2] for row in rows], axis=0)
     if shared is not None:
         caps = np.minimum(caps, np.array(shared))
     lo = rows[0][3]
     # A stage fits L layers within T in every replica iff the slowest replica's c[s, L] is within T.
     return _least_largest(scaled.max(axis=0), caps, lo, N)
+
+
+def _joint_chain_bound(rows, N: int, shared=None) -> float:
+    """Both 1F1B bounds of every replica kind through one layer split shared by all of them (the MILP's
+    coupling, eq. 1, 9), where ``_joint_pipeline_bound`` couples the first only. For kind k and stage b, the chain
+    bound (``_chain_bound``) at split L is sum_s (L_s tau_s + E_s) + (m - 1 - w_b) c_b(L_b) + w_b B_b(L_b) + links;
+    its sum is at least L_b tau_b + the least the other stages' layers can cost given L_b (the cheapest of their
+    units within their caps, ``_rest_fill``) + every stage's E. So g_kb(L_b) = max(that, m c_b(L_b)) bounds kind
+    k's pipeline whatever the other stages hold, and min over shared splits of max over k, b of g_kb(L_b) bounds
+    the candidate (``_least_largest_any``). On a 256-GPU candidate whose replicas of two kinds (an H100 -> V100 ->
+    V100 -> A100 pipeline and an H100 -> V100 -> A100 -> A100 one) share the split, 5,654 ms, where each kind at
+    its own best split gave 5,196 and 5,124 and the MILP's best is 5,743. ``rows``: (m, c, cap, lo, cb, tau, edge,
+    links) per kind."""
+    if any(row is None for row in rows):
+        return float("inf")
+    caps = np.min([row[2] for row in rows], axis=0)
+    if shared is not None:
+        caps = np.minimum(caps, np.array(shared))
+    lo = rows[0][3]
+    if np.any(caps < lo):
+        return float("inf")
+    p = len(lo)
+    Ls = np.arange(N + 1)
+    G = np.zeros((p, N + 1))
+    for m, c, _, _, cb, tau, edge, links in rows:
+        w = np.minimum(p - 1 - np.arange(p), m - 1).astype(float)
+        with np.errstate(invalid="ignore"):
+            chain = ((m - 1 - w)[:, None] * c + w[:, None] * cb + Ls[None, :] * tau[:, None] + _rest_fill(tau, caps, lo, N)
+                     + float(np.sum(edge)) + links)
+        G = np.maximum(G, np.maximum(np.where(np.isnan(chain), np.inf, chain), m * c))
+    return _least_largest_any(G, caps, lo, N)
+
+
+def _rest_fill(tau, caps, lo, N: int) -> np.ndarray:
+    """rest[b, L]: the least sum over the stages other than b of L_s tau_s, lo_s <= L_s <= caps_s, when b holds L of
+    the N layers (inf where the others cannot take the rest): their lower limits, then the cheapest of their extra
+    layers."""
+    p = len(tau)
+    rest = np.full((p, N + 1), np.inf)
+    extra = np.clip(caps - lo, 0, None)
+    for b in range(p):
+        others = np.arange(p) != b
+        units = np.sort(np.repeat(tau[others], extra[others]))
+        cum = np.concatenate([[0.0], np.cumsum(units)])
+        need = N - np.arange(N + 1) - int(lo[others].sum())  # extra layers the others take
+        ok = (need >= 0) & (need < len(cum))
+        rest[b, ok] = float((lo[others] * tau[others]).sum()) + cum[need[ok]]
+    return rest
+
+
+def _least_largest_any(G, caps, lo, N: int) -> float:
+    """min over layer splits (lo_s <= L_s <= caps_s, sum N) of max_s G[s, L_s] for any rows (``_least_largest`` needs
+    them non-decreasing): the least of G's values at which the layer counts each stage allows can add up to N
+    (a reachability pass over the stages), by bisection over the sorted values."""
+    Ls = np.arange(G.shape[1])
+    allowed = (Ls[None, :] >= lo[:, None]) & (Ls[None, :] <= caps[:, None]) & np.isfinite(G)
+    values = np.unique(G[allowed])
+
+    def feasible(T) -> bool:
+        reach = np.zeros(N + 1)
+        reach[0] = 1.0
+        for s in range(G.shape[0]):
+            reach = (np.convolve(reach, (allowed[s] & (G[s] <= T)).astype(float))[:N + 1] > 0).astype(float)
+        return bool(reach[N])
+
+    if len(values) == 0 or not feasible(values[-1]):
+        return float("inf")
+    lo_i, hi_i = 0, len(values) - 1
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        lo_i, hi_i = (lo_i, mid) if feasible(values[mid]) else (mid + 1, hi_i)
+    return float(values[lo_i])
 
 
 def _least_largest(c, caps, lo, N: int) -> float:
@@ -330,7 +407,7 @@ def replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: B
     links = cache.links[b, pattern]
     bound, opt, rows = _replica_bound(spec, cluster, profiles, pipe, b, m, lo, links, space, cache, monotone, zero_stage,
                                       key[-1])
-    cache.replica[key], cache.rows[key] = (bound, opt), rows
+    cache.replica[key], cache.rows[key] = (bound, opt), None if rows is None else rows + (links,)
     return cache.replica[key]
 
 
@@ -449,7 +526,8 @@ def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache
         else:
             c, cb = _stage_costs(per_fb, edge, N), _stage_costs(per_b, np.array(edge_b), N)
             cache.pipeline[keys, m] = (_pipeline_bound(c, cap, lo_a, N, m),
-                                       _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p), max(opts), (m, c, cap, lo_a))
+                                       _chain_bound(c, cb, tau, edge, cap, lo_a, N, m, p), max(opts),
+                                       (m, c, cap, lo_a, cb, tau, edge))
     found = cache.pipeline[keys, m]
     if found is None:
         return float("inf"), 0.0, None

@@ -29,6 +29,7 @@ def test_solve_reference_cluster_writes_a_checked_plan(reference_solve):
     code, stdout, stderr, out = reference_solve
     assert code == 0, stderr
     assert "optimal" in stdout and "proven gap" in stdout and "efficiency vs ideal" in stdout
+    assert "among plans of the exact family: every plan with these options" in " ".join(stdout.split())
     plan = load_plan(out)
     assert plan.global_batch == 64
     for key in ("strategy", "objective_ms", "gap", "status", "build_s", "solve_s"):
@@ -38,6 +39,17 @@ def test_solve_reference_cluster_writes_a_checked_plan(reference_solve):
     assert math.isclose(rep.iteration_time_ms, plan.info["objective_ms"], rel_tol=1e-6)
     # The hand-made example plan takes ~11.9 s; the solver must do better than that and reach 90% of ideal.
     assert rep.iteration_time_ms < 11_000 and rep.efficiency_vs_ideal >= 0.9
+
+
+def test_a_structured_solve_names_the_space_its_optimum_holds_over():
+    """Issue 25: a restriction that stays is part of the problem statement, and the output says so."""
+    code, stdout, stderr = run_cli("solve", "--cluster", ROOT / "clusters" / "poplar_a.yaml", "--model", "gpt3-1.3b")
+    assert code == 0, stderr
+    line = " ".join(stdout.split())
+    assert ("optimal (strategy baton; among plans of the structured family: TP groups within one node and GPU type, "
+            "a node kind's nodes all or none, replicas of one shape, its batch splits") in line, line
+    assert "over every plan: gap" in line, line
+    assert "(so far), bound" in stderr, stderr  # the family's gap is printed once every skeleton is in
 
 
 def test_solve_json_output():

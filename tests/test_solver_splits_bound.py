@@ -1,17 +1,23 @@
-"""The structured family lists a skeleton's batch splits only when a bound on all of them reaches the front
-(``bounds.splits_lower_bound``, issue 25: a proven gap within seconds on 1,024 GPUs instead of after bounding every
-candidate). These tests would catch a bound above some split's candidate bound (the search could then skip the
-optimum), a bound that says nothing, and a lazy search that ends elsewhere than listing every split at once."""
+"""Bounds that let the search prove a gap sooner (issue 25). The structured family lists a skeleton's batch splits
+only when a bound on all of them reaches the front (``bounds.splits_lower_bound``: a proven gap within seconds on
+1,024 GPUs instead of after bounding every candidate); replicas of one shape are bounded through the one layer split
+they share (``bounds._joint_chain_bound``). These tests would catch a bound above what it bounds (the search could
+then skip the optimum), a bound that says nothing, and a lazy search that ends elsewhere than listing every split
+at once."""
 from __future__ import annotations
 
+import itertools
 import math
 
+import numpy as np
 import pytest
 
 from baton.cluster import from_mapping
+from baton.costmodel import layer_limits
 from baton.memory import recompute_space
 from baton.model_spec import PRESETS
 from baton.profile import ProfileSet
+from solver import bounds as B
 from solver import search as S
 from solver.layered import LAYERED_STAGES
 from solver.splits import exact_splits_below, structured_splits, uniform_splits
@@ -96,3 +102,68 @@ def test_listing_splits_lazily_ends_at_the_optimum_of_listing_them_all(model, ba
     assert lazy.objective_ms == pytest.approx(eager.objective_ms, rel=1e-9)
     assert lazy.candidates < eager.candidates, (lazy.candidates, eager.candidates)
     assert any("(so far), bound" in line for line in lines), lines
+
+
+def _random_rows(rng, kinds: int, p: int, N: int):
+    """Replica kinds of one shape as ``bounds._joint_chain_bound`` takes them: per stage a per-layer F + B that grows
+    with the layer count (recomputation to fit), its backward part, the cheapest per-layer time, edges, caps."""
+    lo = np.array(layer_limits(N, p)[0])
+    rows = []
+    for _ in range(kinds):
+        per = rng.uniform(1, 10, size=p)
+        growth = rng.uniform(0, 0.3, size=p)
+        Ls = np.arange(N + 1)
+        per_l = per[:, None] * (1 + growth[:, None] * Ls[None, :] / N)
+        edge = rng.uniform(0, 5, size=p)
+        c = np.where(Ls[None, :] > 0, Ls[None, :] * per_l, 0.0) + edge[:, None]
+        cb = c * rng.uniform(0.5, 0.7)
+        cap = np.array([rng.integers(lo[s], N + 1) for s in range(p)])
+        rows.append((int(rng.integers(1, 13)), c, cap, lo, cb, per, edge, float(rng.uniform(0, 3))))
+    return rows, lo
+
+
+def _best_shared_split(rows, lo, N: int) -> float:
+    """Brute force: min over one split of max over kinds of both 1F1B bounds at that split (``_chain_bound``'s
+    terms, at the split itself)."""
+    p = len(lo)
+    caps = np.min([r[2] for r in rows], axis=0)
+    best = math.inf
+    for L in itertools.product(*(range(lo[s], caps[s] + 1) for s in range(p))):
+        if sum(L) != N:
+            continue
+        worst = 0.0
+        for m, c, _, _, cb, tau, edge, links in rows:
+            w = [min(p - b - 1, m - 1) for b in range(p)]
+            fill = sum(L[s] * tau[s] + edge[s] for s in range(p))
+            chain = fill + max((m - 1 - w[b]) * c[b, L[b]] + w[b] * cb[b, L[b]] for b in range(p)) + links
+            worst = max(worst, chain, m * max(c[b, L[b]] for b in range(p)))
+        best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_joint_chain_bound_lies_between_the_first_bound_and_the_best_shared_split(seed):
+    """Replica kinds of one shape share one layer split (the MILP's coupling): the bound through that split is at
+    least the first 1F1B bound's joint form and at most the exact min over shared splits of every kind's bounds."""
+    rng = np.random.default_rng(seed)
+    N, p = int(rng.integers(4, 10)), int(rng.integers(2, 5))
+    rows, lo = _random_rows(rng, int(rng.integers(2, 4)), p, N)
+    exact = _best_shared_split(rows, lo, N)
+    got = B._joint_chain_bound(rows, N)
+    first = B._joint_pipeline_bound(rows, N)
+    if math.isinf(exact):
+        assert math.isinf(got)
+        return
+    assert first <= got * (1 + 1e-12) and got <= exact * (1 + 1e-12), (first, got, exact)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_least_largest_over_any_rows_is_the_brute_force_minimum(seed):
+    rng = np.random.default_rng(seed)
+    N, p = int(rng.integers(3, 10)), int(rng.integers(1, 5))
+    lo = np.array(layer_limits(N, p)[0])
+    caps = np.array([rng.integers(lo[s], N + 1) for s in range(p)])
+    G = np.where(rng.uniform(size=(p, N + 1)) < 0.2, np.inf, rng.uniform(0, 10, size=(p, N + 1)))
+    exact = min((max(G[s, L[s]] for s in range(p))
+                 for L in itertools.product(*(range(lo[s], caps[s] + 1) for s in range(p))) if sum(L) == N), default=math.inf)
+    assert B._least_largest_any(G, caps, lo, N) == exact
