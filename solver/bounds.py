@@ -35,7 +35,7 @@ from baton.profile import ProfileSet
 
 from solver.options import valid_unit_counts
 from solver.space import Skeleton, device_codes, replica_pattern
-from solver.splits import replica_classes
+from solver.splits import class_members, replica_classes
 
 
 def _layer_ms(profile, spec, mb, share, part="fb") -> float:
@@ -268,12 +268,15 @@ def _joint_pipeline_bound(rows, N: int, shared=None) -> float:
     if any(row is None for row in rows):
         return float("inf")
     scaled = np.stack([row[0] * row[1] for row in rows])  # (kinds, stages, L); non-decreasing in L
-    caps = np.min([row[2] for row in rows], axis=0)
-    if shared is not None:
-        caps = np.minimum(caps, np.array(shared))
-    lo = rows[0][3]
+    caps, lo = _joint_caps(rows, shared)
     # A stage fits L layers within T in every replica iff the slowest replica's c[s, L] is within T.
     return _least_largest(scaled.max(axis=0), caps, lo, N)
+
+
+def _joint_caps(rows, shared):
+    """(layer caps, lower limits) of a split every kind of ``rows`` can hold, within ``shared`` if given."""
+    caps = np.min([row[2] for row in rows], axis=0)
+    return (caps if shared is None else np.minimum(caps, np.array(shared))), rows[0][3]
 
 
 def _joint_chain_bound(rows, N: int, shared=None) -> float:
@@ -289,10 +292,7 @@ def _joint_chain_bound(rows, N: int, shared=None) -> float:
     links) per kind."""
     if any(row is None for row in rows):
         return float("inf")
-    caps = np.min([row[2] for row in rows], axis=0)
-    if shared is not None:
-        caps = np.minimum(caps, np.array(shared))
-    lo = rows[0][3]
+    caps, lo = _joint_caps(rows, shared)
     if np.any(caps < lo):
         return float("inf")
     p = len(lo)
@@ -379,7 +379,7 @@ def skeleton_constant(spec, cluster, skeleton: Skeleton, cache: BoundCache, *, s
     if key not in cache.skeleton:
         pipes = skeleton.pipelines
         if classes is not None:
-            pipes = [pipes[i] for i in {c: i for i, c in reversed(list(enumerate(classes)))}.values()]
+            pipes = [pipes[ids[0]] for ids in class_members(classes).values()]
         cache.skeleton[key] = (embedding_sync_ms(cluster, spec, pipes)
                                + (dp_sync_lower_bound(spec, cluster, skeleton) if sync else 0.0))
     return cache.skeleton[key]
@@ -555,15 +555,22 @@ def replica_rate_bound(spec, cluster, profiles, pipe, b: int, space, cache: Boun
     elif p > N + 2 or sum(layer_limits(N, p)[0]) > N:
         found = (math.inf, 0.0)
     else:
-        rows = _stage_rows(spec, cluster, profiles, pipe, b, 1, space, cache, monotone, zero_stage, owned)
-        tau, _, edge, _, cap, per_fb, _, opts = (list(x) for x in zip(*rows))
-        cap, lo = np.array(cap), np.array(layer_limits(N, p)[0])
-        if np.any(cap < lo) or cap.sum() < N or not np.all(np.isfinite(tau)):
-            found = (math.inf, 0.0)
-        else:
-            found = (_least_largest(_stage_costs(per_fb, np.array(edge), N), cap, lo, N), max(opts))
+        found = _one_in_flight(spec, cluster, profiles, pipe, b, space, cache, monotone, zero_stage, owned,
+                               np.array(layer_limits(N, p)[0]))
     cache.replica[memo] = found
     return found
+
+
+def _one_in_flight(spec, cluster, profiles, pipe, b, space, cache, monotone, zero_stage, owned, lo) -> tuple[float, float]:
+    """(min over layer splits, L_s >= ``lo``, of the slowest stage's F + B with one micro-batch in flight, least
+    optimizer step of the replica's devices); inf where no split fits."""
+    N = spec.num_layers
+    rows = _stage_rows(spec, cluster, profiles, pipe, b, 1, space, cache, monotone, zero_stage, owned)
+    tau, _, edge, _, cap, per_fb, _, opts = (list(x) for x in zip(*rows))
+    cap = np.array(cap)
+    if np.any(cap < lo) or cap.sum() < N or not np.all(np.isfinite(tau)):
+        return float("inf"), 0.0
+    return _least_largest(_stage_costs(per_fb, np.array(edge), N), cap, lo, N), max(opts)
 
 
 def splits_lower_bound(spec, cluster, profiles, skeleton: Skeleton, sizes, classes, patterns, global_batch: int,
@@ -577,10 +584,7 @@ def splits_lower_bound(spec, cluster, profiles, skeleton: Skeleton, sizes, class
     function). ``owned``: what the candidates' bounds may assume at stage 1 (less only lowers this bound). Lets
     the structured family list a skeleton's splits only when this bound reaches the front of the search."""
     per, floor, step = [], 0.0, 0.0
-    members: dict = {}
-    for i, c in enumerate(classes):
-        members.setdefault(c, []).append(i)
-    for c, ids in members.items():
+    for ids in class_members(classes).values():
         i = ids[0]
         rates = [(b,) + replica_rate_bound(spec, cluster, profiles, skeleton.pipelines[i], b, space, cache, monotone,
                                            zero_stage=zero_stage, owned=owned, pattern=patterns[i]) for b in sizes[i]]
@@ -628,14 +632,9 @@ def interleaved_replica_bound(spec, cluster, profiles, pipe, b: int, m: int, spa
 
 
 def _interleaved_replica_bound(spec, cluster, profiles, pipe, b, m, space, cache, monotone, zero_stage, owned):
-    p, N = len(pipe), spec.num_layers
-    rows = _stage_rows(spec, cluster, profiles, pipe, b, 1, space, cache, monotone, zero_stage, owned)  # one in flight
-    tau, _, edge, _, cap, per_fb, _, opts = (list(x) for x in zip(*rows))
-    tau, edge, cap = np.array(tau), np.array(edge), np.array(cap)
-    lo = np.ones(p, dtype=int)
-    if np.any(cap < lo) or cap.sum() < N or not np.all(np.isfinite(tau)):
-        return float("inf"), 0.0
-    return _pipeline_bound(_stage_costs(per_fb, edge, N), cap, lo, N, m), max(opts)
+    least, opt = _one_in_flight(spec, cluster, profiles, pipe, b, space, cache, monotone, zero_stage, owned,
+                                np.ones(len(pipe), dtype=int))
+    return m * least, opt
 
 
 def _stage_rows(spec, cluster, profiles, pipe, mb, m, space, cache, monotone, zero_stage, owned) -> list:

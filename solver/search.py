@@ -55,7 +55,12 @@ from solver.options import monotone_in_share, valid_unit_counts
 from solver.space import Skeleton, exact_skeletons, iter_structured_skeletons, replica_pattern
 from solver.unlike import expand, solve_structure
 from solver.ideal import ideal_bound
-from solver.splits import _largest_m, canonical, exact_splits_below, replica_classes, structured_splits, uniform_splits
+from solver.splits import (_largest_m, canonical, class_members, exact_splits_below, replica_classes, structured_splits,
+                           uniform_splits)
+
+CONSTRUCTIVE_MARGIN = 0.97
+"""A constructive plan is tried on a candidate (and the structured family's splits listed at once while skeletons
+are enumerated) when its bound lies this far below every candidate a constructive plan was found for."""
 
 CONSTRUCTIVE_FAILED_SHARE = 0.1
 """Constructive attempts that find nothing may take this share of the time spent so far (plus a second)."""
@@ -200,6 +205,7 @@ class Progress:
         self.last_gap: float | None = None
         """The family's gap of the last line that gave one."""
         self.checked_s = -math.inf
+        """``time.perf_counter()`` of the last bound check."""
 
     def improved(self, objective_ms: float, bound_ms: float | None, how: str, *, left: int | None = None,
                  bounded: str = "") -> None:
@@ -286,8 +292,8 @@ class _Entry(NamedTuple):
     zero_stage: int
     data: object
     """'cand': the canonical batches; 'interleaved': (canonical batches, chunks); 'group': (the start of its window
-    in ms, its relative width); 'splits': (the stage whose replica bounds rank the replicas' speeds, ``extra_splits``);
-    'struct': (tables, structure, sync)."""
+    in ms, its relative width); 'splits': the stage whose replica bounds rank the replicas' speeds; 'struct': (tables,
+    structure, sync)."""
     refined: bool
     """The bound already holds what is only computed at the front (the sync bound, the collectives' bound)."""
 
@@ -338,6 +344,8 @@ class _Inputs:
     """Devices may keep their optimizer state in host memory (eq. 7h, 10h)."""
     space_bound_ms: float = 0.0
     """Eq. 12b: no plan of any layout is faster (``solver.ideal``)."""
+    extra_splits: object = None
+    """``search``'s ``extra_splits(skeleton, deadline_s)``: more splits for the structured family (the baselines')."""
     cache: BoundCache = field(default_factory=BoundCache)
     collectives_ms: dict = field(default_factory=dict)
     """(skeleton, stage 2 or 3) -> least collectives of eq. 17 over its units (filled when one reaches the front)."""
@@ -351,9 +359,9 @@ class _Inputs:
         patterns = [replica_pattern(self.cluster, pipe) for pipe in sk.pipelines]
         classes = replica_classes(patterns)
         # Sizes per class: a pattern is hashed once per replica here, not again per lookup (1,024 GPUs: 700,000).
-        first = {c: i for i, c in reversed(list(enumerate(classes)))}
-        sizes = dict(zip(first, replica_micro_batches(self.cluster, self.profiles, [patterns[i] for i in first.values()],
-                                                      self.global_batch, self.micro_batch)))
+        members = class_members(classes)
+        sizes = dict(zip(members, replica_micro_batches(self.cluster, self.profiles, [patterns[ids[0]] for ids in members.values()],
+                                                        self.global_batch, self.micro_batch)))
         return _Skeleton(sk=sk, patterns=patterns, classes=classes, sizes=[sizes[c] for c in classes])
 
     def even(self, info: _Skeleton) -> bool:
@@ -574,7 +582,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
                      micro_batch=micro_batch, monotone=monotone, reduce_symmetry=reduce_symmetry, allowed=allowed,
                      shard_grid=shard_grid, exact=family == "exact" and splits == "auto", strategy=strategy, gap=gap,
                      threads=threads, deadline_s=t_start + time_limit, chunks=tuple(sorted(set(chunks) | {1})),
-                     host_optimizer=offload_optimizer,
+                     host_optimizer=offload_optimizer, extra_splits=extra_splits,
                      space_bound_ms=ideal_bound(spec, cluster, profiles, global_batch, micro_batch).bound_ms)
     frontier = _Frontier(progress=Progress(log, t_start, detail_log, inputs.space_bound_ms))
     t0 = time.perf_counter()
@@ -587,8 +595,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
             if not inputs.time_left():
                 frontier.unbounded = frontier.timed_out = True  # the rest were never even enumerated
                 break
-            _seed_skeleton(inputs, frontier, sk, zero_stages=zero_stages, dominated=dominated, splits=splits,
-                           extra_splits=extra_splits)
+            _seed_skeleton(inputs, frontier, sk, zero_stages=zero_stages, dominated=dominated, splits=splits)
     finally:
         if collecting:
             gc.enable()
@@ -608,8 +615,7 @@ def _stages_searched(sk: Skeleton, zero_stages, dominated: bool) -> list[int]:
     return zs
 
 
-def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_stages, dominated: bool, splits: str,
-                   extra_splits) -> None:
+def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_stages, dominated: bool, splits: str) -> None:
     """Push one skeleton's candidates at their cheap bounds: at every stage its uniform splits (exact family) or
     structured ones, and in the exact family one group entry standing for all its other splits. The structured
     family's splits of a stage wait in one 'splits' entry at a bound on all of them (``_Inputs.splits_bound``) until
@@ -632,32 +638,32 @@ def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_s
             if not math.isfinite(key):  # no replica of some class can run any micro-batch
                 continue
             spent = time.perf_counter() - frontier.progress.t_start
-            if ((frontier.best is None or key < frontier.greedy_bound_ms * 0.97)
+            if ((frontier.best is None or key < frontier.greedy_bound_ms * CONSTRUCTIVE_MARGIN)
                     and frontier.eager_s <= EAGER_SPLITS_SHARE * spent + 1.0):
                 t = time.perf_counter()
-                _list_structured(inputs, frontier, k, z, zb, extra_splits, key)
+                _list_structured(inputs, frontier, k, z, zb, key)
                 frontier.eager_s += time.perf_counter() - t
             else:
-                frontier.push(key, "splits", k, z, (zb, extra_splits), True)
+                frontier.push(key, "splits", k, z, zb, True)
         if inputs.exact and sk.num_replicas > 1:  # every other split, expanded lazily in bound order
             floor, frontier.group_ceiling_ms[k, z] = inputs.group_range(info, z)
             if math.isfinite(floor):
                 frontier.push(floor, "group", k, z, (0.0, GROUP_WINDOW), True)
 
 
-def _list_structured(inputs: _Inputs, frontier: _Frontier, k: int, z: int, zb: int, extra_splits, key: float) -> None:
+def _list_structured(inputs: _Inputs, frontier: _Frontier, k: int, z: int, zb: int, key: float) -> None:
     """Push the structured family's candidates of skeleton k at stage z (solver/splits.py), with the speeds of the
     replicas ranked by their bounds at stage ``zb`` (the candidates' own stage bounds are then shared with them),
-    and ``extra_splits``'. ``key``: the bound of them all, which stays in the proven bound if the extra splits'
+    and ``inputs.extra_splits``'. ``key``: the bound of them all, which stays in the proven bound if the extra splits'
     time runs out."""
     tb = time.perf_counter()
     info = frontier.skeletons[k]
     owned = bound_owned(info.sk.num_replicas, zb, inputs.even(info))
     cands = structured_splits(inputs.phi(info, zb, owned), info.sizes, info.classes, inputs.global_batch)
-    if extra_splits is not None:
+    if inputs.extra_splits is not None:
         if info.extras is None:  # once per skeleton, for every stage
             try:
-                info.extras = [x for x in extra_splits(info.sk, inputs.deadline_s)
+                info.extras = [x for x in inputs.extra_splits(info.sk, inputs.deadline_s)
                                if sum(b * m for b, m in x) == inputs.global_batch
                                and all(b in sizes for (b, _), sizes in zip(x, info.sizes))]  # what ``key`` covers
             except TimeoutError:  # the time limit: the splits not listed are covered by the key
@@ -682,7 +688,7 @@ def _seed_candidate(inputs: _Inputs, frontier: _Frontier, k: int, batches, z: in
     if not math.isfinite(lb):
         return
     frontier.push_candidate(info, k, batches, z, lb, refined=inputs.exact and z not in LAYERED_STAGES)
-    if (inputs.strategy == "baton" and lb < frontier.greedy_bound_ms * 0.97 and _constructive_applies(info, z)
+    if (inputs.strategy == "baton" and lb < frontier.greedy_bound_ms * CONSTRUCTIVE_MARGIN and _constructive_applies(info, z)
             and inputs.time_left()):
         spent = time.perf_counter() - frontier.progress.t_start
         if frontier.greedy_failed_s > CONSTRUCTIVE_FAILED_SHARE * spent + 1.0:
@@ -750,7 +756,7 @@ def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
         if entry.kind == "group":
             _expand_group(inputs, frontier, entry)
         elif entry.kind == "splits":
-            _list_structured(inputs, frontier, entry.skeleton, entry.zero_stage, *entry.data, entry.bound_ms)
+            _list_structured(inputs, frontier, entry.skeleton, entry.zero_stage, entry.data, entry.bound_ms)
         elif not entry.refined and _requeued_at_sync_bound(inputs, frontier, entry):
             pass  # back in the heap at its higher bound: other entries may now come first
         elif entry.kind == "struct":

@@ -38,14 +38,19 @@ def canonical(batches: Sequence, classes: Sequence[int]) -> Batches:
     return tuple(out)
 
 
+def class_members(classes: Sequence[int]) -> dict[int, list[int]]:
+    """Class -> its replicas, in replica order (classes in order of first appearance)."""
+    members: dict[int, list[int]] = {}
+    for i, c in enumerate(classes):
+        members.setdefault(c, []).append(i)
+    return members
+
+
 @functools.lru_cache(maxsize=256)
 def _shared_classes(classes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """The members of every class of two or more replicas: a skeleton's splits are made canonical thousands of
     times, and it may hold 1,024 replicas."""
-    members: dict[int, list[int]] = {}
-    for i, c in enumerate(classes):
-        members.setdefault(c, []).append(i)
-    return tuple(tuple(g) for g in members.values() if len(g) > 1)
+    return tuple(tuple(g) for g in class_members(classes).values() if len(g) > 1)
 
 
 def uniform_splits(sizes: Sequence[Sequence[int]], global_batch: int) -> list[Batches]:
@@ -138,9 +143,7 @@ def structured_splits(phi: Callable[[int, int, int], float], sizes: Sequence[Seq
         return [((b, G // b),) for b in sizes[0] if G % b == 0]
     out = {canonical(x, classes) for x in uniform_splits(sizes, G)}
     common = sorted(set.intersection(*(set(s) for s in sizes)))
-    members: dict[int, list[int]] = {}
-    for i, c in enumerate(classes):
-        members.setdefault(c, []).append(i)
+    members = class_members(classes)
     cls = sorted(members)
     for b in common:
         q = G // b
