@@ -232,7 +232,25 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
                 cache.joint[keys, shared, "chain"] = _joint_chain_bound(
                     [cache.rows[cache.numbered_keys[k]] for k in keys], spec.num_layers, shared)
             best = max(best, cache.joint[keys, shared, "chain"])
+    if sync and skeleton.num_replicas > 1:  # at the front: the pipeline and the sync through one split
+        keys = frozenset(seen.values())
+        memo = scope if scope is not None else {}
+        if ("joint sync", keys, shared) not in memo:
+            memo["joint sync", keys, shared] = _pipeline_and_sync_bound(spec, cluster, skeleton, cache, keys, shared)
+        if ("constant", False) not in memo:
+            memo["constant", False] = skeleton_constant(spec, cluster, skeleton, cache, sync=False, classes=classes)
+        return max(best + constant, memo["joint sync", keys, shared] + memo["constant", False]) + opt
     return best + constant + opt
+
+
+def _pipeline_and_sync_bound(spec, cluster, skeleton: Skeleton, cache: BoundCache, keys, shared) -> float:
+    """``_joint_sync_bound`` over the rows of the replica kinds numbered ``keys`` (0 where the skeleton has no
+    positions)."""
+    D = _dp_sync_rows(spec, cluster, skeleton)
+    if D is None:
+        return 0.0
+    G, caps, lo = _joint_chain_rows([cache.rows[cache.numbered_keys[k]] for k in keys], spec.num_layers, shared)
+    return float("inf") if G is None else _joint_sync_bound(G, caps, lo, D, spec.num_layers)
 
 
 def _skeleton_scope(cache: BoundCache, skeleton: Skeleton, patterns, classes) -> dict:
@@ -281,20 +299,27 @@ def _joint_caps(rows, shared):
 
 def _joint_chain_bound(rows, N: int, shared=None) -> float:
     """Both 1F1B bounds of every replica kind through one layer split shared by all of them (the MILP's
-    coupling, eq. 1, 9), where ``_joint_pipeline_bound`` couples the first only. For kind k and stage b, the chain
-    bound (``_chain_bound``) at split L is sum_s (L_s tau_s + E_s) + (m - 1 - w_b) c_b(L_b) + w_b B_b(L_b) + links;
-    its sum is at least L_b tau_b + the least the other stages' layers can cost given L_b (the cheapest of their
-    units within their caps, ``_rest_fill``) + every stage's E. So g_kb(L_b) = max(that, m c_b(L_b)) bounds kind
-    k's pipeline whatever the other stages hold, and min over shared splits of max over k, b of g_kb(L_b) bounds
-    the candidate (``_least_largest_any``). On a 256-GPU candidate whose replicas of two kinds (an H100 -> V100 ->
-    V100 -> A100 pipeline and an H100 -> V100 -> A100 -> A100 one) share the split, 5,654 ms, where each kind at
-    its own best split gave 5,196 and 5,124 and the MILP's best is 5,743. ``rows``: (m, c, cap, lo, cb, tau, edge,
-    links) per kind."""
+    coupling, eq. 1, 9), where ``_joint_pipeline_bound`` couples the first only: min over shared splits of
+    max_s G[s, L_s] (``_joint_chain_rows``, ``_least_largest_any``). On a 256-GPU candidate whose replicas of two
+    kinds (an H100 -> V100 -> V100 -> A100 pipeline and an H100 -> V100 -> A100 -> A100 one) share the split,
+    5,654 ms, where each kind at its own best split gave 5,196 and 5,124 and the MILP's best is 5,743. ``rows``:
+    (m, c, cap, lo, cb, tau, edge, links) per kind."""
+    G, caps, lo = _joint_chain_rows(rows, N, shared)
+    return float("inf") if G is None else _least_largest_any(G, caps, lo, N)
+
+
+def _joint_chain_rows(rows, N: int, shared=None):
+    """(G, caps, lo): G[s, L] bounds from below the pipeline of every kind of ``rows`` at any split giving stage s
+    L layers. For kind k and stage b, the chain bound (``_chain_bound``) at split L is sum_s (L_s tau_s + E_s) +
+    (m - 1 - w_b) c_b(L_b) + w_b B_b(L_b) + links; its sum is at least L_b tau_b + the least the other stages'
+    layers can cost given L_b (the cheapest of their units within their caps, ``_rest_fill``) + every stage's E.
+    So g_kb(L_b) = max(that, m c_b(L_b)) bounds kind k's pipeline whatever the other stages hold, and G is the
+    largest over the kinds. G is None where no split fits."""
     if any(row is None for row in rows):
-        return float("inf")
+        return None, None, None
     caps, lo = _joint_caps(rows, shared)
     if np.any(caps < lo):
-        return float("inf")
+        return None, None, None
     p = len(lo)
     Ls = np.arange(N + 1)
     G = np.zeros((p, N + 1))
@@ -304,7 +329,30 @@ def _joint_chain_bound(rows, N: int, shared=None) -> float:
             chain = ((m - 1 - w)[:, None] * c + w[:, None] * cb + Ls[None, :] * tau[:, None] + _rest_fill(tau, caps, lo, N)
                      + float(np.sum(edge)) + links)
         G = np.maximum(G, np.maximum(np.where(np.isnan(chain), np.inf, chain), m * c))
-    return _least_largest_any(G, caps, lo, N)
+    return G, caps, lo
+
+
+def _joint_sync_bound(G, caps, lo, D, N: int) -> float:
+    """min over layer splits of max_s G[s, L_s] + max_s D[s, L_s]: the pipeline and the data-parallel sync through
+    the one split (eq. 11, 13, 15), where a bound of each alone lets the pipeline pile layers on the fast stages
+    while the sync counts them spread out. D[s, L], non-decreasing in L: the least sync of stage s's slowest position
+    holding L layers (``_dp_sync_rows``). For each sync level d (D's values in order), the stages may hold at most
+    the layers whose sync is within d, and the pipeline's least largest within those caps + d bounds every split
+    whose sync is d; the levels stop once the unconstrained pipeline bound + d reaches the best so far."""
+    floor = _least_largest_any(G, caps, lo, N)
+    if not math.isfinite(floor):
+        return floor
+    Ls = np.arange(N + 1)
+    allowed = (Ls[None, :] >= lo[:, None]) & (Ls[None, :] <= caps[:, None])
+    best = math.inf
+    for d in np.unique(D[allowed]):
+        if floor + d >= best:
+            break
+        within = np.minimum(caps, (D <= d).sum(axis=1) - 1)  # D non-decreasing: its count within d, less one
+        if np.any(within < lo) or within.sum() < N:
+            continue
+        best = min(best, _least_largest_any(G, within, lo, N) + d)
+    return best
 
 
 def _rest_fill(tau, caps, lo, N: int) -> np.ndarray:
@@ -473,28 +521,15 @@ def _slack(spec, slot, b: int, share: float, space, N: int, cache: BoundCache):
 
 
 def dp_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton) -> float:
-    """Eq. 13, 15 for replicas of one shape: T_dp = the slowest position's group sync. A stage s of n_s ranks
-    holding L layers has a rank at share >= 1/n_s, whose group holds at least P_s(L) = layer_param_count(1/n_s)
-    L + edge_param_count(1/n_s) parameters; its all-reduce costs at least the cheapest line among the stage's
-    positions at P_s(L) (at stage 1 the largest shard is >= P/r: the cheaper of the all-reduce of P and the two
-    ring passes of P/r, equal without measured pass figures). Minimised over real-valued layer splits (L_s within its limits, sum N) by bisection: a lower
-    bound on every plan of the skeleton, whatever its batches and sharding stage."""
-    r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
-    if r == 1 or p > N + 2 or not skeleton.one_shape:  # unlike replicas: no positions (0 is a bound)
+    """Eq. 13, 15 for replicas of one shape: T_dp = the slowest position's group sync, at least max_s of
+    ``_dp_sync_lines``' line of stage s at its layer count; minimised over real-valued layer splits (L_s within its
+    limits, sum N) by bisection: a lower bound on every plan of the skeleton, whatever its batches and sharding
+    stage."""
+    lines = _dp_sync_lines(spec, cluster, skeleton)
+    if lines is None:
         return 0.0
-    lo, hi = layer_limits(N, p)
-    lines = []
-    for s in range(p):
-        n = len(skeleton.pipelines[0][s])
-        # The cheaper of stage 0's all-reduce and stage 1's two passes at equal parts (its least largest shard),
-        # which need not cost the same when a link has measured pass figures.
-        ends = [(min(group_sync_ms(cluster, spec, peers, 0.0, 0.0, 0), group_sync_ms(cluster, spec, peers, 0.0, 0.0, 1)),
-                 min(group_sync_ms(cluster, spec, peers, 1e9, 1e9, 0), group_sync_ms(cluster, spec, peers, 1e9, 1e9 / r, 1)))
-                for peers in ([pipe[s][k] for pipe in skeleton.pipelines] for k in range(n))]
-        fixed = min(e[0] for e in ends)
-        slope = min(e[1] - e[0] for e in ends) / 1e9  # ms per parameter
-        a, c = layer_param_count(spec, 1.0 / n), edge_param_count(spec, 1.0 / n, first=s == 0, last=s == p - 1)
-        lines.append((slope * a, slope * c + fixed))
+    N = spec.num_layers
+    lo, hi = layer_limits(N, skeleton.num_stages)
 
     def layers_within(T):
         return sum(min(hi[s], (T - c) / a if a > 0 else hi[s]) if T >= a * lo[s] + c else -math.inf
@@ -510,6 +545,39 @@ def dp_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleto
         else:
             low = mid
     return low
+
+
+def _dp_sync_lines(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton):
+    """Per stage s, (a, c): its slowest position's group sync (eq. 13, 15) is at least a L + c with L layers (None:
+    unlike or single replicas, no positions). A stage s of n_s ranks has a rank at share >= 1/n_s, whose group holds
+    at least P_s(L) = layer_param_count(1/n_s) L + edge_param_count(1/n_s) parameters; its sync costs at least the
+    cheapest line among the stage's positions at P_s(L) (at stage 1 the largest shard is >= P/r: the cheaper of the
+    all-reduce of P and the two ring passes of P/r, equal without measured pass figures)."""
+    r, p, N = skeleton.num_replicas, skeleton.num_stages, spec.num_layers
+    if r == 1 or p > N + 2 or not skeleton.one_shape:
+        return None
+    lines = []
+    for s in range(p):
+        n = len(skeleton.pipelines[0][s])
+        # The cheaper of stage 0's all-reduce and stage 1's two passes at equal parts (its least largest shard),
+        # which need not cost the same when a link has measured pass figures.
+        ends = [(min(group_sync_ms(cluster, spec, peers, 0.0, 0.0, 0), group_sync_ms(cluster, spec, peers, 0.0, 0.0, 1)),
+                 min(group_sync_ms(cluster, spec, peers, 1e9, 1e9, 0), group_sync_ms(cluster, spec, peers, 1e9, 1e9 / r, 1)))
+                for peers in ([pipe[s][k] for pipe in skeleton.pipelines] for k in range(n))]
+        fixed = min(e[0] for e in ends)
+        slope = min(e[1] - e[0] for e in ends) / 1e9  # ms per parameter
+        a, c = layer_param_count(spec, 1.0 / n), edge_param_count(spec, 1.0 / n, first=s == 0, last=s == p - 1)
+        lines.append((slope * a, slope * c + fixed))
+    return lines
+
+
+def _dp_sync_rows(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton):
+    """D[s, L] = ``_dp_sync_lines`` at every layer count L (None where it has none)."""
+    lines = _dp_sync_lines(spec, cluster, skeleton)
+    if lines is None:
+        return None
+    Ls = np.arange(spec.num_layers + 1)
+    return np.array([a * Ls + c for a, c in lines])
 
 
 def _replica_bound(spec, cluster, profiles, pipe, mb, m, lo, links, space, cache, monotone, zero_stage=0, owned=1.0) -> tuple[float, float]:

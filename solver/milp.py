@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pyomo.environ as pyo
 from pyomo.contrib.solver.common.factory import SolverFactory
 from pyomo.contrib.solver.common.results import TerminationCondition
@@ -69,6 +70,18 @@ def _bits(n: int) -> int:
     return max(1, math.ceil(math.log2(n + 1)))
 
 
+def _least_slowest(per_rank: list[dict], U: int) -> float:
+    """min over u_k with sum_k u_k = U of max_k time_k(u_k), each rank's ``{u: time}``: the least threshold at which
+    the ranks' shares at or below it can add up to U (a subset-sum over the ranks)."""
+    for t in sorted({v for times in per_rank for v in times.values()}):
+        reach = {0}
+        for times in per_rank:
+            reach = {r + u for r in reach for u, v in times.items() if v <= t and r + u <= U}
+        if U in reach:
+            return t
+    return math.inf
+
+
 class InnerModel:
     """Builds the Pyomo model for one Instance, solves it, and reads the plan back."""
 
@@ -76,6 +89,7 @@ class InnerModel:
         self.inst = inst
         self.m = pyo.ConcreteModel(name="baton_inner")
         t0 = time.perf_counter()
+        self._least_times: dict = {}
         self._variables()
         self.one_share_and_recompute_set_per_device()
         self.units_add_up_to_stage_granularity()
@@ -224,6 +238,59 @@ class InnerModel:
             total += max((c.fwd[b] if which == 0 else c.bwd[b]) for g in st.groups for cs in g.choices.values() for c in cs)
         return total
 
+    def _least_layer_times(self, rho: int, s: int, which: int) -> np.ndarray:
+        """t[n]: the least per-layer time (forward: which = 0) of stage ``s`` over the decisions that fit n layers in
+        memory at the most generous owned fraction (t[0]: any decision): per block, the least over unit counts U
+        and shares u_k adding up to U of the slowest rank's fastest choice, + the all-reduce. (Each block's least
+        alone: the sum of the leasts is at most the least of the sums.)"""
+        key = (rho, s, which)
+        if key in self._least_times:
+            return self._least_times[key]
+        st, N = self.inst.stages[rho][s], self.inst.spec.num_layers
+
+        def fastest(cs, b):  # by n: the fastest of the choices that fit n layers
+            best = np.full(N + 1, math.inf)
+            for c in cs:
+                n = min(max(c.max_layers), N)
+                if n >= 0:
+                    best[n] = min(best[n], c.fwd[b] if which == 0 else c.bwd[b])
+            return np.minimum.accumulate(best[::-1])[::-1]
+
+        total = np.full(N + 1, st.allreduce_ms)
+        for b in range(2):
+            if st.tied:
+                total += np.min([fastest(cs, b) for cs in st.groups[0].choices.values()], axis=0)
+                continue
+            least = np.full(N + 1, math.inf)
+            for U in self.inst.unit_counts[s]:
+                per_rank = [{u: fastest(cs, b) for (UU, u), cs in g.choices.items() if UU == U} for g in st.groups]
+                rows = np.array([t for r in per_rank for t in r.values()]).reshape(-1, N + 1)
+                here = math.inf
+                for n in range(N + 1):  # the fastest choices change at a few layer counts only
+                    if n == 0 or np.any(rows[:, n] != rows[:, n - 1]):
+                        here = _least_slowest([{u: t[n] for u, t in r.items()} for r in per_rank], U)
+                    least[n] = min(least[n], here)
+            total += least
+        self._least_times[key] = total
+        return total
+
+    def _stage_time_envelope(self, rho: int, s: int, which: int, k: int) -> list[tuple[float, float]]:
+        """Lines (at n0, value at n0, slope) of the lower convex hull of n * least per-layer time fitting n layers,
+        n from the virtual stage's least to its most layers: every one bounds L_k * (per-layer time) from below at
+        every integer L_k, memory included, where the bits' big-M alone bound nothing in the LP relaxation.
+        Interleaved, a group's memory holds several chunks: the least time of any decision there."""
+        lo, hi = self.inst.min_layers[k], self.inst.max_layers[k]
+        t = self._least_layer_times(rho, s, which)
+        points = [(n, n * (t[n] if self.inst.chunks == 1 else t[0])) for n in range(max(lo, 1), hi + 1)
+                  if math.isfinite(t[n])]
+        hull: list = []
+        for pt in points:
+            while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (pt[0] - hull[-2][0])
+                                      >= (pt[1] - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+                hull.pop()
+            hull.append(pt)
+        return [(a[0], a[1], (b[1] - a[1]) / (b[0] - a[0])) for a, b in zip(hull, hull[1:])]
+
     def stage_time_is_layers_times_layer_time(self) -> None:
         """Eq. 9 (9i per virtual stage): F_k = L_k * (sum_b T_sb + all-reduce) of its group s = k mod p, + the
         slowest embedding/head on the first and last (virtual) stage, linearised over the bits of L_k.
@@ -244,6 +311,11 @@ class InnerModel:
                     for j in range(self.nbits):
                         m.stage.add(q[rho, k, j] >= per_layer - M * (1 - m.z[k, j]))
                     m.stage.add(Fv[rho, k] >= sum(2**j * q[rho, k, j] for j in range(self.nbits)) + (edge if ends else 0.0))
+                    lo, t_lo = inst.min_layers[k], self._least_layer_times(rho, s, which)[0]
+                    if math.isfinite(t_lo):
+                        m.stage.add(Fv[rho, k] >= t_lo * m.L[k] + lo * (per_layer - t_lo) + (edge if ends else 0.0))
+                    for n0, y0, slope in self._stage_time_envelope(rho, s, which, k):
+                        m.stage.add(Fv[rho, k] >= y0 + slope * (m.L[k] - n0) + (edge if ends else 0.0))
 
     def one_owned_fraction_per_device(self) -> None:
         """Eq. 10, 13, 14 (stage 1, replicas one by one): each device owns one option's fraction of its peer
@@ -457,6 +529,9 @@ class InnerModel:
                 else:
                     m.weights.add(m.W[rho, s, g] >= param * self.group_layers(s) + edge
                                   - (param * N + edge) * (1 - m.v[s, grp.rank, o]))
+            if grp.rank is not None:
+                least = [(cs[0].param_bytes / GB, cs[0].edge_param_bytes / GB) for cs in grp.choices.values() if cs]
+                m.weights.add(m.W[rho, s, g] >= min(a for a, _ in least) * self.group_layers(s) + min(c for _, c in least))
 
     def _weights_bound(self, rho: int, s: int, g: int) -> float:
         """Largest weights (GB) the group can hold: its largest share and every layer."""
@@ -478,6 +553,8 @@ class InnerModel:
             for o, opt in enumerate(inst.share_options[s]):
                 a, c = inst.positions[s][k].params[opt]
                 m.params.add(m.P[s, k] >= a * self.group_layers(s) + c - (a * N + c) * (1 - m.v[s, k, o]))
+            a_lo, c_lo = (min(x) for x in zip(*inst.positions[s][k].params.values()))
+            m.params.add(m.P[s, k] >= a_lo * self.group_layers(s) + c_lo)
 
     def _largest_params(self, s: int, k: int) -> float:
         a_c = self.inst.positions[s][k].params.values()
@@ -548,7 +625,10 @@ class InnerModel:
         m = self.m
         opts = dict(time_limit=max(0.5, time_limit), rel_gap=rel_gap)
         if cutoff is not None and math.isfinite(cutoff):
-            opts["solver_options"] = {"objective_bound": cutoff}
+            # With an incumbent to beat, the search needs a proof more than a plan: the neighbourhood heuristics
+            # (RINS, RENS) took half of a 256-GPU candidate's solve and found nothing the tree did not.
+            opts["solver_options"] = {"objective_bound": cutoff, "mip_heuristic_run_rins": False,
+                                      "mip_heuristic_run_rens": False}
         t0 = time.perf_counter()
         res = highs_solve(m, threads=threads, **opts)
         solve_s = time.perf_counter() - t0

@@ -167,3 +167,22 @@ def test_the_least_largest_over_any_rows_is_the_brute_force_minimum(seed):
     exact = min((max(G[s, L[s]] for s in range(p))
                  for L in itertools.product(*(range(lo[s], caps[s] + 1) for s in range(p))) if sum(L) == N), default=math.inf)
     assert B._least_largest_any(G, caps, lo, N) == exact
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_pipeline_and_sync_bound_is_the_brute_force_minimum_of_their_sum(seed):
+    """The pipeline and the data-parallel sync through one layer split: min over splits of max_s G + max_s D (D
+    non-decreasing in the layer count, as a sync line is), exactly; at least each term's own least."""
+    rng = np.random.default_rng(seed)
+    N, p = int(rng.integers(3, 10)), int(rng.integers(1, 5))
+    lo = np.array(layer_limits(N, p)[0])
+    caps = np.array([rng.integers(lo[s], N + 1) for s in range(p)])
+    G = np.where(rng.uniform(size=(p, N + 1)) < 0.2, np.inf, rng.uniform(0, 10, size=(p, N + 1)))
+    D = rng.uniform(0, 2, size=(p, 1)) * np.arange(N + 1)[None, :] + rng.uniform(0, 3, size=(p, 1))
+    splits = [L for L in itertools.product(*(range(lo[s], caps[s] + 1) for s in range(p))) if sum(L) == N]
+    exact = min((max(G[s, L[s]] for s in range(p)) + max(D[s, L[s]] for s in range(p)) for L in splits), default=math.inf)
+    got = B._joint_sync_bound(G, caps, lo, D, N)
+    assert got == pytest.approx(exact, rel=1e-12) if math.isfinite(exact) else math.isinf(got)
+    if math.isfinite(exact):
+        least_d = min(max(D[s, L[s]] for s in range(p)) for L in splits)
+        assert got >= B._least_largest_any(G, caps, lo, N) + least_d - 1e-12
