@@ -360,16 +360,24 @@ def _rest_fill(tau, caps, lo, N: int) -> np.ndarray:
     the N layers (inf where the others cannot take the rest): their lower limits, then the cheapest of their extra
     layers."""
     p = len(tau)
-    rest = np.full((p, N + 1), np.inf)
-    extra = np.clip(caps - lo, 0, None)
-    for b in range(p):
-        others = np.arange(p) != b
-        units = np.sort(np.repeat(tau[others], extra[others]))
-        cum = np.concatenate([[0.0], np.cumsum(units)])
-        need = N - np.arange(N + 1) - int(lo[others].sum())  # extra layers the others take
-        ok = (need >= 0) & (need < len(cum))
-        rest[b, ok] = float((lo[others] * tau[others]).sum()) + cum[need[ok]]
-    return rest
+    extra = np.tile(np.clip(caps - lo, 0, None), (p, 1))
+    extra[np.arange(p), np.arange(p)] = 0  # row b: the stages other than b
+    base = (lo * tau).sum() - lo * tau  # their lower limits
+    need = N - np.arange(N + 1)[None, :] - (lo.sum() - lo)[:, None]  # extra layers the others take
+    return base[:, None] + _cheapest_extra(tau, extra, need)
+
+
+def _cheapest_extra(tau, extra, need) -> np.ndarray:
+    """For each row r of ``extra`` (layers each stage may take beyond its lower limit) and each count need[r, j]: the
+    least cost of that many extra layers, stage s's at tau_s each (the cheapest stages first); inf where the row
+    cannot take them or the count is negative."""
+    order = np.argsort(tau, kind="stable")
+    ext = extra[:, order]
+    within = np.cumsum(ext, axis=1)
+    take = np.clip(need[:, :, None] - (within - ext)[:, None, :], 0, ext[:, None, :])
+    cost = take @ tau[order]
+    cost[(need < 0) | (need > within[:, -1:])] = np.inf
+    return cost
 
 
 def _least_largest_any(G, caps, lo, N: int) -> float:
@@ -793,14 +801,9 @@ def _stage_bound(spec, cluster, profiles, ids, s, p, m, mb, space, cache, monoto
 def _fill_cost(tau, edge, caps, lo, N):
     """min sum_s (L_s tau_s + E_s) with lo <= L <= caps, sum L = N (caps: rows = scenarios); inf if impossible."""
     caps = np.atleast_2d(caps)
-    order = np.argsort(tau, kind="stable")
-    extra = np.clip(caps - lo, 0, None)[:, order]
-    need = N - lo.sum()
-    before = np.cumsum(extra, axis=1) - extra
-    take = np.clip(need - before, 0, extra)
-    cost = (take * tau[order]).sum(axis=1) + (lo * tau).sum() + edge.sum()
-    feasible = (extra.sum(axis=1) >= need) & np.all(caps >= lo, axis=1)
-    return np.where(feasible, cost, np.inf)
+    need = np.full((caps.shape[0], 1), N - lo.sum())
+    cost = _cheapest_extra(tau, np.clip(caps - lo, 0, None), need)[:, 0] + (lo * tau).sum() + edge.sum()
+    return np.where(np.all(caps >= lo, axis=1), cost, np.inf)
 
 
 def _caps_from(values, term, cap):
