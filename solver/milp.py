@@ -274,15 +274,16 @@ class InnerModel:
         self._least_times[key] = total
         return total
 
-    def _stage_time_envelope(self, rho: int, s: int, which: int, k: int) -> list[tuple[float, float]]:
+    def _stage_time_envelope(self, rho: int, s: int, which: int, k: int) -> list[tuple[int, float, float]]:
         """Lines (at n0, value at n0, slope) of the lower convex hull of n * least per-layer time fitting n layers,
         n from the virtual stage's least to its most layers: every one bounds L_k * (per-layer time) from below at
         every integer L_k, memory included, where the bits' big-M alone bound nothing in the LP relaxation.
         Interleaved, a group's memory holds several chunks: the least time of any decision there."""
         lo, hi = self.inst.min_layers[k], self.inst.max_layers[k]
         t = self._least_layer_times(rho, s, which)
-        points = [(n, n * (t[n] if self.inst.chunks == 1 else t[0])) for n in range(max(lo, 1), hi + 1)
-                  if math.isfinite(t[n])]
+        if self.inst.chunks > 1:
+            t = np.full_like(t, t[0])
+        points = [(n, n * t[n]) for n in range(max(lo, 1), hi + 1) if math.isfinite(t[n])]
         hull: list = []
         for pt in points:
             while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (pt[0] - hull[-2][0])
@@ -529,9 +530,6 @@ class InnerModel:
                 else:
                     m.weights.add(m.W[rho, s, g] >= param * self.group_layers(s) + edge
                                   - (param * N + edge) * (1 - m.v[s, grp.rank, o]))
-            if grp.rank is not None:
-                least = [(cs[0].param_bytes / GB, cs[0].edge_param_bytes / GB) for cs in grp.choices.values() if cs]
-                m.weights.add(m.W[rho, s, g] >= min(a for a, _ in least) * self.group_layers(s) + min(c for _, c in least))
 
     def _weights_bound(self, rho: int, s: int, g: int) -> float:
         """Largest weights (GB) the group can hold: its largest share and every layer."""
@@ -553,8 +551,6 @@ class InnerModel:
             for o, opt in enumerate(inst.share_options[s]):
                 a, c = inst.positions[s][k].params[opt]
                 m.params.add(m.P[s, k] >= a * self.group_layers(s) + c - (a * N + c) * (1 - m.v[s, k, o]))
-            a_lo, c_lo = (min(x) for x in zip(*inst.positions[s][k].params.values()))
-            m.params.add(m.P[s, k] >= a_lo * self.group_layers(s) + c_lo)
 
     def _largest_params(self, s: int, k: int) -> float:
         a_c = self.inst.positions[s][k].params.values()
