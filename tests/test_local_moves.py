@@ -26,8 +26,7 @@ once (what the planner's MILP decides per position) are among them.
 Quick: one cluster of each kind of layout (CPU processes, 4 GPUs of two types, Poplar's cluster A of two types on
 two groups, cephalo_8gpu of four types on mixed nodes, with both models it is benchmarked with); long: the others
 (covered in kind by the quick ones: the HetHub pairs are two nodes of one type each, like Poplar's A), the
-64-256-GPU clusters whose searches take a minute or two each. The 512- and 1,024-GPU ones are left to the benchmark
-(``BENCH_ONLY``).
+64-1,024-GPU clusters whose searches take a minute or two each.
 """
 from __future__ import annotations
 
@@ -77,11 +76,8 @@ LONG = [Case("cpu2", "tiny", 8, 60, None), Case("cpu2x2", "tiny", 8, 60, None), 
         Case("poplar_c", "gpt3-1.3b", 64, 120, None), Case("hethub_amd_gpub", "llama2-7b", 64, 120, None),
         Case("hethub_amd_gpuc", "llama2-7b", 64, 120, None), Case("scale_64", "gpt3-1.3b", 64, 120, 100),
         Case("cephalo_64gpu", "gpt3-6.7b", 64, 120, 100), Case("hap_v100x16_p100x48", "gpt3-1.3b", 64, 120, 100),
-        Case("scale_128", "gpt3-13b", 1024, 120, 40), Case("scale_256", "gpt3-13b", 1024, 120, 40)]
-BENCH_ONLY = {"scale_512": "its search proves a gap within a minute but closes it to 3% only after 3-4 (a test's limits "
-                           "would price the neighbours of an unfinished plan)",
-              "scale_1024": "likewise (2.7% after 240 s on this 2-core VM); bench/bench_solver_scale.py measures both sizes"}
-"""Shipped clusters left to the benchmark, with why."""
+        Case("scale_128", "gpt3-13b", 1024, 120, 40), Case("scale_256", "gpt3-13b", 1024, 120, 40),
+        Case("scale_512", "gpt3-13b", 2048, 120, 40), Case("scale_1024", "gpt3-13b", 4096, 120, 40)]
 """Time limits: a search stops when it proves its optimum, so a generous limit costs only where the proof is slow
 (a machine under load, the large clusters). A search that has not bounded every candidate by then claims no bound,
 and its case is skipped: how fast the search gets there is bench/bench_solver_scale.py's to measure."""
@@ -114,7 +110,7 @@ def _inputs(cluster: str, model: str):
 def test_every_shipped_cluster_has_a_case():
     """A cluster added to clusters/ without a case here would escape the test."""
     shipped = {p.stem for p in (ROOT / "clusters").glob("*.yaml")}
-    assert shipped == {c.cluster for c in QUICK + LONG} | set(BENCH_ONLY)
+    assert shipped == {c.cluster for c in QUICK + LONG}
 
 
 @pytest.mark.parametrize("case", [_param(c, False) for c in QUICK] + [_param(c, True) for c in LONG])
