@@ -54,21 +54,22 @@ def stage_layer_lower_bound(spec, cluster, profiles, mb, ids, part="fb") -> floa
         return _layer_ms(profiles[cluster.device(ids[0]).gpu.name], spec, mb, 1.0, part) + ar
     if n > Umax:
         return float("inf")
-    # g_d(k) = time of device d at share k/Umax; find min t with sum_d max{k : g_d(k) <= t} >= Umax.
-    tables = []
-    for i in ids:
-        prof = profiles[cluster.device(i).gpu.name]
-        tables.append([_layer_ms(prof, spec, mb, k / Umax, part) for k in range(1, Umax - n + 2)])
-    for t in sorted({v for tab in tables for v in tab}):
-        total = 0
-        for tab in tables:
-            ks = [k + 1 for k, v in enumerate(tab) if v <= t]
-            if not ks:
-                total = -1
-                break
-            total += max(ks)
-        if total >= Umax:
-            return t + ar
+    # g_d(k) = time of device d at share k/Umax: the least t at which shares within t add up to Umax.
+    per_rank = [{k: _layer_ms(profiles[cluster.device(i).gpu.name], spec, mb, k / Umax, part) for k in range(1, Umax - n + 2)}
+                for i in ids]
+    return least_slowest(per_rank, Umax) + ar
+
+
+def least_slowest(per_rank: list[dict], U: int) -> float:
+    """min over u_k with sum_k u_k = U of max_k time_k(u_k), each rank's ``{u: time}`` (a TP group waits for its
+    slowest rank, eq. 2): the least threshold at which the ranks' shares within it can add up to U, a subset-sum
+    over the ranks; inf if none can."""
+    for t in sorted({v for times in per_rank for v in times.values()}):
+        reach = {0}
+        for times in per_rank:
+            reach = {r + u for r in reach for u, v in times.items() if v <= t and r + u <= U}
+        if U in reach:
+            return t
     return float("inf")
 
 
@@ -236,17 +237,18 @@ def candidate_lower_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: Profi
         keys = frozenset(seen.values())
         memo = scope if scope is not None else {}
         if ("joint sync", keys, shared) not in memo:
-            memo["joint sync", keys, shared] = _pipeline_and_sync_bound(spec, cluster, skeleton, cache, keys, shared)
+            if "dp rows" not in memo:
+                memo["dp rows"] = _dp_sync_rows(spec, cluster, skeleton)
+            memo["joint sync", keys, shared] = _pipeline_and_sync_bound(spec, memo["dp rows"], cache, keys, shared)
         if ("constant", False) not in memo:
             memo["constant", False] = skeleton_constant(spec, cluster, skeleton, cache, sync=False, classes=classes)
         return max(best + constant, memo["joint sync", keys, shared] + memo["constant", False]) + opt
     return best + constant + opt
 
 
-def _pipeline_and_sync_bound(spec, cluster, skeleton: Skeleton, cache: BoundCache, keys, shared) -> float:
-    """``_joint_sync_bound`` over the rows of the replica kinds numbered ``keys`` (0 where the skeleton has no
-    positions)."""
-    D = _dp_sync_rows(spec, cluster, skeleton)
+def _pipeline_and_sync_bound(spec, D, cache: BoundCache, keys, shared) -> float:
+    """``_joint_sync_bound`` over the rows of the replica kinds numbered ``keys`` and the skeleton's sync rows ``D``
+    (``_dp_sync_rows``; 0 where it has no positions)."""
     if D is None:
         return 0.0
     G, caps, lo = _joint_chain_rows([cache.rows[cache.numbered_keys[k]] for k in keys], spec.num_layers, shared)

@@ -29,6 +29,7 @@ from baton.schedules import interleaved_one_f_one_b, pass_dependencies
 from baton.plan import DeviceShare, Plan, Stage, interleaved_pipeline, plan_of_replicas
 from baton.waits import arrival_planes
 
+from solver.bounds import least_slowest
 from solver.instance import GB, Instance
 
 
@@ -68,18 +69,6 @@ def highs_solve(model, *, threads: int, **opts):
 
 def _bits(n: int) -> int:
     return max(1, math.ceil(math.log2(n + 1)))
-
-
-def _least_slowest(per_rank: list[dict], U: int) -> float:
-    """min over u_k with sum_k u_k = U of max_k time_k(u_k), each rank's ``{u: time}``: the least threshold at which
-    the ranks' shares at or below it can add up to U (a subset-sum over the ranks)."""
-    for t in sorted({v for times in per_rank for v in times.values()}):
-        reach = {0}
-        for times in per_rank:
-            reach = {r + u for r in reach for u, v in times.items() if v <= t and r + u <= U}
-        if U in reach:
-            return t
-    return math.inf
 
 
 class InnerModel:
@@ -268,7 +257,7 @@ class InnerModel:
                 here = math.inf
                 for n in range(N + 1):  # the fastest choices change at a few layer counts only
                     if n == 0 or np.any(rows[:, n] != rows[:, n - 1]):
-                        here = _least_slowest([{u: t[n] for u, t in r.items()} for r in per_rank], U)
+                        here = least_slowest([{u: t[n] for u, t in r.items()} for r in per_rank], U)
                     least[n] = min(least[n], here)
             total += least
         self._least_times[key] = total
