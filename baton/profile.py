@@ -409,6 +409,13 @@ def launch_ms(gpu: GpuType) -> float:
     return gpu.architecture.launch_us * 1e-3
 
 
+def kernel_ms(flops: float, bytes_moved: float, kind: str, gpu: GpuType, dtype: str, tf32: bool = DEFAULT_TF32) -> float:
+    """One kernel of one pass as the derivation prices it: its roofline (``kind`` picks the efficiencies) plus
+    the generation's launch. Every derived operator is a sum of these; ``bench/reference_layers.py`` prices the
+    layers of published figures that are not a model Baton plans with it too."""
+    return _time_ms(flops, bytes_moved, kind, gpu, dtype, tf32) + launch_ms(gpu)
+
+
 def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch: int, share: float, seq_len: int | None = None,
                         *, tf32: bool = DEFAULT_TF32, score_pass_impl: str = RUNTIME_SCORE_PASSES) -> OpCost:
     """Roofline estimate of one layer operator: max(FLOPs / compute, bytes / bandwidth, floor) + launch, plus
@@ -418,12 +425,12 @@ def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch
     r = share if op.tp_split else 1.0
     flops = operator_flops(spec, op, micro_batch, s) * r
     moved = operator_bytes_moved(spec, op, micro_batch, s) * r
-    fwd = _time_ms(flops, moved, op.kind, gpu, spec.dtype, tf32) + launch_ms(gpu)
-    bwd = _time_ms(flops * BACKWARD_FACTOR[op.kind], moved * BACKWARD_FACTOR[op.kind], op.kind, gpu, spec.dtype, tf32) + launch_ms(gpu)
+    fwd = kernel_ms(flops, moved, op.kind, gpu, spec.dtype, tf32)
+    bwd = kernel_ms(flops * BACKWARD_FACTOR[op.kind], moved * BACKWARD_FACTOR[op.kind], op.kind, gpu, spec.dtype, tf32)
     fwd_passes, bwd_passes = score_passes(op, score_pass_impl)
     if fwd_passes or bwd_passes:
         pass_bytes = score_pass_bytes(dims(spec, micro_batch, s)) * r
-        one_pass = _time_ms(pass_bytes / (2 * spec.dtype_bytes), pass_bytes, "elementwise", gpu, spec.dtype) + launch_ms(gpu)
+        one_pass = kernel_ms(pass_bytes / (2 * spec.dtype_bytes), pass_bytes, "elementwise", gpu, spec.dtype)
         fwd += fwd_passes * one_pass
         bwd += bwd_passes * one_pass
     sizes = tensor_sizes(spec, micro_batch, s)

@@ -10,7 +10,10 @@ Sources of measurements:
   fitting set (`set` = fit: the figures the catalog's fitted fractions were chosen on) or the held-out set
   (held_out: other sources, never used to choose a fraction; profiles/reference/README.md has the rule), each
   derived as its code ran: eager or fused attention, and for eager the passes over the scores its code made
-  (`score_passes`: baton.operators.SCORE_PASSES; `--score-passes` derives every row with one instead);
+  (`score_passes`: baton.operators.SCORE_PASSES; `--score-passes` derives every row with one instead); the layer
+  it ran (`layer`: Transformer-XL's over its cached memory, bench/reference_layers.py); how it was timed (`timing`:
+  `op_alone`, each operator on its own from Python, at least the host's dispatch); and, where the row states its
+  model's layers, parameters and micro-batches per optimizer step, a throughput figure as whole steps;
 - profiles/measured/*.csv (shipped) and the user's measured/ tables: tables measured with `baton profile --device`
   or bench/bench_gpu.py (a lent GPU's table goes here; the model is read from the `.command.json` beside it);
 - this CPU: the runtime's layer timed here (absolute ratio only: the `cpu` catalog entry is a stand-in).
@@ -36,9 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from baton.catalog import gpu_type  # noqa: E402
+from baton.costmodel import optimizer_step_ms  # noqa: E402
 from baton.model_spec import PRESETS, from_mapping  # noqa: E402
 from baton.operators import RUNTIME_SCORE_PASSES, SCORE_PASSES, layer_operators  # noqa: E402
 from baton.profile import derive_table, profiles_dir, read_table  # noqa: E402
+from reference_layers import TRANSFORMER_XL, transformer_xl_layer_ms  # noqa: E402
 
 TARGET_GEOMEAN, TARGET_WORST = 1.15, 1.4
 
@@ -61,19 +66,74 @@ def parse_overrides(text) -> dict:
     return out
 
 
+TIMINGS = ("step", "op_alone")
+"""How a figure was timed: `step`, operators run one after another as a training step runs them (the host runs
+ahead of the GPU, so launches hide behind kernels); `op_alone`, each operator timed on its own from Python (Aceso's
+op profiler), so an operator takes at least the host's time to dispatch it, on any GPU."""
+
+LAYERS = ("gpt", TRANSFORMER_XL)
+"""The layer a figure ran: a GPT/BERT layer (`baton.operators`), or Transformer-XL's (`bench/reference_layers.py`)."""
+
+
 def derived_layer_ms(base: str, gpu: str, *, seq_len: int, micro_batch: int, dtype: str, tf32: bool,
                      attention: str, overrides: dict | None = None, forward_only: bool = False,
-                     score_passes: str = RUNTIME_SCORE_PASSES) -> float:
+                     score_passes: str = RUNTIME_SCORE_PASSES, layer: str = "gpt", memory_len: int = 0,
+                     host_floor: dict[str, float] | None = None) -> float:
     """Forward + backward (or the forward alone) of one layer (every operator, share 1) from the derivation,
-    with the attention implementation, the passes over its scores and the layer shape the measurement ran."""
+    with the attention implementation, the passes over its scores and the layer shape the measurement ran:
+    Transformer-XL's layer over ``memory_len`` cached tokens for ``layer`` = transformer_xl; with ``host_floor``
+    (operator -> ms) every operator's pass at least that long, for figures timed one operator at a time."""
     spec = PRESETS[base].with_overrides(seq_len=seq_len, dtype=dtype, attention=attention, **(overrides or {}))
+    if layer == TRANSFORMER_XL:
+        return transformer_xl_layer_ms(gpu_type(gpu), d=spec.hidden_dim, n=spec.num_heads, f=spec.ffn_dim, q=seq_len,
+                                       memory=memory_len, b=micro_batch, dtype=dtype, e=spec.dtype_bytes, tf32=tf32,
+                                       forward_only=forward_only)
     df = derive_table(spec, gpu, micro_batches=(micro_batch,), shares=(1.0,), tf32=tf32, score_pass_impl=score_passes)
+    if host_floor is not None:
+        floor = df.op.map(host_floor).fillna(host_floor[ANY_OPERATOR])
+        df = df.assign(fwd_ms=df.fwd_ms.clip(lower=floor), bwd_ms=df.bwd_ms.clip(lower=floor))
     return layer_ms_of(df, [o.name for o in layer_operators(spec)], micro_batch, forward_only=forward_only)
 
 
 def layer_ms_of(df: pd.DataFrame, ops: list[str], micro_batch: int, *, forward_only: bool = False) -> float:
     rows = df[df.op.isin(ops) & (df.micro_batch == micro_batch) & (df.tp_share == 1.0)]
     return float(rows.fwd_ms.sum() + (0.0 if forward_only else rows.bwd_ms.sum()))
+
+
+ANY_OPERATOR = "*"
+"""The host floor's key for an operator no measured table holds: the median over those they do hold."""
+
+
+def host_dispatch_ms(directory: Path = ROOT / "profiles" / "measured") -> dict[str, float]:
+    """Per operator, the host's time to launch one pass of it: the median over the shipped measured tables that
+    have host columns (an H200 host, torch 2.11, bench/bench_gpu.py) of its forward and backward host times at the
+    table's smallest micro-batch, where the host's work is least hidden by the kernels' and is all that is left.
+    It is the only measurement of a Python framework's per-operator dispatch the project has; a published figure
+    timed one operator at a time paid its own host's, which no source states."""
+    per_op: dict[str, list[float]] = {}
+    for path in sorted(directory.glob("*.csv")):
+        df = read_table(path)
+        if "fwd_host_ms" not in df.columns:
+            continue
+        small = df[(df.micro_batch == df.micro_batch.min()) & (df.tp_share == 1.0) & (df.fwd_host_ms > 0)]
+        for r in small.itertuples(index=False):
+            per_op.setdefault(r.op, []).extend([r.fwd_host_ms, r.bwd_host_ms])
+    if not per_op:
+        raise ValueError(f"{directory}: no measured table with host columns")
+    floor = {op: float(pd.Series(v).median()) for op, v in per_op.items()}
+    floor[ANY_OPERATOR] = float(pd.Series(list(floor.values())).median())
+    return floor
+
+
+def optimizer_cadences(ref: pd.DataFrame) -> set[str]:
+    """Groups whose whole-model figures can be derived as whole training steps: every row of the group states its
+    model's layer count, its parameters and how many micro-batches it runs per optimizer step. Others keep the old
+    reading (the layers' share of the step assumed equal on every GPU)."""
+    cols = ("num_layers", "params_m", "optimizer_every")
+    if not all(c in ref.columns for c in cols):
+        return set()
+    stated = ref[list(cols)].notna().all(axis=1)
+    return {g for g, ok in stated.groupby(ref.group) if ok.all()}
 
 
 def fold(x: float) -> float:
@@ -89,8 +149,12 @@ def reference_rows(path: Path, *, score_passes: str | None = None) -> list[dict]
         ref["score_passes"] = RUNTIME_SCORE_PASSES
     if "set" not in ref.columns:  # a reference file from before the split: all of it was fitted on
         ref["set"] = "fit"
-    if "overrides" not in ref.columns:
-        ref["overrides"] = ""
+    for column, default in (("overrides", ""), ("layer", "gpt"), ("timing", "step"), ("memory_len", 0)):
+        if column not in ref.columns:
+            ref[column] = default
+        ref[column] = ref[column].fillna(default)
+    whole_step = optimizer_cadences(ref)
+    host_floor = host_dispatch_ms() if (ref.timing == "op_alone").any() else None
     out = []
     for r in ref.itertuples(index=False):
         if r.set not in SETS:
@@ -103,9 +167,20 @@ def reference_rows(path: Path, *, score_passes: str | None = None) -> list[dict]
         passes = score_passes or r.score_passes
         if passes not in SCORE_PASSES:
             raise ValueError(f"{path}: score_passes must be one of {tuple(SCORE_PASSES)}, got {passes!r} ({r.group} {r.gpu})")
-        derived = derived_layer_ms(r.base_model, gpu_type(r.gpu).name, seq_len=int(r.seq_len), micro_batch=mb, dtype=r.dtype,
+        if r.layer not in LAYERS or r.timing not in TIMINGS:
+            raise ValueError(f"{path}: layer must be one of {LAYERS} and timing one of {TIMINGS} ({r.group} {r.gpu})")
+        gpu = gpu_type(r.gpu)
+        derived = derived_layer_ms(r.base_model, gpu.name, seq_len=int(r.seq_len), micro_batch=mb, dtype=r.dtype,
                                    tf32=tf32, attention=r.attention, overrides=parse_overrides(r.overrides),
-                                   forward_only=r.metric == "layer_fwd_ms", score_passes=passes)
+                                   forward_only=r.metric == "layer_fwd_ms", score_passes=passes, layer=r.layer,
+                                   memory_len=int(r.memory_len), host_floor=host_floor if r.timing == "op_alone" else None)
+        derived_sample = derived / mb
+        if r.group in whole_step and r.metric in ("samples_per_s", "tokens_per_s"):
+            # A whole training step: the layers, and the optimizer step (eq. 10) once per optimizer_every micro-batches;
+            # the embedding and the head are still assumed to take the layers' share of it on every GPU.
+            spec = PRESETS[r.base_model].with_overrides(dtype=r.dtype)
+            step = optimizer_step_ms(float(r.params_m) * 1e6 * spec.dtype_bytes, spec, gpu.memory_bandwidth_gb_per_s)
+            derived_sample = (int(r.num_layers) * derived + step / float(r.optimizer_every)) / (int(r.num_layers) * mb)
         if r.metric in ("layer_ms", "layer_fwd_ms"):
             measured_per_sample = float(r.value) / mb
         elif r.metric == "samples_per_s":
@@ -117,7 +192,8 @@ def reference_rows(path: Path, *, score_passes: str | None = None) -> list[dict]
                     "dtype": r.dtype, "tf32": tf32, "micro_batch": mb, "seq_len": int(r.seq_len), "metric": r.metric,
                     "score_passes": passes if r.attention == "eager" else None,
                     "reference_gpu": gpu_type(r.reference_gpu).name, "derived_ms": derived, "measured_value": float(r.value),
-                    "derived_per_sample": derived / mb, "measured_per_sample": measured_per_sample,
+                    "derived_per_sample": derived_sample, "measured_per_sample": measured_per_sample, "layer": r.layer,
+                    "timing": r.timing, "whole_step": r.group in whole_step,
                     "absolute": r.metric in ("layer_ms", "layer_fwd_ms"), "source": r.source})
     return out
 
@@ -227,13 +303,14 @@ def markdown(rows: list[dict], summary: dict) -> str:
         if not part:
             continue
         lines += [f"## {SET_TITLES[name]}", "",
-                  "| group | gpu (as measured) | dtype | mb | derived ms | measured | derived / measured | speed vs reference: derived | measured | error |",
-                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| group | gpu (as measured) | dtype | mb | derived as | derived ms | measured | derived / measured | speed vs reference: derived | measured | error |",
+                  "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in part:
             unit = UNITS[r["metric"]]
             dtype = r["dtype"] + (" (TF32)" if r["tf32"] else "")
             d_over_m = f"{r['derived_over_measured']:.2f}" if r["derived_over_measured"] is not None else "-"
-            head = (f"| {r['group']} | {r['gpu']} ({r['device_as_named']}) | {dtype} | {r['micro_batch']} | {r['derived_ms']:.2f} | "
+            head = (f"| {r['group']} | {r['gpu']} ({r['device_as_named']}) | {dtype} | {r['micro_batch']} | {derived_as(r)} | "
+                    f"{r['derived_ms']:.2f} | "
                     f"{r['measured_value']:g} {unit} | {d_over_m} | ")
             if r["relative_error"] is None:
                 rel = "reference" if r["gpu"] == r["reference_gpu"] else "-"
@@ -243,9 +320,22 @@ def markdown(rows: list[dict], summary: dict) -> str:
         lines += ["", summary_line(SET_TITLES[name], summary[name]), ""]
     lines.append("Times are one layer, forward + backward ('ms fwd': the forward alone), per the row's micro-batch. 'speed vs "
                  "reference' is the time per sample relative to the group's reference GPU (lower is faster); error is derived / "
-                 "measured of that, folded to >= 1. Throughput rows compare ratios only (derived / measured is '-'). The fitted "
-                 "fractions in baton/catalog.py were chosen on the fitting set alone.")
+                 "measured of that, folded to >= 1. Throughput rows compare ratios only (derived / measured is '-'); where "
+                 "'derived as' says '+ optimizer step', the ratio is of whole steps (every layer, and the optimizer step of "
+                 "eq. 10 once per optimizer update). 'each op >= host dispatch': every operator's pass at least the host's time "
+                 "to launch it (the shipped measured tables' host columns). The fitted fractions in baton/catalog.py were "
+                 "chosen on the fitting set alone.")
     return "\n".join(lines) + "\n"
+
+
+def derived_as(r: dict) -> str:
+    """How a row was derived beyond its GPU's table: the layer it ran, how it was timed, whether as a whole step."""
+    parts = ["Transformer-XL layer" if r.get("layer") == TRANSFORMER_XL else "layer"]
+    if r.get("timing") == "op_alone":
+        parts.append("each op >= host dispatch")
+    if r.get("whole_step"):
+        parts.append("+ optimizer step")
+    return ", ".join(parts)
 
 
 def summary_line(title: str, s: dict) -> str:
