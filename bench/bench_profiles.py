@@ -10,7 +10,7 @@ Sources of measurements:
   fitting set (`set` = fit: the figures the catalog's fitted fractions were chosen on) or the held-out set
   (held_out: other sources, never used to choose a fraction; profiles/reference/README.md has the rule), each
   derived as its code ran: eager or fused attention, and for eager the passes over the scores its code made
-  (`score_passes`: baton.operators.SCORE_PASSES; `--score-passes` derives every row with one instead); the layer
+  (`score_passes`: baton.operators.SCORE_PASSES; `--score-passes` derives every GPT-layer row with one instead); the layer
   it ran (`layer`: Transformer-XL's over its cached memory, bench/reference_layers.py); how it was timed (`timing`:
   `op_alone`, each operator on its own from Python, at least the host's dispatch); and, where the row states its
   model's layers, parameters and micro-batches per optimizer step, a throughput figure as whole steps;
@@ -31,6 +31,7 @@ import math
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -42,7 +43,8 @@ from baton.catalog import gpu_type  # noqa: E402
 from baton.costmodel import optimizer_step_ms  # noqa: E402
 from baton.model_spec import PRESETS, from_mapping  # noqa: E402
 from baton.operators import RUNTIME_SCORE_PASSES, SCORE_PASSES, layer_operators  # noqa: E402
-from baton.profile import derive_table, profiles_dir, read_table  # noqa: E402
+from baton.operators import EMBEDDING, HEAD  # noqa: E402
+from baton.profile import OPTIMIZER, derive_table, profiles_dir, read_table  # noqa: E402
 from reference_layers import TRANSFORMER_XL, transformer_xl_layer_ms  # noqa: E402
 
 TARGET_GEOMEAN, TARGET_WORST = 1.15, 1.4
@@ -78,20 +80,21 @@ LAYERS = ("gpt", TRANSFORMER_XL)
 def derived_layer_ms(base: str, gpu: str, *, seq_len: int, micro_batch: int, dtype: str, tf32: bool,
                      attention: str, overrides: dict | None = None, forward_only: bool = False,
                      score_passes: str = RUNTIME_SCORE_PASSES, layer: str = "gpt", memory_len: int = 0,
-                     host_floor: dict[str, float] | None = None) -> float:
+                     attention_dropout: bool = False, host_floor: "HostFloor | None" = None) -> float:
     """Forward + backward (or the forward alone) of one layer (every operator, share 1) from the derivation,
-    with the attention implementation, the passes over its scores and the layer shape the measurement ran:
-    Transformer-XL's layer over ``memory_len`` cached tokens for ``layer`` = transformer_xl; with ``host_floor``
-    (operator -> ms) every operator's pass at least that long, for figures timed one operator at a time."""
+    with the attention implementation, the passes over its scores and the layer shape the measurement ran.
+    ``layer`` = transformer_xl: Transformer-XL's layer over ``memory_len`` cached tokens, its attention dropout on
+    or off (its kernels are its own: ``score_passes`` and ``host_floor`` do not apply). ``host_floor``: every
+    operator's forward and backward at least the host's dispatch of it, for figures timed one operator at a time."""
     spec = PRESETS[base].with_overrides(seq_len=seq_len, dtype=dtype, attention=attention, **(overrides or {}))
     if layer == TRANSFORMER_XL:
         return transformer_xl_layer_ms(gpu_type(gpu), d=spec.hidden_dim, n=spec.num_heads, f=spec.ffn_dim, q=seq_len,
                                        memory=memory_len, b=micro_batch, dtype=dtype, e=spec.dtype_bytes, tf32=tf32,
-                                       forward_only=forward_only)
+                                       attention_dropout=attention_dropout, forward_only=forward_only)
     df = derive_table(spec, gpu, micro_batches=(micro_batch,), shares=(1.0,), tf32=tf32, score_pass_impl=score_passes)
     if host_floor is not None:
-        floor = df.op.map(host_floor).fillna(host_floor[ANY_OPERATOR])
-        df = df.assign(fwd_ms=df.fwd_ms.clip(lower=floor), bwd_ms=df.bwd_ms.clip(lower=floor))
+        df = df.assign(fwd_ms=df.fwd_ms.clip(lower=df.op.map(host_floor.fwd_ms).fillna(host_floor.any_fwd_ms)),
+                       bwd_ms=df.bwd_ms.clip(lower=df.op.map(host_floor.bwd_ms).fillna(host_floor.any_bwd_ms)))
     return layer_ms_of(df, [o.name for o in layer_operators(spec)], micro_batch, forward_only=forward_only)
 
 
@@ -100,39 +103,65 @@ def layer_ms_of(df: pd.DataFrame, ops: list[str], micro_batch: int, *, forward_o
     return float(rows.fwd_ms.sum() + (0.0 if forward_only else rows.bwd_ms.sum()))
 
 
-ANY_OPERATOR = "*"
-"""The host floor's key for an operator no measured table holds: the median over those they do hold."""
+HOST_DISPATCH_TABLES = ("h200__gpt3-350m-bf16-s1024__s1024.csv", "h200__gpt3-1.3b-bf16-s1024__s1024.csv")
+"""The shipped measured tables whose host columns give the host's dispatch of each operator (bench/bench_gpu.py on
+an H200 host, torch 2.11, 2026-11-27), named so that a table measured later does not move a published figure's
+derivation."""
 
 
-def host_dispatch_ms(directory: Path = ROOT / "profiles" / "measured") -> dict[str, float]:
-    """Per operator, the host's time to launch one pass of it: the median over the shipped measured tables that
-    have host columns (an H200 host, torch 2.11, bench/bench_gpu.py) of its forward and backward host times at the
-    table's smallest micro-batch, where the host's work is least hidden by the kernels' and is all that is left.
-    It is the only measurement of a Python framework's per-operator dispatch the project has; a published figure
-    timed one operator at a time paid its own host's, which no source states."""
-    per_op: dict[str, list[float]] = {}
-    for path in sorted(directory.glob("*.csv")):
-        df = read_table(path)
-        if "fwd_host_ms" not in df.columns:
-            continue
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostFloor:
+    """The host's time to launch one pass of each layer operator, from Python."""
+
+    fwd_ms: dict
+    """Operator -> its forward's host time, ms."""
+    bwd_ms: dict
+    """Operator -> its backward's host time, ms."""
+    any_fwd_ms: float
+    """For a layer operator none of the tables holds: the median of ``fwd_ms``."""
+    any_bwd_ms: float
+    """Likewise for the backward."""
+
+
+def host_dispatch_ms(directory: Path = ROOT / "profiles" / "measured", tables=HOST_DISPATCH_TABLES) -> HostFloor:
+    """Per layer operator, the median over ``tables`` of its forward (and apart, its backward) host time at the
+    table's smallest micro-batch, where the kernels hide least of the host's work. It is the project's only
+    measurement of a Python framework's per-operator dispatch; a published figure timed one operator at a time paid
+    its own host's, which no source states, so this is a stand-in, the same on every GPU."""
+    fwd: dict[str, list[float]] = {}
+    bwd: dict[str, list[float]] = {}
+    for name in tables:
+        df = read_table(directory / name)
         small = df[(df.micro_batch == df.micro_batch.min()) & (df.tp_share == 1.0) & (df.fwd_host_ms > 0)]
         for r in small.itertuples(index=False):
-            per_op.setdefault(r.op, []).extend([r.fwd_host_ms, r.bwd_host_ms])
-    if not per_op:
-        raise ValueError(f"{directory}: no measured table with host columns")
-    floor = {op: float(pd.Series(v).median()) for op, v in per_op.items()}
-    floor[ANY_OPERATOR] = float(pd.Series(list(floor.values())).median())
-    return floor
+            if r.op in (EMBEDDING, HEAD, OPTIMIZER):
+                continue
+            fwd.setdefault(r.op, []).append(r.fwd_host_ms)
+            bwd.setdefault(r.op, []).append(r.bwd_host_ms)
+    med = {op: float(pd.Series(v).median()) for op, v in fwd.items()}
+    med_b = {op: float(pd.Series(v).median()) for op, v in bwd.items()}
+    return HostFloor(fwd_ms=med, bwd_ms=med_b, any_fwd_ms=float(pd.Series(list(med.values())).median()),
+                     any_bwd_ms=float(pd.Series(list(med_b.values())).median()))
 
 
-def optimizer_cadences(ref: pd.DataFrame) -> set[str]:
-    """Groups whose whole-model figures can be derived as whole training steps: every row of the group states its
+CADENCE = ("num_layers", "params_m", "optimizer_every")
+"""What a throughput figure's source must state for it to be derived as whole training steps."""
+
+
+def optimizer_cadences(ref: pd.DataFrame, path: Path) -> set[str]:
+    """Groups whose whole-model figures are derived as whole training steps: every row of the group states its
     model's layer count, its parameters and how many micro-batches it runs per optimizer step. Others keep the old
-    reading (the layers' share of the step assumed equal on every GPU)."""
-    cols = ("num_layers", "params_m", "optimizer_every")
-    if not all(c in ref.columns for c in cols):
+    reading (the layers' share of the step assumed equal on every GPU). A group that states them on some rows only
+    is refused: its GPUs would be compared on different terms."""
+    if not all(c in ref.columns for c in CADENCE):
         return set()
-    stated = ref[list(cols)].notna().all(axis=1)
+    stated = ref[list(CADENCE)].notna().all(axis=1)
+    partial = sorted(g for g, ok in stated.groupby(ref.group) if ok.any() and not ok.all())
+    if partial:
+        raise ValueError(f"{path}: {', '.join(CADENCE)} given on some rows of {', '.join(partial)} only")
+    bad = ref[stated & ((ref.num_layers < 1) | (ref.params_m <= 0) | (ref.optimizer_every < 1))]
+    if len(bad):
+        raise ValueError(f"{path}: num_layers and optimizer_every must be >= 1 and params_m > 0 ({bad.group.iloc[0]})")
     return {g for g, ok in stated.groupby(ref.group) if ok.all()}
 
 
@@ -149,11 +178,12 @@ def reference_rows(path: Path, *, score_passes: str | None = None) -> list[dict]
         ref["score_passes"] = RUNTIME_SCORE_PASSES
     if "set" not in ref.columns:  # a reference file from before the split: all of it was fitted on
         ref["set"] = "fit"
-    for column, default in (("overrides", ""), ("layer", "gpt"), ("timing", "step"), ("memory_len", 0)):
+    for column, default in (("overrides", ""), ("layer", "gpt"), ("timing", "step"), ("memory_len", 0),
+                            ("attention_dropout", 0.0)):
         if column not in ref.columns:
             ref[column] = default
         ref[column] = ref[column].fillna(default)
-    whole_step = optimizer_cadences(ref)
+    whole_step = optimizer_cadences(ref, path)
     host_floor = host_dispatch_ms() if (ref.timing == "op_alone").any() else None
     out = []
     for r in ref.itertuples(index=False):
@@ -169,11 +199,15 @@ def reference_rows(path: Path, *, score_passes: str | None = None) -> list[dict]
             raise ValueError(f"{path}: score_passes must be one of {tuple(SCORE_PASSES)}, got {passes!r} ({r.group} {r.gpu})")
         if r.layer not in LAYERS or r.timing not in TIMINGS:
             raise ValueError(f"{path}: layer must be one of {LAYERS} and timing one of {TIMINGS} ({r.group} {r.gpu})")
+        if r.layer == TRANSFORMER_XL and (int(r.memory_len) < 1 or r.timing != "step" or r.attention != "eager"):
+            raise ValueError(f"{path}: a transformer_xl row needs memory_len >= 1, timing step and eager attention "
+                             f"({r.group} {r.gpu})")
         gpu = gpu_type(r.gpu)
         derived = derived_layer_ms(r.base_model, gpu.name, seq_len=int(r.seq_len), micro_batch=mb, dtype=r.dtype,
                                    tf32=tf32, attention=r.attention, overrides=parse_overrides(r.overrides),
                                    forward_only=r.metric == "layer_fwd_ms", score_passes=passes, layer=r.layer,
-                                   memory_len=int(r.memory_len), host_floor=host_floor if r.timing == "op_alone" else None)
+                                   memory_len=int(r.memory_len), attention_dropout=float(r.attention_dropout) > 0,
+                                   host_floor=host_floor if r.timing == "op_alone" else None)
         derived_sample = derived / mb
         if r.group in whole_step and r.metric in ("samples_per_s", "tokens_per_s"):
             # A whole training step: the layers, and the optimizer step (eq. 10) once per optimizer_every micro-batches;
@@ -355,7 +389,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="profiles", help="file stem of the results")
     ap.add_argument("--score-passes", choices=tuple(SCORE_PASSES), default=None,
-                    help="derive every reference row's eager attention with these passes over the scores instead of the "
+                    help="derive every GPT-layer reference row's eager attention with these passes over the scores instead of the "
                          "row's own (fused_softmax: the accounting before the passes were priced)")
     args = ap.parse_args()
     t0 = time.perf_counter()
