@@ -179,7 +179,7 @@ def reference_rows(path: Path, *, score_passes: str | None = None) -> list[dict]
     if "set" not in ref.columns:  # a reference file from before the split: all of it was fitted on
         ref["set"] = "fit"
     for column, default in (("overrides", ""), ("layer", "gpt"), ("timing", "step"), ("memory_len", 0),
-                            ("attention_dropout", 0.0)):
+                            ("attention_dropout", 0.0), ("added", "")):
         if column not in ref.columns:
             ref[column] = default
         ref[column] = ref[column].fillna(default)
@@ -227,7 +227,7 @@ def reference_rows(path: Path, *, score_passes: str | None = None) -> list[dict]
                     "score_passes": passes if r.attention == "eager" else None,
                     "reference_gpu": gpu_type(r.reference_gpu).name, "derived_ms": derived, "measured_value": float(r.value),
                     "derived_per_sample": derived_sample, "measured_per_sample": measured_per_sample, "layer": r.layer,
-                    "timing": r.timing, "whole_step": r.group in whole_step,
+                    "timing": r.timing, "whole_step": r.group in whole_step, "added": str(r.added),
                     "absolute": r.metric in ("layer_ms", "layer_fwd_ms"), "source": r.source})
     return out
 
@@ -299,7 +299,11 @@ def score(rows: list[dict]) -> dict:
         measured_rel = r["measured_per_sample"] / ref["measured_per_sample"]
         r["derived_relative"], r["measured_relative"] = derived_rel, measured_rel
         r["relative_error"] = derived_rel / measured_rel
-    return {name: set_summary([r for r in rows if r.get("set") == name]) for name in (*SETS, "measured")}
+    summary = {name: set_summary([r for r in rows if r.get("set") == name]) for name in (*SETS, "measured")}
+    # the held-out figures by the day they joined the file: each batch is unseen until the day it is first scored
+    summary["held_out_by_added"] = {day: set_summary([r for r in rows if r.get("set") == "held_out" and r.get("added") == day])
+                                    for day in sorted({r.get("added", "") for r in rows if r.get("set") == "held_out"})}
+    return summary
 
 
 def set_summary(rows: list[dict]) -> dict:
@@ -352,6 +356,9 @@ def markdown(rows: list[dict], summary: dict) -> str:
             else:
                 lines.append(head + f"{r['derived_relative']:.2f}x | {r['measured_relative']:.2f}x | {fold(r['relative_error']):.2f} |")
         lines += ["", summary_line(SET_TITLES[name], summary[name]), ""]
+        if name == "held_out":
+            for day, sub in summary["held_out_by_added"].items():
+                lines += [summary_line(f"Held-out figures added {day or '(undated)'}", sub), ""]
     lines.append("Times are one layer, forward + backward ('ms fwd': the forward alone), per the row's micro-batch. 'speed vs "
                  "reference' is the time per sample relative to the group's reference GPU (lower is faster); error is derived / "
                  "measured of that, folded to >= 1. Throughput rows compare ratios only (derived / measured is '-'); where "
