@@ -416,6 +416,15 @@ def kernel_ms(flops: float, bytes_moved: float, kind: str, gpu: GpuType, dtype: 
     return _time_ms(flops, bytes_moved, kind, gpu, dtype, tf32) + launch_ms(gpu)
 
 
+def kernel_passes_ms(flops: float, bytes_moved: float, kind: str, gpu: GpuType, dtype: str,
+                     tf32: bool = DEFAULT_TF32) -> tuple[float, float]:
+    """(forward, backward) of one kernel whose forward does ``flops`` and moves ``bytes_moved``: its backward does
+    ``BACKWARD_FACTOR[kind]`` times both, as one kernel of its own."""
+    factor = BACKWARD_FACTOR[kind]
+    return (kernel_ms(flops, bytes_moved, kind, gpu, dtype, tf32),
+            kernel_ms(flops * factor, bytes_moved * factor, kind, gpu, dtype, tf32))
+
+
 def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch: int, share: float, seq_len: int | None = None,
                         *, tf32: bool = DEFAULT_TF32, score_pass_impl: str = RUNTIME_SCORE_PASSES) -> OpCost:
     """Roofline estimate of one layer operator: max(FLOPs / compute, bytes / bandwidth, floor) + launch, plus
@@ -425,8 +434,7 @@ def analytic_layer_cost(spec: ModelSpec, gpu: GpuType, op: Operator, micro_batch
     r = share if op.tp_split else 1.0
     flops = operator_flops(spec, op, micro_batch, s) * r
     moved = operator_bytes_moved(spec, op, micro_batch, s) * r
-    fwd = kernel_ms(flops, moved, op.kind, gpu, spec.dtype, tf32)
-    bwd = kernel_ms(flops * BACKWARD_FACTOR[op.kind], moved * BACKWARD_FACTOR[op.kind], op.kind, gpu, spec.dtype, tf32)
+    fwd, bwd = kernel_passes_ms(flops, moved, op.kind, gpu, spec.dtype, tf32)
     fwd_passes, bwd_passes = score_passes(op, score_pass_impl)
     if fwd_passes or bwd_passes:
         pass_bytes = score_pass_bytes(dims(spec, micro_batch, s)) * r

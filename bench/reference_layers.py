@@ -7,7 +7,7 @@ positions and shifts it, so a GPT layer of the segment's length undercounts its 
 profiles-2026-11-26.md). Its layer is written here as the kernels NVIDIA's implementation launches
 (DeepLearningExamples `PyTorch/LanguageModeling/Transformer-XL/pytorch/mem_transformer.py`,
 `RelPartialLearnableDecoderLayer` with post-norm, as the published runs used; commit 729963d), each priced by
-`baton.profile.kernel_ms`, the function every derived operator is priced with. Nothing here is fitted.
+`baton.profile.kernel_passes_ms`, the function every derived operator is priced with. Nothing here is fitted.
 
 Shape legend: q the segment's tokens per sample (`tgt_len`), k = q + memory the keys per sample, b samples, d the
 width, n heads, f the feed-forward width, e bytes per element.
@@ -15,7 +15,7 @@ width, n heads, f the feed-forward width, e bytes per element.
 from __future__ import annotations
 
 from baton.catalog import GpuType
-from baton.profile import BACKWARD_FACTOR, kernel_ms
+from baton.profile import kernel_passes_ms
 
 TRANSFORMER_XL = "transformer_xl"
 """The `layer` cell of profiles/reference/layers.csv for Transformer-XL rows (`gpt`, the default, for the rest)."""
@@ -71,12 +71,11 @@ def transformer_xl_kernels(*, d: int, n: int, f: int, q: int, memory: int, b: in
 
 def transformer_xl_layer_ms(gpu: GpuType, *, d: int, n: int, f: int, q: int, memory: int, b: int, dtype: str, e: int,
                             tf32: bool, attention_dropout: bool, forward_only: bool = False) -> float:
-    """Forward + backward (or the forward alone) of one layer: every kernel, and its backward at the derivation's
-    backward factor of its kind (`baton.profile.BACKWARD_FACTOR`), as `analytic_layer_cost` prices an operator."""
+    """Forward + backward (or the forward alone) of one layer: every kernel's passes as `analytic_layer_cost` prices
+    an operator's (`baton.profile.kernel_passes_ms`)."""
     total = 0.0
     for kind, flops, moved in transformer_xl_kernels(d=d, n=n, f=f, q=q, memory=memory, b=b, e=e,
                                                      attention_dropout=attention_dropout):
-        total += kernel_ms(flops, moved, kind, gpu, dtype, tf32)
-        if not forward_only:
-            total += kernel_ms(flops * BACKWARD_FACTOR[kind], moved * BACKWARD_FACTOR[kind], kind, gpu, dtype, tf32)
+        fwd, bwd = kernel_passes_ms(flops, moved, kind, gpu, dtype, tf32)
+        total += fwd if forward_only else fwd + bwd
     return total
