@@ -38,7 +38,7 @@ from runtime.parallel.offload import OffloadStash
 from runtime.parallel.slicing import parameter_slice, take_slice, vocab_range
 from runtime.parallel.tensor_parallel import copy_to_tp, reduce_from_tp
 from runtime.parallel.tp_layer import MicroBatch, _Params
-from runtime.parallel.vocab_parallel import sum_tied_gradient, vocab_embedding, vocab_parallel_cross_entropy
+from runtime.parallel.vocab_parallel import holds_every_row, sum_tied_gradient, vocab_embedding, vocab_parallel_cross_entropy
 
 
 def check_compile(plan) -> None:
@@ -63,6 +63,8 @@ class StageModel(nn.Module):
         self.spec, self.first, self.last, self.tp_group = spec, first, last, tp_group
         self.heads, self.ffn_cols = heads, ffn_cols
         self.vocab = vocab_range(spec, heads)
+        self._whole_vocab = holds_every_row(self.vocab, padded_vocab(spec), tp_group)
+        """Every row of the vocabulary is this rank's, with no other rank beside it: its lookup and loss skip the masks."""
         self.meter = Meter()
         self.offload = frozenset(offload)
         self.stash = OffloadStash() if self.offload else None
@@ -116,7 +118,7 @@ class StageModel(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """First stage: tokens (B, T) -> the embedded input (B, T, C) of the first layer."""
         T = tokens.size(1)
-        x = reduce_from_tp(vocab_embedding(self.wte.weight, tokens, self.vocab.start), self.tp_group)
+        x = reduce_from_tp(vocab_embedding(self.wte.weight, tokens, self.vocab.start, whole=self._whole_vocab), self.tp_group)
         if self.spec.llama:
             return x
         # The position rows as a slice of the weight: its backward keeps nothing (a lookup would
@@ -132,7 +134,7 @@ class StageModel(nn.Module):
         if targets is None:
             return logits
         valid = max(0, min(self.vocab.stop, self.spec.vocab_size) - self.vocab.start)
-        return vocab_parallel_cross_entropy(logits, targets, self.vocab.start, valid, self.tp_group)
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab.start, valid, self.tp_group, whole=self._whole_vocab)
 
     def sum_tied_gradient(self, group) -> None:
         """Add the other end's gradient of the tied embedding to this rank's rows (``group``: the ranks
