@@ -64,7 +64,8 @@ class StageModel(nn.Module):
         self.heads, self.ffn_cols = heads, ffn_cols
         self.vocab = vocab_range(spec, heads)
         self._whole_vocab = holds_every_row(self.vocab, padded_vocab(spec), tp_group)
-        """Every row of the vocabulary is this rank's, with no other rank beside it: its lookup and loss skip the masks."""
+        """Every row of the vocabulary is this rank's, with no other rank beside it: its lookup and its loss skip the
+        masks."""
         self.meter = Meter()
         self.offload = frozenset(offload)
         self.stash = OffloadStash() if self.offload else None
@@ -118,7 +119,8 @@ class StageModel(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """First stage: tokens (B, T) -> the embedded input (B, T, C) of the first layer."""
         T = tokens.size(1)
-        x = reduce_from_tp(vocab_embedding(self.wte.weight, tokens, self.vocab.start, whole=self._whole_vocab), self.tp_group)
+        rows = vocab_embedding(self.wte.weight, tokens, self.vocab.start, whole=self._whole_vocab)
+        x = reduce_from_tp(rows, self.tp_group)
         if self.spec.llama:
             return x
         # The position rows as a slice of the weight: its backward keeps nothing (a lookup would
@@ -134,7 +136,8 @@ class StageModel(nn.Module):
         if targets is None:
             return logits
         valid = max(0, min(self.vocab.stop, self.spec.vocab_size) - self.vocab.start)
-        return vocab_parallel_cross_entropy(logits, targets, self.vocab.start, valid, self.tp_group, whole=self._whole_vocab)
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab.start, valid, self.tp_group,
+                                            whole=self._whole_vocab)
 
     def sum_tied_gradient(self, group) -> None:
         """Add the other end's gradient of the tied embedding to this rank's rows (``group``: the ranks
