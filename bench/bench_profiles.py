@@ -93,8 +93,7 @@ def derived_layer_ms(base: str, gpu: str, *, seq_len: int, micro_batch: int, dty
                                        attention_dropout=attention_dropout, forward_only=forward_only)
     df = derive_table(spec, gpu, micro_batches=(micro_batch,), shares=(1.0,), tf32=tf32, score_pass_impl=score_passes)
     if host_floor is not None:
-        df = df.assign(fwd_ms=df.fwd_ms.clip(lower=df.op.map(host_floor.fwd_ms).fillna(host_floor.any_fwd_ms)),
-                       bwd_ms=df.bwd_ms.clip(lower=df.op.map(host_floor.bwd_ms).fillna(host_floor.any_bwd_ms)))
+        df = host_floor.clip(df)
     return layer_ms_of(df, [o.name for o in layer_operators(spec)], micro_batch, forward_only=forward_only)
 
 
@@ -122,26 +121,25 @@ class HostFloor:
     any_bwd_ms: float
     """Likewise for the backward."""
 
+    def clip(self, df: pd.DataFrame) -> pd.DataFrame:
+        """A derived table with every operator's forward and backward at least the host's dispatch of it."""
+        return df.assign(fwd_ms=df.fwd_ms.clip(lower=df.op.map(self.fwd_ms).fillna(self.any_fwd_ms)),
+                         bwd_ms=df.bwd_ms.clip(lower=df.op.map(self.bwd_ms).fillna(self.any_bwd_ms)))
+
 
 def host_dispatch_ms(directory: Path = ROOT / "profiles" / "measured", tables=HOST_DISPATCH_TABLES) -> HostFloor:
     """Per layer operator, the median over ``tables`` of its forward (and apart, its backward) host time at the
     table's smallest micro-batch, where the kernels hide least of the host's work. It is the project's only
     measurement of a Python framework's per-operator dispatch; a published figure timed one operator at a time paid
     its own host's, which no source states, so this is a stand-in, the same on every GPU."""
-    fwd: dict[str, list[float]] = {}
-    bwd: dict[str, list[float]] = {}
+    rows = []
     for name in tables:
         df = read_table(directory / name)
-        small = df[(df.micro_batch == df.micro_batch.min()) & (df.tp_share == 1.0) & (df.fwd_host_ms > 0)]
-        for r in small.itertuples(index=False):
-            if r.op in (EMBEDDING, HEAD, OPTIMIZER):
-                continue
-            fwd.setdefault(r.op, []).append(r.fwd_host_ms)
-            bwd.setdefault(r.op, []).append(r.bwd_host_ms)
-    med = {op: float(pd.Series(v).median()) for op, v in fwd.items()}
-    med_b = {op: float(pd.Series(v).median()) for op, v in bwd.items()}
-    return HostFloor(fwd_ms=med, bwd_ms=med_b, any_fwd_ms=float(pd.Series(list(med.values())).median()),
-                     any_bwd_ms=float(pd.Series(list(med_b.values())).median()))
+        rows.append(df[(df.micro_batch == df.micro_batch.min()) & (df.tp_share == 1.0) & (df.fwd_host_ms > 0)
+                       & ~df.op.isin((EMBEDDING, HEAD, OPTIMIZER))])
+    per_op = pd.concat(rows).groupby("op")[["fwd_host_ms", "bwd_host_ms"]].median()
+    return HostFloor(fwd_ms=per_op.fwd_host_ms.to_dict(), bwd_ms=per_op.bwd_host_ms.to_dict(),
+                     any_fwd_ms=float(per_op.fwd_host_ms.median()), any_bwd_ms=float(per_op.bwd_host_ms.median()))
 
 
 CADENCE = ("num_layers", "params_m", "optimizer_every")

@@ -64,9 +64,10 @@ def device_views(cluster) -> dict:
     What ``family_key`` reads, worked out once per cluster: per skeleton, 22,000 skeletons of 512 GPUs took a
     minute."""
     kind_key = {n: k.key for k in node_kinds(cluster) for n in k.nodes}
-    seen = {d: (kind_key[node], repr(rest[1:])) for d, (node, rest) in _device_info(cluster).items()}
+    info = _device_info(cluster)
+    seen = {d: (kind_key[node], repr(rest[1:])) for d, (node, rest) in info.items()}
     rank = {v: i for i, v in enumerate(sorted(set(seen.values())))}
-    return {d: (node, rank[seen[d]]) for d, (node, _) in _device_info(cluster).items()}
+    return {d: (node, rank[seen[d]]) for d, (node, _) in info.items()}
 
 
 def structured_family(cluster, spec):
