@@ -398,7 +398,11 @@ def main() -> None:
                          "row's own (fused_softmax: the accounting before the passes were priced)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    rows = reference_rows(Path(args.reference), score_passes=args.score_passes)
+    try:
+        rows = reference_rows(Path(args.reference), score_passes=args.score_passes)
+    except (OSError, ValueError, KeyError) as exc:  # a reference file that cannot be read or derived as stated
+        print(f"bench_profiles: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     rows += measured_table_rows(ROOT / "profiles" / "measured", profiles_dir() / "measured")  # shipped, then the user's
     if not args.no_cpu:
         rows.append(local_cpu_row())

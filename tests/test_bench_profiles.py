@@ -212,3 +212,20 @@ def test_reference_rows_that_cannot_be_derived_as_stated_are_refused(tmp_path, e
     with pytest.raises(ValueError, match=message) as info:
         bench_profiles.reference_rows(edited)
     assert str(edited) in str(info.value) and "nvidia-txl-base-tf32" in str(info.value)
+
+
+def test_the_command_refuses_a_bad_reference_file_in_one_line_and_writes_nothing(tmp_path):
+    """From the command line, a refused reference file gives one line naming it, exit 2, and no results."""
+    import subprocess
+
+    ref = pd.read_csv(REFERENCE)
+    ref.loc[(ref.group == "nvidia-txl-base-tf32") & (ref.gpu == "a100-40gb"), "optimizer_every"] = 0
+    edited = tmp_path / "layers.csv"
+    ref.to_csv(edited, index=False)
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_profiles.py"), "--reference", str(edited), "--no-cpu",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(edited) in lines[0] and "must be >= 1" in lines[0], res.stderr
+    assert not out.exists()
