@@ -14,7 +14,8 @@ Level 3: the MILP (solver/milp.py): layers per stage, units per layer U and unit
 
 Candidates are visited in increasing order of a lower bound (solver/bounds.py), from a heap; a candidate
 whose bound is not below the incumbent (shrunk by the allowed gap) cannot hold a better plan and is
-skipped. In the exact family the non-uniform splits of a skeleton wait in the heap as one entry and are
+skipped. Each (skeleton, stage) waits in the heap as one entry at a bound on all its candidates until that entry
+reaches the front; in the exact family the non-uniform splits of a skeleton then wait as one entry again and are
 listed, in windows of their bounds, only when that entry reaches the front. The proven bound of the whole
 search is the smallest bound of any candidate not known to be worse: the MILP bound for solved ones, the
 cheap bound for skipped ones.
@@ -285,14 +286,15 @@ class _Entry(NamedTuple):
     """Push order."""
     kind: str
     """'cand' (one candidate), 'interleaved' (one candidate run interleaved), 'group' (the exact family's splits of a
-    (skeleton, stage) not listed yet), 'splits' (the structured family's splits of a (skeleton, stage), not listed
-    yet) or 'struct' (one structure of an unlike or stage-2/3 candidate)."""
+    (skeleton, stage) not listed yet), 'stage' (the exact family's candidates of a (skeleton, stage), not seeded yet),
+    'splits' (the structured family's splits of a (skeleton, stage), not listed yet) or 'struct' (one structure of an
+    unlike or stage-2/3 candidate)."""
     skeleton: int
     """Index into ``_Frontier.skeletons``."""
     zero_stage: int
     data: object
     """'cand': the canonical batches; 'interleaved': (canonical batches, chunks); 'group': (the start of its window
-    in ms, its relative width); 'splits': the stage whose replica bounds rank the replicas' speeds; 'struct': (tables,
+    in ms, its relative width); 'splits' and 'stage': the stage whose replica bounds rank the replicas' speeds; 'struct': (tables,
     structure, sync)."""
     refined: bool
     """The bound already holds what is only computed at the front (the sync bound, the collectives' bound)."""
@@ -616,11 +618,13 @@ def _stages_searched(sk: Skeleton, zero_stages, dominated: bool) -> list[int]:
 
 
 def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_stages, dominated: bool, splits: str) -> None:
-    """Push one skeleton's candidates at their cheap bounds: at every stage its uniform splits (exact family) or
-    structured ones, and in the exact family one group entry standing for all its other splits. The structured
-    family's splits of a stage wait in one 'splits' entry at a bound on all of them (``_Inputs.splits_bound``) until
-    it reaches the front, except when listed at once for a constructive plan (``EAGER_SPLITS_SHARE``): on 1,024
-    GPUs most skeletons' splits never have to be bounded, and the family's gap is proven once every skeleton is in."""
+    """Push one skeleton's candidates at their cheap bounds, stage by stage (``_seed_stage``), or, where a stage's
+    candidates may wait, one entry standing for all of them at a bound on every split (``_Inputs.splits_bound``,
+    rule 10 of solver/README.md) until it reaches the front. The structured family's splits wait so on 1,024 GPUs,
+    where most skeletons' splits never have to be bounded; the exact family's whole stages do, where poplar_a's
+    57,316 skeletons would otherwise be seeded one by one before any reached the front (rule 12). A stage is seeded
+    at once, for constructive plans (a first plan, and a good one, within seconds), when no plan exists yet or its
+    bound lies 3% below every candidate a constructive plan was found for (``EAGER_SPLITS_SHARE`` of the time)."""
     info = inputs.skeleton_info(sk)
     if any(not x for x in info.sizes):
         return
@@ -629,26 +633,38 @@ def _seed_skeleton(inputs: _Inputs, frontier: _Frontier, sk: Skeleton, *, zero_s
     zs = _stages_searched(sk, zero_stages, dominated)
     pipelined = [z for z in zs if z not in LAYERED_STAGES]
     for z in zs:
-        if splits == "uniform" or inputs.exact:
-            for batches in uniform_splits(info.sizes, inputs.global_batch):
-                _seed_candidate(inputs, frontier, k, batches, z)
+        zb = z if z in LAYERED_STAGES or not pipelined else pipelined[-1]
+        if splits == "uniform":
+            _seed_stage(inputs, frontier, k, z, zb, splits)
+            continue
+        key = inputs.splits_bound(info, z)
+        if not math.isfinite(key):  # no replica of some class can run any micro-batch
+            continue
+        spent = time.perf_counter() - frontier.progress.t_start
+        if ((frontier.best is None or key < frontier.greedy_bound_ms * CONSTRUCTIVE_MARGIN)
+                and frontier.eager_s <= EAGER_SPLITS_SHARE * spent + 1.0):
+            t = time.perf_counter()
+            _seed_stage(inputs, frontier, k, z, zb, splits, key)
+            frontier.eager_s += time.perf_counter() - t
         else:
-            zb = z if z in LAYERED_STAGES or not pipelined else pipelined[-1]
-            key = inputs.splits_bound(info, z)
-            if not math.isfinite(key):  # no replica of some class can run any micro-batch
-                continue
-            spent = time.perf_counter() - frontier.progress.t_start
-            if ((frontier.best is None or key < frontier.greedy_bound_ms * CONSTRUCTIVE_MARGIN)
-                    and frontier.eager_s <= EAGER_SPLITS_SHARE * spent + 1.0):
-                t = time.perf_counter()
-                _list_structured(inputs, frontier, k, z, zb, key)
-                frontier.eager_s += time.perf_counter() - t
-            else:
-                frontier.push(key, "splits", k, z, zb, True)
-        if inputs.exact and sk.num_replicas > 1:  # every other split, expanded lazily in bound order
-            floor, frontier.group_ceiling_ms[k, z] = inputs.group_range(info, z)
-            if math.isfinite(floor):
-                frontier.push(floor, "group", k, z, (0.0, GROUP_WINDOW), True)
+            frontier.push(key, "stage" if inputs.exact else "splits", k, z, zb, True)
+
+
+def _seed_stage(inputs: _Inputs, frontier: _Frontier, k: int, z: int, zb: int, splits: str,
+                key: float | None = None) -> None:
+    """Push skeleton k's candidates at stage z: its uniform splits (exact family, or ``splits`` 'uniform') and in the
+    exact family one group entry standing for all its other splits, or the structured family's splits
+    (``_list_structured``, with ``key`` their bound and the replicas' speeds ranked at stage ``zb``)."""
+    info = frontier.skeletons[k]
+    if splits == "uniform" or inputs.exact:
+        for batches in uniform_splits(info.sizes, inputs.global_batch):
+            _seed_candidate(inputs, frontier, k, batches, z)
+    else:
+        _list_structured(inputs, frontier, k, z, zb, key)
+    if inputs.exact and info.sk.num_replicas > 1:  # every other split, expanded lazily in bound order
+        floor, frontier.group_ceiling_ms[k, z] = inputs.group_range(info, z)
+        if math.isfinite(floor):
+            frontier.push(floor, "group", k, z, (0.0, GROUP_WINDOW), True)
 
 
 def _list_structured(inputs: _Inputs, frontier: _Frontier, k: int, z: int, zb: int, key: float) -> None:
@@ -757,6 +773,10 @@ def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
             _expand_group(inputs, frontier, entry)
         elif entry.kind == "splits":
             _list_structured(inputs, frontier, entry.skeleton, entry.zero_stage, entry.data, entry.bound_ms)
+        elif entry.kind == "stage":
+            tb = time.perf_counter()
+            _seed_stage(inputs, frontier, entry.skeleton, entry.zero_stage, entry.data, "auto")
+            frontier.build_s += time.perf_counter() - tb
         elif not entry.refined and _requeued_at_sync_bound(inputs, frontier, entry):
             pass  # back in the heap at its higher bound: other entries may now come first
         elif entry.kind == "struct":

@@ -186,3 +186,45 @@ def test_the_pipeline_and_sync_bound_is_the_brute_force_minimum_of_their_sum(see
     if math.isfinite(exact):
         least_d = min(max(D[s, L[s]] for s in range(p)) for L in splits)
         assert got >= B._least_largest_any(G, caps, lo, N) + least_d - 1e-12
+
+
+@pytest.mark.parametrize("seed,devices,layers,heads,batch", [(21, 3, 3, 2, 4), (5, 4, 2, 2, 2)])
+def test_exact_family_stages_left_waiting_hold_no_better_plan(monkeypatch, seed, devices, layers, heads, batch):
+    """Rule 12: the exact family pushes each (skeleton, stage) as one entry at rule 10's bound and seeds it only at
+    the front. Random three- and four-GPU instances (mixed-type groups and replicas of different shapes among the skeletons):
+    every stage left waiting, solved alone to optimality, costs at least its entry's bound and the returned plan.
+    Catches rule 10 above what it bounds for a skeleton the structured family never has (the search would then
+    skip the optimum), and a search that seeds everything anyway (nothing left waiting)."""
+    from baton.memory import RecomputeSpace
+    from tests.test_solver_helpers import random_instance
+
+    inst = random_instance(seed, num_devices=devices, num_layers=layers, heads=heads, universe_size=3,
+                           global_batch=batch, monotone=seed != 5)
+    pushed, seeded = {}, set()
+    push, seed_stage = S._Frontier.push, S._seed_stage
+
+    def recording_push(self, bound_ms, kind, k, z, data, refined):
+        if kind == "stage":
+            pushed[k, z] = (self.skeletons[k].sk, bound_ms)
+        push(self, bound_ms, kind, k, z, data, refined)
+
+    def recording_seed(inputs, frontier, k, z, *args, **kw):
+        seeded.add((k, z))
+        seed_stage(inputs, frontier, k, z, *args, **kw)
+
+    monkeypatch.setattr(S._Frontier, "push", recording_push)
+    monkeypatch.setattr(S, "_seed_stage", recording_seed)
+    space = RecomputeSpace(inst.spec, inst.universe)
+    kw = dict(global_batch=inst.global_batch, gap=0.0, time_limit=120, space=space, shard_grid=2, family="exact")
+    best = S.search(inst.spec, inst.cluster, inst.profiles, **kw)
+    monkeypatch.undo()
+    waiting = sorted((kz for kz in pushed if kz not in seeded), key=lambda kz: pushed[kz][1])
+    assert waiting, "every stage was seeded: nothing waited at its bound"
+    for k, z in waiting[:12]:  # the lowest bounds: the ones closest to being wrong
+        sk, bound = pushed[k, z]
+        try:
+            alone = S.search(inst.spec, inst.cluster, inst.profiles, skeletons=[sk], zero_stages=(z,), **kw)
+        except S.NoPlanFits:
+            continue
+        assert alone.objective_ms >= bound * (1 - 1e-9), (sk, z, alone.objective_ms, bound)
+        assert alone.objective_ms >= best.objective_ms * (1 - 1e-9)
