@@ -294,8 +294,8 @@ class _Entry(NamedTuple):
     zero_stage: int
     data: object
     """'cand': the canonical batches; 'interleaved': (canonical batches, chunks); 'group': (the start of its window
-    in ms, its relative width); 'splits' and 'stage': the stage whose replica bounds rank the replicas' speeds; 'struct': (tables,
-    structure, sync)."""
+    in ms, its relative width); 'splits' and 'stage': the stage whose replica bounds rank the replicas' speeds;
+    'struct': (tables, structure, sync)."""
     refined: bool
     """The bound already holds what is only computed at the front (the sync bound, the collectives' bound)."""
 
