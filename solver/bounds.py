@@ -26,8 +26,8 @@ import math
 import numpy as np
 
 from baton.cluster import ClusterSpec
-from baton.costmodel import (device_memory, device_slot, edge_cost, edge_param_count, embedding_sync_ms, group_sync_ms,
-                             stage_constants, layer_allreduce_ms, layer_cost, layer_limits, layer_param_count, slot_prices,
+from baton.costmodel import (RING_PASSES, allreduce_ms, device_memory, device_slot, edge_cost, edge_param_count,
+                             embedding_sync_ms, group_sync_ms, ring_step_ms, stage_constants, layer_allreduce_ms, layer_cost, layer_limits, layer_param_count, slot_prices,
                              layer_train_ms, fitting_layers, optimizer_bytes, pipeline_transfers)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
@@ -149,6 +149,9 @@ class BoundCache:
         self.slack: dict = {}
         self.group_pattern: dict = {}
         """TP group (device ids) -> its ``replica_pattern`` as a one-stage replica."""
+        self.unlike_sync: dict = {}
+        """Replicas' device sets (sorted) -> ``unlike_sync_lower_bound``: it depends on nothing else, and the exact
+        family's skeletons share a few thousand of them on 8 GPUs."""
 
 
 def _group_key(cluster, ids):
@@ -438,8 +441,8 @@ def skeleton_constant(spec, cluster, skeleton: Skeleton, cache: BoundCache, *, s
         pipes = skeleton.pipelines
         if classes is not None:
             pipes = [pipes[ids[0]] for ids in class_members(classes).values()]
-        cache.skeleton[key] = (embedding_sync_ms(cluster, spec, pipes)
-                               + (dp_sync_lower_bound(spec, cluster, skeleton) if sync else 0.0))
+        cache.skeleton[key] = embedding_sync_ms(cluster, spec, pipes) + (data_parallel_sync_bound(spec, cluster, skeleton, cache)
+                                                                         if sync else 0.0)
     return cache.skeleton[key]
 
 
@@ -530,6 +533,19 @@ def _slack(spec, slot, b: int, share: float, space, N: int, cache: BoundCache):
     return cache.slack[key]
 
 
+def data_parallel_sync_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton, cache: BoundCache) -> float:
+    """A lower bound on the data-parallel sync (eq. 13, 15) of every stage-0/1 plan of the skeleton: replicas of one
+    shape by their positions (``dp_sync_lower_bound``), of different shapes by their devices
+    (``unlike_sync_lower_bound``, memoised by the replicas' device sets)."""
+    if skeleton.one_shape:
+        return dp_sync_lower_bound(spec, cluster, skeleton)
+    key = tuple(sorted(tuple(sorted(d for stage in pipe for d in stage)) for pipe in skeleton.pipelines))
+    found = cache.unlike_sync.get(key)
+    if found is None:
+        found = cache.unlike_sync[key] = unlike_sync_lower_bound(spec, cluster, skeleton)
+    return found
+
+
 def dp_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton) -> float:
     """Eq. 13, 15 for replicas of one shape: T_dp = the slowest position's group sync, at least max_s of
     ``_dp_sync_lines``' line of stage s at its layer count; minimised over real-valued layer splits (L_s within its
@@ -555,6 +571,75 @@ def dp_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleto
         else:
             low = mid
     return low
+
+
+def unlike_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton) -> float:
+    """Eq. 13, 15 for replicas of different shapes (rule 13 of solver/README.md): a lower bound on T_dp of every plan
+    of the skeleton at stage 0 or 1, whatever its layer splits, units, batches and shard ratios; 0 for one replica.
+
+    Every group holding a piece of device d's parameters has at least one holder in each of the r replicas, so
+    r or more holders, and its slowest link is, figure by figure, no faster than d's link to the holder in any
+    other replica r'. Its collectives (an all-reduce, or a reduce-scatter and an all-gather padded to a largest
+    shard of at least its parameters over its holders) then cost at least alpha P_g + beta, with alpha and beta
+    the least over the devices x of r' of the slope and the fixed cost at r holders over link(d, x); both grow
+    with the holders and with a slower link. Sched runs d's groups one after another, so T_dp >= alpha_d P_d +
+    beta_d with P_d all that d holds (for every r'), and the devices of each replica hold every layer at least
+    once between them. The least T at which the devices of a replica could hold N layers is found by bisection;
+    the largest over the replicas is the bound."""
+    r = skeleton.num_replicas
+    if r < 2:
+        return 0.0
+    e = spec.dtype_bytes
+
+    def line(link) -> tuple[float, float]:
+        # (ms per parameter, fixed ms) of a group at r holders over ``link``: the cheaper of stage 0's all-reduce
+        # and stage 1's two ring passes at equal shards, slope and constant taken apart (each a lower bound).
+        def cost(x: float) -> tuple[float, float]:
+            return (allreduce_ms(x * e, r, link),
+                    sum(ring_step_ms(x / r * e, r, link, kind) for kind in RING_PASSES))
+        (a0, a1), (b0, b1) = cost(1e9), cost(0.0)
+        return min(a0 - b0, a1 - b1) / 1e9, min(b0, b1)
+
+    devices = [[d for stage in pipe for d in stage] for pipe in skeleton.pipelines]
+    memo: dict = {}
+
+    def pair_line(d: str, x: str) -> tuple[float, float]:
+        link = cluster.slowest_link([d, x])
+        if link not in memo:
+            memo[link] = line(link)
+        return memo[link]
+
+    per_replica = []
+    for i, own in enumerate(devices):
+        lines = []
+        for d in own:
+            others = [[pair_line(d, x) for x in devices[j]] for j in range(r) if j != i]
+            lines.append([(min(a for a, _ in o), min(b for _, b in o)) for o in others])
+        per_replica.append(lines)
+    need = spec.num_layers * layer_param_count(spec, 1.0)
+
+    def held(lines, T: float) -> float:
+        """The most parameters the devices of one replica could hold with their syncs within T."""
+        total = 0.0
+        for device in lines:
+            most = math.inf
+            for a, b in device:
+                most = min(most, 0.0 if T < b else ((T - b) / a if a > 0 else math.inf))
+            total += most
+        return total
+
+    bound = 0.0
+    for lines in per_replica:
+        if held(lines, 0.0) >= need:
+            continue
+        lo, hi = 0.0, max(b for device in lines for _, b in device) + 1.0
+        while held(lines, hi) < need:
+            hi *= 2
+        while hi - lo > 1e-9 * hi:  # lo stays below the least T: the bound stays valid whatever the rounding
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if held(lines, mid) >= need else (mid, hi)
+        bound = max(bound, lo)
+    return bound
 
 
 def _dp_sync_lines(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton):
@@ -652,14 +737,16 @@ def _one_in_flight(spec, cluster, profiles, pipe, b, space, cache, monotone, zer
 
 
 def splits_lower_bound(spec, cluster, profiles, skeleton: Skeleton, sizes, classes, patterns, global_batch: int,
-                       space, cache: BoundCache, monotone=None, *, zero_stage: int = 0, owned: float | None = None) -> float:
+                       space, cache: BoundCache, monotone=None, *, zero_stage: int = 0, owned: float | None = None,
+                       sync: bool = False) -> float:
     """A lower bound on every candidate of the skeleton at the stage, whatever its batch split: replica i runs
     m_i >= 1 micro-batches of some b_i of ``sizes[i]`` with sum_i b_i m_i = G. A candidate's bound is at least its
     slowest replica's, at least m_i a_i(b_i) (``replica_rate_bound``), plus the skeleton's constant (no sync) and
     the largest of its replicas' least optimizer steps. Within T a replica of class c thus runs at most
     n_c(T) = max_b b floor(T / a_c(b)) samples, so T must satisfy sum_i n_{c(i)}(T) >= G, and T >= max_c min_b
     a_c(b) (every replica runs a micro-batch): the least such T is found by bisection (n is a non-decreasing step
-    function). ``owned``: what the candidates' bounds may assume at stage 1 (less only lowers this bound). Lets
+    function). ``owned``: what the candidates' bounds may assume at stage 1 (less only lowers this bound). ``sync``:
+    add the skeleton's data-parallel sync bound, which holds whatever the split (stages 0 and 1 only). Lets
     the structured family list a skeleton's splits only when this bound reaches the front of the search."""
     per, floor, step = [], 0.0, 0.0
     for ids in class_members(classes).values():
@@ -684,7 +771,7 @@ def splits_lower_bound(spec, cluster, profiles, skeleton: Skeleton, sizes, class
         while hi - lo > 1e-12 * hi:  # lo stays below the least T: the bound stays valid whatever the rounding
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if samples(mid) >= G else (mid, hi)
-    return lo + skeleton_constant(spec, cluster, skeleton, cache, sync=False, classes=classes) + step
+    return lo + skeleton_constant(spec, cluster, skeleton, cache, sync=sync, classes=classes) + step
 
 
 def interleaved_replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: BoundCache, monotone=None, *,

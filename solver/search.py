@@ -458,7 +458,8 @@ class _Inputs:
         owned = bound_owned(info.sk.num_replicas, z, self.even(info)) if info.sk.one_shape else None
         return splits_lower_bound(self.spec, self.cluster, self.profiles, info.sk, info.sizes, info.classes, info.patterns,
                                   self.global_batch, self.space, self.cache, self.monotone if self.reduce_symmetry else None,
-                                  zero_stage=z, owned=0.0 if self.host_optimizer else owned)
+                                  zero_stage=z, owned=0.0 if self.host_optimizer else owned,
+                                  sync=self.exact and z not in LAYERED_STAGES)
 
     def group_range(self, info: _Skeleton, z: int) -> tuple[float, float]:
         """Bounds of the skeleton's splits: below, each replica runs at least one micro-batch; above, the largest
