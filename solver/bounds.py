@@ -149,9 +149,10 @@ class BoundCache:
         self.slack: dict = {}
         self.group_pattern: dict = {}
         """TP group (device ids) -> its ``replica_pattern`` as a one-stage replica."""
-        self.unlike_sync: dict = {}
-        """Replicas' device sets (sorted) -> ``unlike_sync_lower_bound``: it depends on nothing else, and the exact
-        family's skeletons share a few thousand of them on 8 GPUs."""
+        self.device_sets: dict = {}
+        """Replicas' device sets (sorted) -> ``unlike_sync_lower_bound``, and (stage, those sets) ->
+        ``layered_collectives_bound``: they depend on nothing else, and the exact family's skeletons share a few
+        thousand of them on 8 GPUs."""
 
 
 def _group_key(cluster, ids):
@@ -540,9 +541,9 @@ def data_parallel_sync_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Sk
     if skeleton.one_shape:
         return dp_sync_lower_bound(spec, cluster, skeleton)
     key = tuple(sorted(tuple(sorted(d for stage in pipe for d in stage)) for pipe in skeleton.pipelines))
-    found = cache.unlike_sync.get(key)
+    found = cache.device_sets.get(key)
     if found is None:
-        found = cache.unlike_sync[key] = unlike_sync_lower_bound(spec, cluster, skeleton)
+        found = cache.device_sets[key] = unlike_sync_lower_bound(spec, cluster, skeleton)
     return found
 
 
@@ -584,42 +585,66 @@ def unlike_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Ske
     the least over the devices x of r' of the slope and the fixed cost at r holders over link(d, x); both grow
     with the holders and with a slower link. Sched runs d's groups one after another, so T_dp >= alpha_d P_d +
     beta_d with P_d all that d holds (for every r'), and the devices of each replica hold every layer at least
-    once between them. The least T at which the devices of a replica could hold N layers is found by bisection;
-    the largest over the replicas is the bound."""
+    once between them (``_least_holding_time``)."""
     r = skeleton.num_replicas
     if r < 2:
         return 0.0
     e = spec.dtype_bytes
 
     def line(link) -> tuple[float, float]:
-        # (ms per parameter, fixed ms) of a group at r holders over ``link``: the cheaper of stage 0's all-reduce
-        # and stage 1's two ring passes at equal shards, slope and constant taken apart (each a lower bound).
-        def cost(x: float) -> tuple[float, float]:
-            return (allreduce_ms(x * e, r, link),
-                    sum(ring_step_ms(x / r * e, r, link, kind) for kind in RING_PASSES))
-        (a0, a1), (b0, b1) = cost(1e9), cost(0.0)
-        return min(a0 - b0, a1 - b1) / 1e9, min(b0, b1)
+        # The cheaper of stage 0's all-reduce and stage 1's two ring passes at equal shards, slope and fixed cost
+        # taken apart (the pointwise least of two lines lies above neither's own slope or fixed cost).
+        stage0 = _affine(lambda x: allreduce_ms(x * e, r, link))
+        stage1 = _affine(lambda x: sum(ring_step_ms(x / r * e, r, link, kind) for kind in RING_PASSES))
+        return min(stage0[0], stage1[0]), min(stage0[1], stage1[1])
 
+    return _least_holding_time(cluster, skeleton, line, spec.num_layers * layer_param_count(spec, 1.0))
+
+
+def layered_collectives_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton, zero_stage: int) -> float:
+    """A lower bound on eq. 17's collectives of every stage-2/3 plan of the skeleton (rule 14 of solver/README.md),
+    whatever its units, batches and shard ratios, in closed form: ``layered.collectives_lower_bound`` prices every
+    units choice as a plan (0.3 s a skeleton on 8 GPUs) and gives up past a limit.
+
+    Each layer's reduce-scatter R_l and all-gather G_l is a sched of its unit groups, each with a holder in every
+    replica: as in rule 13, over the devices of each replica holding the layer's parameters between them, one
+    ring pass per group at r or more holders with a chunk of at least its parameters over its holders. Stage 2
+    runs R_l and G_l once per layer, stage 3 G_l twice (before the forward and before the backward) and R_l
+    once; the edges' collectives only add."""
+    r = skeleton.num_replicas
+    if r < 2:
+        return 0.0
+    e, layer = spec.dtype_bytes, layer_param_count(spec, 1.0)
+    passes = {kind: _least_holding_time(cluster, skeleton,
+                                        lambda link, kind=kind: _affine(lambda x: ring_step_ms(x / r * e, r, link, kind)),
+                                        layer)
+              for kind in RING_PASSES}
+    gathers = 1 if zero_stage == 2 else 2
+    return spec.num_layers * (passes["reduce_scatter"] + gathers * passes["all_gather"])
+
+
+def _affine(cost) -> tuple[float, float]:
+    """(ms per parameter, fixed ms) of ``cost(parameters)``, affine in them (eq. 5 and 13's ring passes)."""
+    fixed = cost(0.0)
+    return (cost(1e9) - fixed) / 1e9, fixed
+
+
+def _least_holding_time(cluster: ClusterSpec, skeleton: Skeleton, line, need: float) -> float:
+    """The largest over the replicas of the least T at which their devices could hold ``need`` parameters between
+    them, each device d at most P with alpha_d P + beta_d <= T for every other replica r' (alpha and beta the least
+    slope and fixed cost of ``line(link)`` over d's links to the devices of r'); a device may hold nothing, at no
+    cost. Bisection from below: the bound stays valid whatever the rounding."""
+    r = skeleton.num_replicas
     devices = [[d for stage in pipe for d in stage] for pipe in skeleton.pipelines]
     memo: dict = {}
 
-    def pair_line(d: str, x: str) -> tuple[float, float]:
+    def pair(d: str, x: str) -> tuple[float, float]:
         link = cluster.slowest_link([d, x])
         if link not in memo:
             memo[link] = line(link)
         return memo[link]
 
-    per_replica = []
-    for i, own in enumerate(devices):
-        lines = []
-        for d in own:
-            others = [[pair_line(d, x) for x in devices[j]] for j in range(r) if j != i]
-            lines.append([(min(a for a, _ in o), min(b for _, b in o)) for o in others])
-        per_replica.append(lines)
-    need = spec.num_layers * layer_param_count(spec, 1.0)
-
     def held(lines, T: float) -> float:
-        """The most parameters the devices of one replica could hold with their syncs within T."""
         total = 0.0
         for device in lines:
             most = math.inf
@@ -629,13 +654,17 @@ def unlike_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Ske
         return total
 
     bound = 0.0
-    for lines in per_replica:
+    for i, own in enumerate(devices):
+        lines = []
+        for d in own:
+            others = [[pair(d, x) for x in devices[j]] for j in range(r) if j != i]
+            lines.append([(min(a for a, _ in o), min(b for _, b in o)) for o in others])
         if held(lines, 0.0) >= need:
             continue
         lo, hi = 0.0, max(b for device in lines for _, b in device) + 1.0
         while held(lines, hi) < need:
             hi *= 2
-        while hi - lo > 1e-9 * hi:  # lo stays below the least T: the bound stays valid whatever the rounding
+        while hi - lo > 1e-9 * hi:
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if held(lines, mid) >= need else (mid, hi)
         bound = max(bound, lo)
@@ -738,15 +767,15 @@ def _one_in_flight(spec, cluster, profiles, pipe, b, space, cache, monotone, zer
 
 def splits_lower_bound(spec, cluster, profiles, skeleton: Skeleton, sizes, classes, patterns, global_batch: int,
                        space, cache: BoundCache, monotone=None, *, zero_stage: int = 0, owned: float | None = None,
-                       sync: bool = False) -> float:
+                       extra_ms: float = 0.0) -> float:
     """A lower bound on every candidate of the skeleton at the stage, whatever its batch split: replica i runs
     m_i >= 1 micro-batches of some b_i of ``sizes[i]`` with sum_i b_i m_i = G. A candidate's bound is at least its
     slowest replica's, at least m_i a_i(b_i) (``replica_rate_bound``), plus the skeleton's constant (no sync) and
     the largest of its replicas' least optimizer steps. Within T a replica of class c thus runs at most
     n_c(T) = max_b b floor(T / a_c(b)) samples, so T must satisfy sum_i n_{c(i)}(T) >= G, and T >= max_c min_b
     a_c(b) (every replica runs a micro-batch): the least such T is found by bisection (n is a non-decreasing step
-    function). ``owned``: what the candidates' bounds may assume at stage 1 (less only lowers this bound). ``sync``:
-    add the skeleton's data-parallel sync bound, which holds whatever the split (stages 0 and 1 only). Lets
+    function). ``owned``: what the candidates' bounds may assume at stage 1 (less only lowers this bound). ``extra_ms``:
+    a bound on what every candidate pays on top whatever its split (the sync of rule 13, the collectives of rule 14). Lets
     the structured family list a skeleton's splits only when this bound reaches the front of the search."""
     per, floor, step = [], 0.0, 0.0
     for ids in class_members(classes).values():
@@ -771,7 +800,7 @@ def splits_lower_bound(spec, cluster, profiles, skeleton: Skeleton, sizes, class
         while hi - lo > 1e-12 * hi:  # lo stays below the least T: the bound stays valid whatever the rounding
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if samples(mid) >= G else (mid, hi)
-    return lo + skeleton_constant(spec, cluster, skeleton, cache, sync=sync, classes=classes) + step
+    return lo + skeleton_constant(spec, cluster, skeleton, cache, sync=False, classes=classes) + step + extra_ms
 
 
 def interleaved_replica_bound(spec, cluster, profiles, pipe, b: int, m: int, space, cache: BoundCache, monotone=None, *,

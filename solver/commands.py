@@ -52,7 +52,8 @@ def _over_every_plan(result) -> str:
         return ""
     if result.family == "exact" and result.space_bound_ms >= result.bound_ms:
         return ""  # the status already says the family is every plan
-    return f"; over every plan: gap {result.space_gap:.2%}, bound {result.space_bound_ms:.1f} ms (eq. 12b)"
+    return (f"; over every plan: gap {result.space_gap:.2%}, bound {result.space_bound_ms:.1f} ms "
+            f"({result.space_bound_from})")
 
 
 def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, micro_batch: int | None,
@@ -79,7 +80,7 @@ def run_strategy(strategy: str, spec, cluster, profiles, *, global_batch: int, m
         # One line per better plan on stderr: a long solve is never silent, and stdout stays the result.
         return search(spec, cluster, profiles, global_batch=global_batch, micro_batch=micro_batch, time_limit=time_limit,
                       gap=gap, threads=threads, shard_grid=shard_grid, zero_stages=stages, chunks=tuple(range(1, max_chunks + 1)),
-                      offload=offload, offload_optimizer=offload_optimizer,
+                      offload=offload, offload_optimizer=offload_optimizer, every_plan=True,
                       log=(lambda line: say(line, err=True)) if log is None else log,
                       extra_splits=lambda sk, deadline_s: baselines.baseline_splits(
                           spec, cluster, profiles, sk, global_batch=global_batch, micro_batch=micro_batch,

@@ -45,9 +45,10 @@ from baton.memory import RecomputeSpace, recompute_space
 from baton.model_spec import ModelSpec
 from baton.plan import DeviceShare, Plan, validate
 
-from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, interleaved_candidate_bound,
-                           interleaved_replica_bound, layered_lower_bound, layered_replica_bound,
-                           replica_bound, skeleton_constant, splits_lower_bound)
+from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, data_parallel_sync_bound,
+                           interleaved_candidate_bound, interleaved_replica_bound, layered_collectives_bound,
+                           layered_lower_bound, layered_replica_bound, replica_bound, skeleton_constant,
+                           splits_lower_bound)
 from solver.greedy import greedy_incumbent
 from solver.instance import DEFAULT_SHARD_GRID, build_instance
 from solver.layered import LAYERED_STAGES, collectives_lower_bound, expand_layered, layered_skeleton, solve_layered
@@ -78,6 +79,12 @@ EXACT_LIMIT = 5000
 """Above this many exact skeletons the search switches to the structured family."""
 EXACT_MAX_DEVICES = 8
 """Clusters with more devices go straight to the structured family."""
+PROOF_MAX_SKELETONS = 200_000
+"""Rule 15: on a cluster of up to ``EXACT_MAX_DEVICES`` devices whose exact family has more than ``EXACT_LIMIT``
+skeletons (and at most this many), the exact family is searched after the structured one, from its plan."""
+PROOF_S_PER_SKELETON = 2e-3
+"""Rule 15 starts only with this much time left per exact skeleton: bounding every skeleton (without which the pass
+proves nothing) took 1-1.6 ms each on poplar_a's 57,316 on this project's 2-core VM."""
 
 
 class NoPlanFits(BatonError):
@@ -114,6 +121,9 @@ class SolveResult:
     (``solver.ideal``), and in the exact family the search's own bound where that is higher."""
     space_gap: float = 1.0
     """The gap of ``objective_ms`` against ``space_bound_ms`` (1 where nothing is claimed: the baselines)."""
+    space_bound_from: str = "eq. 12b"
+    """Where ``space_bound_ms`` comes from: eq. 12b, the exact family's own search, or the exact family searched
+    after the structured one (rule 15)."""
     notes: list = field(default_factory=list)
 
     def info(self) -> dict:
@@ -121,7 +131,8 @@ class SolveResult:
                 "status": self.status, "build_s": round(self.build_s, 4), "solve_s": round(self.solve_s, 4),
                 "total_s": round(self.total_s, 4), "family": self.family, "candidates": self.candidates,
                 "milps_solved": self.solved, "pruned": self.pruned, "first_plan_s": self.first_plan_s,
-                "unbounded": self.unbounded, "space_bound_ms": self.space_bound_ms, "space_gap": self.space_gap}
+                "unbounded": self.unbounded, "space_bound_ms": self.space_bound_ms, "space_gap": self.space_gap,
+                "space_bound_from": self.space_bound_from}
 
 
 def micro_batch_candidates(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
@@ -198,10 +209,12 @@ class Progress:
     BOUND_CHECK_S = 0.5
     """The proven bound is the least of every bound kept: recomputed at most this often while candidates are taken."""
 
-    def __init__(self, log, t_start: float, detail_log=None, space_bound_ms: float = 0.0):
+    def __init__(self, log, t_start: float, detail_log=None, space_bound_ms: float = 0.0, every_plan: bool = False):
         self.log, self.t_start, self.detail_log = log, t_start, detail_log
         self.space_bound_ms = space_bound_ms
         """Eq. 12b: every line also gives the gap over every plan against it."""
+        self.every_plan = every_plan
+        """The family's bound holds over every plan (rule 15's pass): the lines say so instead."""
         self.first_s: float | None = None
         self.last_gap: float | None = None
         """The family's gap of the last line that gave one."""
@@ -216,14 +229,15 @@ class Progress:
         if not self.log:
             return
         whole = max(0.0, (objective_ms - self.space_bound_ms) / objective_ms)
+        tail = "; the bound holds over every plan" if self.every_plan else f"; over every plan gap {whole:.2%}"
         if bound_ms is None:  # still bounding candidates: no proven bound of the family yet
-            self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound pending ({bounded} candidates bounded); "
-                     f"over every plan gap {whole:.2%}")
+            self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound pending ({bounded} candidates bounded)"
+                     + ("" if self.every_plan else tail))
             return
         gap = max(0.0, (objective_ms - bound_ms) / objective_ms)
         self.last_gap = gap
         self.log(f"{now:7.1f}s  plan {objective_ms:.1f} ms ({how}), bound {bound_ms:.1f} ms, gap {gap:.2%}"
-                 + (f", {left} candidates left" if left is not None else "") + f"; over every plan gap {whole:.2%}")
+                 + (f", {left} candidates left" if left is not None else "") + tail)
 
     def bound_rose(self, frontier: "_Frontier", *, now: bool = False) -> None:
         """A line for the same plan when the proven bound has shrunk the gap enough (checked every
@@ -377,11 +391,11 @@ class _Inputs:
     def bound(self, info: _Skeleton, batches, z: int, sync: bool | None = None) -> float:
         """A candidate's cheap bound; ``sync`` adds what is computed only at the front (default: in the exact family)."""
         if z in LAYERED_STAGES:  # the collectives' bound when the candidate reaches the front (``sync``)
-            coll = None
+            coll = self.closed_collectives(info, z)
             if sync:
                 if (info.sk, z) not in self.collectives_ms:
-                    self.collectives_ms[info.sk, z] = collectives_lower_bound(self.spec, self.cluster, info.sk.pipelines, z,
-                                                                             info.patterns, even=not self.exact)
+                    self.collectives_ms[info.sk, z] = max(coll, collectives_lower_bound(
+                        self.spec, self.cluster, info.sk.pipelines, z, info.patterns, even=not self.exact))
                 coll = self.collectives_ms[info.sk, z]
             return layered_lower_bound(self.spec, self.cluster, self.profiles, info.sk, batches, self.space, self.cache,
                                        zero_stage=z, collectives=coll)
@@ -448,9 +462,23 @@ class _Inputs:
 
     def constant(self, info: _Skeleton, z: int) -> float:
         """What a candidate's bound adds to its slowest replica's before it reaches the front (the splits of a group
-        are listed against it): at stages 2 and 3 no sync bound (``bounds.layered_lower_bound``)."""
-        return skeleton_constant(self.spec, self.cluster, info.sk, self.cache, sync=z not in LAYERED_STAGES,
-                                 classes=info.classes)
+        are listed against it): at stages 2 and 3 no sync bound (``bounds.layered_lower_bound``), but in the exact
+        family the collectives' closed form (``closed_collectives``)."""
+        return (skeleton_constant(self.spec, self.cluster, info.sk, self.cache, sync=z not in LAYERED_STAGES,
+                                  classes=info.classes)
+                + (self.closed_collectives(info, z) if z in LAYERED_STAGES else 0.0))
+
+    def closed_collectives(self, info: _Skeleton, z: int) -> float:
+        """Rule 14's bound on the collectives of every stage-2/3 plan of the skeleton (``bounds.layered_collectives_bound``)
+        in the exact family, memoised by its replicas' device sets; 0 in the structured family, whose skeletons may
+        hold a thousand devices (the bound looks at every pair)."""
+        if not self.exact:
+            return 0.0
+        key = (z, tuple(sorted(tuple(sorted(d for stage in pipe for d in stage)) for pipe in info.sk.pipelines)))
+        found = self.cache.device_sets.get(key)
+        if found is None:
+            found = self.cache.device_sets[key] = layered_collectives_bound(self.spec, self.cluster, info.sk, z)
+        return found
 
     def splits_bound(self, info: _Skeleton, z: int) -> float:
         """A bound on every candidate of the skeleton at stage z, whatever its batch split
@@ -459,7 +487,17 @@ class _Inputs:
         return splits_lower_bound(self.spec, self.cluster, self.profiles, info.sk, info.sizes, info.classes, info.patterns,
                                   self.global_batch, self.space, self.cache, self.monotone if self.reduce_symmetry else None,
                                   zero_stage=z, owned=0.0 if self.host_optimizer else owned,
-                                  sync=self.exact and z not in LAYERED_STAGES)
+                                  extra_ms=self.split_free(info, z))
+
+    def split_free(self, info: _Skeleton, z: int) -> float:
+        """What every candidate of the skeleton at stage z pays on top of its replicas, whatever its split, that rule
+        10's bound adds in the exact family: the data-parallel sync (rules 13 and 11's position bound) at stages 0
+        and 1, the collectives (rule 14) at 2 and 3. The structured family adds them only at the front (cost)."""
+        if not self.exact:
+            return 0.0
+        if z in LAYERED_STAGES:
+            return self.closed_collectives(info, z)
+        return data_parallel_sync_bound(self.spec, self.cluster, info.sk, self.cache)
 
     def group_range(self, info: _Skeleton, z: int) -> tuple[float, float]:
         """Bounds of the skeleton's splits: below, each replica runs at least one micro-batch; above, the largest
@@ -555,7 +593,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
            allowed: dict | None = None, reduce_symmetry: bool = True, log=None, detail_log=None,
            shard_grid: int = DEFAULT_SHARD_GRID, zero_stages: tuple[int, ...] = (0, 1, 2, 3), splits: str = "auto",
            extra_splits=None, chunks: tuple[int, ...] = (1,), offload: bool = False,
-           offload_optimizer: bool = False) -> SolveResult:
+           offload_optimizer: bool = False, every_plan: bool = False) -> SolveResult:
     """Best plan over the candidates; raises NoPlanFits when none fits.
 
     A candidate is a skeleton, every replica's batch (micro-batch size and count, adding up to the global
@@ -570,7 +608,9 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     and 1 with equal parts, every replica alike; solver/README.md). ``offload``: 1F1B replicas of one shape at stages
     0 and 1 may keep each block's held tensors in host memory (the default space, ``space``, gets those rows;
     solver/README.md). ``offload_optimizer``: devices may also keep their optimizer state in host memory and step it
-    there (eq. 7h, 10h), at 1F1B where owned fractions are not chosen per device.
+    there (eq. 7h, 10h), at 1F1B where owned fractions are not chosen per device. ``every_plan``: after the
+    structured family on a cluster of up to ``EXACT_MAX_DEVICES`` devices, search the exact family from its plan for
+    the time left, where that could bound every exact skeleton (rule 15; ``baton solve`` does).
     """
     t_start = time.perf_counter()
     monotone = check_profiles(spec, cluster, profiles)
@@ -606,7 +646,58 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     if frontier.unbounded:
         frontier.bounds_ms.append(0.0)  # candidates never bounded could hold anything
     _visit_candidates(inputs, frontier)
-    return _result(inputs, frontier, t_start=t_start, time_limit=time_limit, family=family)
+    result = _result(inputs, frontier, t_start=t_start, time_limit=time_limit, family=family)
+    if (every_plan and family == "structured" and inputs.strategy == "baton" and allowed is None and splits == "auto"
+            and len(cluster.devices) <= EXACT_MAX_DEVICES and result.space_gap > gap):
+        result = _search_every_plan(inputs, result, t_start=t_start, time_limit=time_limit, zero_stages=zero_stages,
+                                    dominated=dominated, log=log)
+    return result
+
+
+def _search_every_plan(inputs: _Inputs, result: SolveResult, *, t_start: float, time_limit: float, zero_stages,
+                       dominated: bool, log) -> SolveResult:
+    """Rule 15 of solver/README.md: the exact family (every plan with the options given) with the structured family's
+    plan as its incumbent, for the time left, where that could bound every one of its skeletons
+    (``PROOF_S_PER_SKELETON``). Its bound holds over every plan; a better plan it finds replaces the structured one.
+    Returns ``result`` with the higher bound over every plan, or the exact family's result if it found a better
+    plan; ``result`` alone where the pass cannot start or bounds nothing."""
+    skeletons = exact_skeletons(inputs.cluster, max_stages=inputs.spec.num_layers + 2, limit=PROOF_MAX_SKELETONS)
+    if skeletons is None or inputs.deadline_s - time.perf_counter() < len(skeletons) * PROOF_S_PER_SKELETON:
+        return result
+    if log:
+        log(f"{time.perf_counter() - t_start:7.1f}s  searching every plan ({len(skeletons):,} exact skeletons) from the "
+            f"structured family's plan")
+    exact = replace(inputs, exact=True, cache=BoundCache(), collectives_ms={}, phi_memo={})
+    frontier = _Frontier(progress=Progress(log, t_start, None, inputs.space_bound_ms, every_plan=True))
+    frontier.best = _Incumbent(objective_ms=result.objective_ms, plan=result.plan)
+    frontier.greedy_bound_ms = -math.inf  # an incumbent exists: no stage is seeded before it reaches the front
+    collecting = gc.isenabled()
+    gc.disable()  # as in ``search``
+    try:
+        for sk in skeletons:
+            if not exact.time_left():
+                frontier.unbounded = frontier.timed_out = True
+                break
+            _seed_skeleton(exact, frontier, sk, zero_stages=zero_stages, dominated=dominated, splits="auto")
+    finally:
+        if collecting:
+            gc.enable()
+    if frontier.unbounded:
+        return result  # skeletons never bounded could hold anything
+    _visit_candidates(exact, frontier)
+    proof = _result(exact, frontier, t_start=t_start, time_limit=time_limit, family="exact")
+    if proof.objective_ms < result.objective_ms * (1 - 1e-9):
+        proof.notes.append(f"the exact family, searched after the structured one, found a better plan "
+                           f"({result.objective_ms:.1f} -> {proof.objective_ms:.1f} ms)")
+        proof.space_bound_from = "the exact family, searched after the structured one"
+        return proof
+    if proof.bound_ms > result.space_bound_ms:
+        result.space_bound_ms = min(result.objective_ms, proof.bound_ms)
+        result.space_gap = max(0.0, (result.objective_ms - result.space_bound_ms) / result.objective_ms)
+        result.space_bound_from = "the exact family, searched after the structured one"
+        result.total_s = time.perf_counter() - t_start
+        result.plan = result.plan.with_info(**result.info())
+    return result
 
 
 def _stages_searched(sk: Skeleton, zero_stages, dominated: bool) -> list[int]:
@@ -841,7 +932,8 @@ def _expand_structures(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> N
     try:
         if z in LAYERED_STAGES:
             entries, dropped = expand_layered(*args, grid=inputs.shard_grid, even=not inputs.exact,
-                                              collectives_ms=inputs.collectives_ms.get((info.sk, z), 0.0),
+                                              collectives_ms=inputs.collectives_ms.get((info.sk, z),
+                                                                                       inputs.closed_collectives(info, z)),
                                               deadline_s=inputs.deadline_s)
         else:
             entries, dropped = expand(*args, deadline_s=inputs.deadline_s)
@@ -943,7 +1035,8 @@ def _result(inputs: _Inputs, frontier: _Frontier, *, t_start: float, time_limit:
                          total_s=total_s, family=family, candidates=frontier.candidates, solved=frontier.solved,
                          pruned=frontier.pruned, first_plan_s=frontier.progress.first_s, unbounded=frontier.unbounded,
                          space_bound_ms=space_bound, space_gap=max(0.0, (objective - space_bound) / objective),
-                         notes=frontier.notes)
+                         space_bound_from="the exact family's search" if whole and bound_ms > inputs.space_bound_ms
+                         else "eq. 12b", notes=frontier.notes)
     result.plan = plan.with_info(**result.info())
     return result
 

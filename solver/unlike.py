@@ -143,13 +143,17 @@ class StageTables:
                                    self.batches[rho][1])
 
 
-def replica_layouts(tables: StageTables, rho: int, limit_ms: float) -> tuple[list[Layout], float]:
+def replica_layouts(tables: StageTables, rho: int, limit_ms: float, deadline_s: float = math.inf) -> tuple[list[Layout], float]:
     """Every layout of replica ``rho`` (layer split x units per stage) whose pipeline without recomputation is
-    below ``limit_ms``, fastest first; and the least such time of the layouts left out (inf if none)."""
+    below ``limit_ms``, fastest first; and the least such time of the layouts left out (inf if none). Raises
+    TimeoutError when ``time.perf_counter()`` passes ``deadline_s`` first: a replica of seven stages over 32 layers
+    has 736,281 layer splits (poplar_a's exact family, searched after the structured one, ran a minute over)."""
     spec, pipe = tables.spec, tables.pipes[rho]
     opts = [unit_options(spec, len(g)) for g in pipe]
     out, least = [], math.inf
-    for layers in layer_splits(spec.num_layers, len(pipe)):
+    for k, layers in enumerate(layer_splits(spec.num_layers, len(pipe))):
+        if k % 256 == 0 and time.perf_counter() > deadline_s:
+            raise TimeoutError
         for units in itertools.product(*opts):
             t = tables.pipeline_ms(rho, layers, units, below=limit_ms)
             if t < limit_ms:
@@ -283,7 +287,7 @@ def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patt
     emb = tables.emb_ms
     layouts, dropped = [], math.inf
     for rho in range(len(pipes)):
-        kept, least = replica_layouts(tables, rho, limit_ms - emb)
+        kept, least = replica_layouts(tables, rho, limit_ms - emb, deadline_s)
         layouts.append(kept)
         dropped = min(dropped, least + emb)
     if any(not x for x in layouts):

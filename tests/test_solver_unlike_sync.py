@@ -78,3 +78,48 @@ def test_two_whole_replicas_pay_the_all_reduce_of_their_layers():
     cheapest = min(allreduce_ms(P * inst.spec.dtype_bytes, 2, inst.cluster.slowest_link([a, x])) for x in (b, c))
     assert bound == pytest.approx(cheapest, rel=1e-6) or bound >= cheapest * (1 - 1e-9)
     assert bound > 0
+
+
+@pytest.mark.parametrize("seed", (0, 5))
+def test_the_closed_collectives_bound_lies_under_every_layered_plans_collectives(seed):
+    """Rule 14: on random four-GPU instances, for skeletons of one-stage replicas at stages 2 and 3, the closed form
+    lies under ``layered.collectives_lower_bound`` (the least over every units choice, priced as plans) and under
+    the evaluator's collectives (eq. 17) of each skeleton's best plan and every plan one layout-keeping move away.
+    Fails if it counts a layer's gathers more often than the schedule runs them, or a pass at fewer holders."""
+    from solver.bounds import layered_collectives_bound
+    from solver.layered import collectives_lower_bound, layered_skeleton
+    from solver.space import replica_pattern
+
+    inst = random_instance(seed, num_devices=4, num_layers=4, heads=16, universe_size=3, global_batch=4)
+    _, skeletons = S.skeleton_family(inst.spec, inst.cluster, "exact")
+    layered = [sk for sk in skeletons if sk.num_replicas > 1 and layered_skeleton(sk)][:10]
+    assert layered
+    space = RecomputeSpace(inst.spec, inst.universe)
+    checked, close = 0, 0
+    for sk in layered:
+        patterns = [replica_pattern(inst.cluster, pipe) for pipe in sk.pipelines]
+        for z in (2, 3):
+            bound = layered_collectives_bound(inst.spec, inst.cluster, sk, z)
+            least = collectives_lower_bound(inst.spec, inst.cluster, sk.pipelines, z, patterns)
+            assert least == 0.0 or bound <= least * (1 + 1e-9), (sk.describe(), z, bound, least)
+            try:
+                best = S.search(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, gap=0.0,
+                                time_limit=60, space=space, shard_grid=2, family="exact", skeletons=[sk],
+                                zero_stages=(z,))
+            except S.NoPlanFits:
+                continue
+            plans = [best.plan] + [n.plan for n in neighbours(best.plan, inst.cluster, inst.profiles, moves=MOVES,
+                                                             shard_grid=2, max_per_move=8)]
+            for plan in plans:
+                if plan.zero_stage != z or _skeleton(plan) != sk:
+                    continue
+                try:
+                    validate(plan)
+                    report = evaluate(plan, inst.cluster, inst.profiles)
+                except (BatonError, ValueError):
+                    continue
+                assert report.dp_sync_ms >= bound * (1 - 1e-9), (sk.describe(), z, report.dp_sync_ms, bound)
+                checked += 1
+                close += report.dp_sync_ms <= 2 * bound
+    assert checked >= 5
+    assert close, "the bound was never within 2x of a plan's collectives: it bounds nothing worth having"
