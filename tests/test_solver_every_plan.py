@@ -51,3 +51,18 @@ def test_without_the_time_to_bound_every_skeleton_the_pass_does_not_start(monkey
     assert alone.family == "structured"
     assert alone.space_bound_from == "eq. 12b"
     assert alone.total_s < 30
+
+
+def test_baton_solve_says_where_its_bound_over_every_plan_comes_from(monkeypatch):
+    """`baton solve` runs the pass (the search's other callers do not ask for it) and its status line names the
+    source of the bound over every plan: at the default 60 s on a100x2_t4x2 the pass proves the structured plan, so
+    the line names the exact family searched after it instead of eq. 12b."""
+    from tests.conftest import run_cli
+
+    monkeypatch.setattr(S, "EXACT_LIMIT", 100)
+    code, stdout, stderr = run_cli("solve", "--cluster", ROOT / "clusters" / "a100x2_t4x2.yaml", "--model", "gpt3-1.3b")
+    assert code == 0, stderr
+    line = " ".join(stdout.split())
+    assert "among plans of the structured family" in line, line
+    assert "over every plan: gap 0.0" in line and "(the exact family, searched after the structured one)" in line, line
+    assert "searching every plan (146 exact skeletons)" in stderr, stderr
