@@ -695,7 +695,8 @@ def _search_every_plan(inputs: _Inputs, result: SolveResult, *, t_start: float, 
     if proof.objective_ms < result.objective_ms * (1 - 1e-9):
         proof.notes.append(f"the exact family, searched after the structured one, found a better plan "
                            f"({result.objective_ms:.1f} -> {proof.objective_ms:.1f} ms)")
-        proof.space_bound_from = "the exact family, searched after the structured one"
+        if proof.space_bound_from != "eq. 12b":  # stopped early, its own bound may lie under eq. 12b
+            proof.space_bound_from = "the exact family, searched after the structured one"
         return proof
     if proof.bound_ms > result.space_bound_ms:
         result.space_bound_ms = min(result.objective_ms, proof.bound_ms)
