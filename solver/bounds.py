@@ -150,9 +150,9 @@ class BoundCache:
         self.group_pattern: dict = {}
         """TP group (device ids) -> its ``replica_pattern`` as a one-stage replica."""
         self.device_sets: dict = {}
-        """Replicas' device sets (sorted) -> ``unlike_sync_lower_bound``, and (stage, those sets) ->
-        ``layered_collectives_bound``: they depend on nothing else, and the exact family's skeletons share a few
-        thousand of them on 8 GPUs."""
+        """(None or a stage, the replicas' device sets sorted) -> ``unlike_sync_lower_bound`` or
+        ``layered_collectives_bound`` (``_by_device_sets``): the exact family's skeletons share a few thousand
+        device sets on 8 GPUs."""
 
 
 def _group_key(cluster, ids):
@@ -540,10 +540,23 @@ def data_parallel_sync_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Sk
     (``unlike_sync_lower_bound``, memoised by the replicas' device sets)."""
     if skeleton.one_shape:
         return dp_sync_lower_bound(spec, cluster, skeleton)
-    key = tuple(sorted(tuple(sorted(d for stage in pipe for d in stage)) for pipe in skeleton.pipelines))
+    return _by_device_sets(cache, None, skeleton, lambda: unlike_sync_lower_bound(spec, cluster, skeleton))
+
+
+def layered_collectives_memo(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton, zero_stage: int,
+                             cache: BoundCache) -> float:
+    """``layered_collectives_bound``, memoised by the replicas' device sets."""
+    return _by_device_sets(cache, zero_stage, skeleton,
+                           lambda: layered_collectives_bound(spec, cluster, skeleton, zero_stage))
+
+
+def _by_device_sets(cache: BoundCache, tag, skeleton: Skeleton, compute) -> float:
+    """``compute()``, memoised under ``tag`` and the skeleton's replicas' device sets: rules 13 and 14 depend on
+    nothing else."""
+    key = (tag, tuple(sorted(tuple(sorted(d for stage in pipe for d in stage)) for pipe in skeleton.pipelines)))
     found = cache.device_sets.get(key)
     if found is None:
-        found = cache.device_sets[key] = unlike_sync_lower_bound(spec, cluster, skeleton)
+        found = cache.device_sets[key] = compute()
     return found
 
 

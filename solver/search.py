@@ -46,7 +46,7 @@ from baton.model_spec import ModelSpec
 from baton.plan import DeviceShare, Plan, validate
 
 from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, data_parallel_sync_bound,
-                           interleaved_candidate_bound, interleaved_replica_bound, layered_collectives_bound,
+                           interleaved_candidate_bound, interleaved_replica_bound, layered_collectives_memo,
                            layered_lower_bound, layered_replica_bound, replica_bound, skeleton_constant,
                            splits_lower_bound)
 from solver.greedy import greedy_incumbent
@@ -82,6 +82,8 @@ EXACT_MAX_DEVICES = 8
 PROOF_MAX_SKELETONS = 200_000
 """Rule 15: on a cluster of up to ``EXACT_MAX_DEVICES`` devices whose exact family has more than ``EXACT_LIMIT``
 skeletons (and at most this many), the exact family is searched after the structured one, from its plan."""
+AFTER_STRUCTURED = "the exact family, searched after the structured one"
+"""Rule 15's bound over every plan, as the status line names it."""
 PROOF_S_PER_SKELETON = 2e-3
 """Rule 15 starts only with this much time left per exact skeleton: bounding every skeleton (without which the pass
 proves nothing) took 1-1.6 ms each on poplar_a's 57,316 on this project's 2-core VM."""
@@ -122,8 +124,8 @@ class SolveResult:
     space_gap: float = 1.0
     """The gap of ``objective_ms`` against ``space_bound_ms`` (1 where nothing is claimed: the baselines)."""
     space_bound_from: str = "eq. 12b"
-    """Where ``space_bound_ms`` comes from: eq. 12b, the exact family's own search, or the exact family searched
-    after the structured one (rule 15)."""
+    """Where ``space_bound_ms`` comes from: eq. 12b, the exact family's own search, or ``AFTER_STRUCTURED`` (rule
+    15)."""
     notes: list = field(default_factory=list)
 
     def info(self) -> dict:
@@ -470,15 +472,11 @@ class _Inputs:
 
     def closed_collectives(self, info: _Skeleton, z: int) -> float:
         """Rule 14's bound on the collectives of every stage-2/3 plan of the skeleton (``bounds.layered_collectives_bound``)
-        in the exact family, memoised by its replicas' device sets; 0 in the structured family, whose skeletons may
+        in the exact family; 0 in the structured family, whose skeletons may
         hold a thousand devices (the bound looks at every pair)."""
         if not self.exact:
             return 0.0
-        key = (z, tuple(sorted(tuple(sorted(d for stage in pipe for d in stage)) for pipe in info.sk.pipelines)))
-        found = self.cache.device_sets.get(key)
-        if found is None:
-            found = self.cache.device_sets[key] = layered_collectives_bound(self.spec, self.cluster, info.sk, z)
-        return found
+        return layered_collectives_memo(self.spec, self.cluster, info.sk, z, self.cache)
 
     def splits_bound(self, info: _Skeleton, z: int) -> float:
         """A bound on every candidate of the skeleton at stage z, whatever its batch split
@@ -629,6 +627,24 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
                      space_bound_ms=ideal_bound(spec, cluster, profiles, global_batch, micro_batch).bound_ms)
     frontier = _Frontier(progress=Progress(log, t_start, detail_log, inputs.space_bound_ms))
     t0 = time.perf_counter()
+    _seed_all(inputs, frontier, skeletons, zero_stages=zero_stages, dominated=dominated, splits=splits)
+    frontier.build_s = time.perf_counter() - t0
+    if frontier.unbounded:
+        frontier.bounds_ms.append(0.0)  # candidates never bounded could hold anything
+    _visit_candidates(inputs, frontier)
+    result = _result(inputs, frontier, t_start=t_start, time_limit=time_limit, family=family)
+    if (every_plan and family == "structured" and inputs.strategy == "baton" and allowed is None and splits == "auto"
+            and len(cluster.devices) <= EXACT_MAX_DEVICES and result.space_gap > gap):
+        result = _search_every_plan(inputs, result, t_start=t_start, time_limit=time_limit, zero_stages=zero_stages,
+                                    dominated=dominated, log=log)
+        result.total_s = time.perf_counter() - t_start  # the pass's time too, whether or not it started
+        result.plan = result.plan.with_info(**result.info())
+    return result
+
+
+def _seed_all(inputs: _Inputs, frontier: _Frontier, skeletons, *, zero_stages, dominated: bool, splits: str) -> None:
+    """Every skeleton's candidates pushed at their bounds (``_seed_skeleton``) while time is left; past it the rest
+    were never bounded, so ``frontier.unbounded``."""
     collecting = gc.isenabled()
     # Enumerating makes millions of tuples that live on (patterns, keys, heap entries) and no reference cycles, so
     # the collector's full passes only rescan them: on the shipped 1,024-GPU cluster 8 of 55 s.
@@ -642,18 +658,6 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     finally:
         if collecting:
             gc.enable()
-    frontier.build_s = time.perf_counter() - t0
-    if frontier.unbounded:
-        frontier.bounds_ms.append(0.0)  # candidates never bounded could hold anything
-    _visit_candidates(inputs, frontier)
-    result = _result(inputs, frontier, t_start=t_start, time_limit=time_limit, family=family)
-    if (every_plan and family == "structured" and inputs.strategy == "baton" and allowed is None and splits == "auto"
-            and len(cluster.devices) <= EXACT_MAX_DEVICES and result.space_gap > gap):
-        result = _search_every_plan(inputs, result, t_start=t_start, time_limit=time_limit, zero_stages=zero_stages,
-                                    dominated=dominated, log=log)
-        result.total_s = time.perf_counter() - t_start  # the pass's time too, whether or not it started
-        result.plan = result.plan.with_info(**result.info())
-    return result
 
 
 def _search_every_plan(inputs: _Inputs, result: SolveResult, *, t_start: float, time_limit: float, zero_stages,
@@ -677,17 +681,7 @@ def _search_every_plan(inputs: _Inputs, result: SolveResult, *, t_start: float, 
     frontier = _Frontier(progress=Progress(log, t_start, None, inputs.space_bound_ms, every_plan=True))
     frontier.best = _Incumbent(objective_ms=result.objective_ms, plan=result.plan)
     frontier.greedy_bound_ms = -math.inf  # an incumbent exists: no stage is seeded before it reaches the front
-    collecting = gc.isenabled()
-    gc.disable()  # as in ``search``
-    try:
-        for sk in skeletons:
-            if not exact.time_left():
-                frontier.unbounded = frontier.timed_out = True
-                break
-            _seed_skeleton(exact, frontier, sk, zero_stages=zero_stages, dominated=dominated, splits="auto")
-    finally:
-        if collecting:
-            gc.enable()
+    _seed_all(exact, frontier, skeletons, zero_stages=zero_stages, dominated=dominated, splits="auto")
     if frontier.unbounded:
         return result  # skeletons never bounded could hold anything
     _visit_candidates(exact, frontier)
@@ -696,12 +690,12 @@ def _search_every_plan(inputs: _Inputs, result: SolveResult, *, t_start: float, 
         proof.notes.append(f"the exact family, searched after the structured one, found a better plan "
                            f"({result.objective_ms:.1f} -> {proof.objective_ms:.1f} ms)")
         if proof.space_bound_from != "eq. 12b":  # stopped early, its own bound may lie under eq. 12b
-            proof.space_bound_from = "the exact family, searched after the structured one"
+            proof.space_bound_from = AFTER_STRUCTURED
         return proof
     if proof.bound_ms > result.space_bound_ms:
         result.space_bound_ms = min(result.objective_ms, proof.bound_ms)
         result.space_gap = max(0.0, (result.objective_ms - result.space_bound_ms) / result.objective_ms)
-        result.space_bound_from = "the exact family, searched after the structured one"
+        result.space_bound_from = AFTER_STRUCTURED
     return result
 
 
