@@ -27,8 +27,9 @@ import numpy as np
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import (RING_PASSES, allreduce_ms, device_memory, device_slot, edge_cost, edge_param_count,
-                             embedding_sync_ms, group_sync_ms, ring_step_ms, stage_constants, layer_allreduce_ms, layer_cost, layer_limits, layer_param_count, slot_prices,
-                             layer_train_ms, fitting_layers, optimizer_bytes, pipeline_transfers)
+                             embedding_sync_ms, fitting_layers, group_sync_ms, layer_allreduce_ms, layer_cost,
+                             layer_limits, layer_param_count, layer_train_ms, layered_chain, optimizer_bytes,
+                             pipeline_transfers, ring_step_ms, slot_prices, stage_constants)
 from baton.memory import RecomputeSpace
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
@@ -621,9 +622,9 @@ def layered_collectives_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: S
 
     Each layer's reduce-scatter R_l and all-gather G_l is a sched of its unit groups, each with a holder in every
     replica: as in rule 13, over the devices of each replica holding the layer's parameters between them, one
-    ring pass per group at r or more holders with a chunk of at least its parameters over its holders. Stage 2
-    runs R_l and G_l once per layer, stage 3 G_l twice (before the forward and before the backward) and R_l
-    once; the edges' collectives only add."""
+    ring pass per group at r or more holders with a chunk of at least its parameters over its holders. The layer
+    passes are counted from the schedule (``costmodel.layered_chain``: stage 2 runs R_l and G_l once per layer,
+    stage 3 G_l twice and R_l once); the edges' collectives only add."""
     r = skeleton.num_replicas
     if r < 2:
         return 0.0
@@ -632,8 +633,9 @@ def layered_collectives_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: S
                                         lambda link, kind=kind: _affine(lambda x: ring_step_ms(x / r * e, r, link, kind)),
                                         layer)
               for kind in RING_PASSES}
-    gathers = 1 if zero_stage == 2 else 2
-    return spec.num_layers * (passes["reduce_scatter"] + gathers * passes["all_gather"])
+    chain = layered_chain(zero_stage, spec.num_layers)
+    count = {kind: sum(1 for k, unit in chain if k == kind and isinstance(unit, int)) for kind in ("reduce", "gather")}
+    return count["reduce"] * passes["reduce_scatter"] + count["gather"] * passes["all_gather"]
 
 
 def _affine(cost) -> tuple[float, float]:
