@@ -228,3 +228,36 @@ def test_exact_family_stages_left_waiting_hold_no_better_plan(monkeypatch, seed,
             continue
         assert alone.objective_ms >= bound * (1 - 1e-9), (sk, z, alone.objective_ms, bound)
         assert alone.objective_ms >= best.objective_ms * (1 - 1e-9)
+
+
+def _least_time_by_fractions(per, G, floor):
+    """The least T >= floor placing G samples, over exact rationals: every breakpoint k a_b in order."""
+    from fractions import Fraction
+    def samples(t):
+        return sum(n * max(b * min(G // b, int(t / Fraction(a))) for b, a in rates) for n, rates in per)
+    points = sorted({Fraction(k) * Fraction(a) for _, rates in per for b, a in rates for k in range(1, G // b + 1)}
+                    | {Fraction(floor)})
+    return next((float(t) for t in points if t >= Fraction(floor) and samples(t) >= G), math.inf)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_splits_bounds_least_time_is_the_first_breakpoint_that_places_the_batch(seed, monkeypatch):
+    """``_least_time_for`` searches the breakpoints k a_b of the samples' step function (and bisects beyond
+    ``_MOST_BREAKPOINTS``): within 1e-12 below the exact least time, never above it, on random classes and rates;
+    the exact value is ties-free rational arithmetic."""
+    rng = np.random.default_rng(seed)
+    for bisect in (False, True):
+        monkeypatch.setattr(B, "_MOST_BREAKPOINTS", 0 if bisect else 20_000)
+        for _ in range(150):
+            G = int(rng.choice([8, 16, 64, 96, 256]))
+            per = []
+            for _ in range(int(rng.integers(1, 5))):
+                sizes = rng.choice([1, 2, 4, 8], size=int(rng.integers(1, 5)), replace=False)
+                per.append((int(rng.integers(1, 5)), [(int(b), float(rng.uniform(0.1, 50)) * b ** 0.8) for b in sizes]))
+            floor = max(min(a for _, a in rates) for _, rates in per)
+            exact = _least_time_by_fractions(per, G, floor)
+            found = B._least_time_for(per, G, floor)
+            if math.isinf(exact):
+                assert math.isinf(found)
+                continue
+            assert exact * (1 - 1e-12) <= found <= exact
