@@ -119,10 +119,27 @@ class StageTables:
             self._memo[key] = (slots, prices, edges, const, f_layer, b_plain)
         return self._memo[key]
 
+    def _stage_terms(self, rho: int, s: int, opt):
+        """What eq. 9 takes of ``stage``: per-layer forward and backward, in-layer all-reduce, and the edges with
+        their communication each way; asked once per layout, millions of times in rule 15's pass."""
+        key = ("terms", rho, s, opt)
+        if key not in self._memo:
+            _, _, edges, const, f_layer, b_plain = self.stage(rho, s, opt)
+            self._memo[key] = (f_layer, b_plain, const.allreduce_ms,
+                               max(e.fwd_ms for e in edges) + const.edge_fwd_comm_ms,
+                               max(e.bwd_ms for e in edges) + const.edge_bwd_comm_ms)
+        return self._memo[key]
+
     def transfers(self, rho: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        pipe, (b, _) = self.pipes[rho], self.batches[rho]
-        sends = [pipeline_transfers(self.cluster, self.spec, b, list(pipe[s]), list(pipe[s + 1])) for s in range(len(pipe) - 1)]
-        return tuple(x[0] for x in sends), tuple(x[1] for x in sends)
+        """Eq. 6 between the replica's stages, both ways: they depend on its groups and micro-batch size, not on its
+        layout, so once per replica (pricing them per layout was most of rule 15's time on poplar_c)."""
+        key = ("transfers", rho)
+        if key not in self._memo:
+            pipe, (b, _) = self.pipes[rho], self.batches[rho]
+            sends = [pipeline_transfers(self.cluster, self.spec, b, list(pipe[s]), list(pipe[s + 1]))
+                     for s in range(len(pipe) - 1)]
+            self._memo[key] = tuple(x[0] for x in sends), tuple(x[1] for x in sends)
+        return self._memo[key]
 
     def pipeline_ms(self, rho: int, layers, units, bwd_layer=None, below: float = math.inf) -> float:
         """Eq. 1 for replica ``rho`` with these layers and units; backward per layer ``bwd_layer[s]`` (default:
@@ -130,10 +147,10 @@ class StageTables:
         0 crosses every stage and link both ways) already reach ``below``, their max is returned instead."""
         fwd, bwd = [], []
         for s, (L, opt) in enumerate(zip(layers, units)):
-            _, _, edges, const, f_layer, b_plain = self.stage(rho, s, opt)
+            f_layer, b_plain, allreduce, edge_fwd, edge_bwd = self._stage_terms(rho, s, opt)
             bl = b_plain if bwd_layer is None else bwd_layer[s]
-            fwd.append(stage_time_ms(L, f_layer, const.allreduce_ms, max(e.fwd_ms for e in edges) + const.edge_fwd_comm_ms))
-            bwd.append(stage_time_ms(L, bl, const.allreduce_ms, max(e.bwd_ms for e in edges) + const.edge_bwd_comm_ms))
+            fwd.append(stage_time_ms(L, f_layer, allreduce, edge_fwd))
+            bwd.append(stage_time_ms(L, bl, allreduce, edge_bwd))
         sf, sb = self.transfers(rho)
         m = self.batches[rho][1]
         quick = max(m * max(f + b for f, b in zip(fwd, bwd)), sum(fwd) + sum(bwd) + sum(sf) + sum(sb))
