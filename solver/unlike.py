@@ -166,18 +166,48 @@ def replica_layouts(tables: StageTables, rho: int, limit_ms: float, deadline_s: 
     TimeoutError when ``time.perf_counter()`` passes ``deadline_s`` first: a replica of seven stages over 32 layers
     has 736,281 layer splits (poplar_a's exact family, searched after the structured one, ran a minute over)."""
     spec, pipe = tables.spec, tables.pipes[rho]
-    opts = [unit_options(spec, len(g)) for g in pipe]
-    out, least = [], math.inf
-    for k, layers in enumerate(layer_splits(spec.num_layers, len(pipe))):
-        if k % 256 == 0 and time.perf_counter() > deadline_s:
+    unit_sets = list(itertools.product(*(unit_options(spec, len(g)) for g in pipe)))
+    sf, sb = tables.transfers(rho)
+    m = tables.batches[rho][1]
+    found, least = [], math.inf  # (layout, its position in splits-then-units order: ties stay in that order)
+    splits = layer_splits(spec.num_layers, len(pipe))
+    first = 0
+    # ``pipeline_ms``'s two quick bounds over a block of layer splits at once, for each unit choice; eq. 1 itself
+    # only where they stay below the limit. Sums run stage by stage, in the order ``pipeline_ms`` adds them.
+    while block := list(itertools.islice(splits, _SPLIT_BLOCK)):
+        if time.perf_counter() > deadline_s:
             raise TimeoutError
-        for units in itertools.product(*opts):
-            t = tables.pipeline_ms(rho, layers, units, below=limit_ms)
-            if t < limit_ms:
-                out.append(Layout(layers=layers, units=units, pipe_ms=t))
-            else:
-                least = min(least, t)
-    return sorted(out, key=lambda x: x.pipe_ms), least
+        L = np.array(block, dtype=float)
+        for u, units in enumerate(unit_sets):
+            if not math.isfinite(limit_ms):  # nothing to screen out: eq. 1 for every split
+                for k, layers in enumerate(block):
+                    found.append(((first + k) * len(unit_sets) + u, Layout(layers=layers, units=units,
+                                                                           pipe_ms=tables.pipeline_ms(rho, layers, units))))
+                continue
+            passes, fwds, bwds = np.zeros(len(block)), np.zeros(len(block)), np.zeros(len(block))
+            for s, opt in enumerate(units):
+                f_layer, b_plain, allreduce, edge_fwd, edge_bwd = tables._stage_terms(rho, s, opt)
+                fwd, bwd = L[:, s] * (f_layer + allreduce) + edge_fwd, L[:, s] * (b_plain + allreduce) + edge_bwd
+                passes = np.maximum(passes, fwd + bwd)
+                fwds, bwds = fwds + fwd, bwds + bwd
+            quick = np.maximum(m * passes, fwds + bwds + sum(sf) + sum(sb))
+            below = quick < limit_ms
+            if not below.all():
+                least = min(least, float(quick[~below].min()))
+            for k in np.flatnonzero(below):
+                layers = block[k]
+                t = tables.pipeline_ms(rho, layers, units, below=limit_ms)
+                if t < limit_ms:
+                    found.append(((first + int(k)) * len(unit_sets) + u, Layout(layers=layers, units=units, pipe_ms=t)))
+                else:
+                    least = min(least, t)
+        first += len(block)
+    found.sort(key=lambda x: (x[1].pipe_ms, x[0]))
+    return [lay for _, lay in found], least
+
+
+_SPLIT_BLOCK = 4096
+"""Layer splits priced together by ``replica_layouts``: a deadline check per block."""
 
 
 def structures(layouts: list[list[Layout]], twins: list[int | None]):
