@@ -84,9 +84,9 @@ PROOF_MAX_SKELETONS = 200_000
 skeletons (and at most this many), the exact family is searched after the structured one, from its plan."""
 AFTER_STRUCTURED = "the exact family, searched after the structured one"
 """Rule 15's bound over every plan, as the status line names it."""
-PROOF_S_PER_SKELETON = 2e-3
+PROOF_S_PER_SKELETON = 0.5e-3
 """Rule 15 starts only with this much time left per exact skeleton: bounding every skeleton (without which the pass
-proves nothing) took 1-1.6 ms each on poplar_a's 57,316 on this project's 2-core VM."""
+proves nothing) took 0.17 ms each on poplar_a's 57,316 on this project's 2-core VM (10 s), and 0.08 ms on poplar_c's."""
 
 
 class NoPlanFits(BatonError):
