@@ -21,7 +21,7 @@ groups' collectives and the owned parts' optimizer state; the runtime moves exac
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -60,10 +60,11 @@ class PeerGroup:
     """Holders in the same replica as each holder (it adds gradient / copies); 1 for matched copies."""
     blocks: tuple[Block, ...]
     """The pieces, in the model's order (vocabulary, positions, layers, final norm)."""
+    num_params: int = field(init=False)
+    """Parameters of all its pieces (summed once: the sync's terms read it per group and holder)."""
 
-    @property
-    def num_params(self) -> int:
-        return sum(b.num_params for b in self.blocks)
+    def __post_init__(self):
+        object.__setattr__(self, "num_params", sum(b.num_params for b in self.blocks))
 
     @property
     def size(self) -> int:
@@ -156,11 +157,16 @@ def _peer_groups(replicas: tuple[tuple[StageShape, ...], ...], spec: ModelSpec) 
     V = padded_vocab(spec)
     whole = (Fraction(0), Fraction(1))
     pieces: list[tuple[Block, list[list[str]]]] = []
+    cut_pieces: dict[tuple[int, ...], list] = {}  # layers held by the same stages (one per replica) are cut alike: once
 
-    def add(part, layer, cuts, total, split=True):
+    def add(part, layer, cuts, total, split=True, stages=None):
         if split:
-            for lo, hi, holders in _pieces(cuts):
-                pieces.append((Block(part=part, layer=layer, lo=lo, hi=hi, num_params=_count(total, lo, hi)), holders))
+            if stages is None or (cut := cut_pieces.get(stages)) is None:
+                cut = [(lo, hi, holders, _count(total, lo, hi)) for lo, hi, holders in _pieces(cuts)]
+                if stages is not None:
+                    cut_pieces[stages] = cut
+            for lo, hi, holders, n in cut:
+                pieces.append((Block(part=part, layer=layer, lo=lo, hi=hi, num_params=n), holders))
         else:
             pieces.append((Block(part=part, layer=layer, lo=whole[0], hi=whole[1], num_params=total),
                            [[dev for _, _, dev in rep] for rep in cuts]))
@@ -177,10 +183,11 @@ def _peer_groups(replicas: tuple[tuple[StageShape, ...], ...], spec: ModelSpec) 
     if position_param_count(spec):
         add("positions", None, [_stage_intervals(f) for f in firsts], position_param_count(spec), split=False)
     split_n, repl_n = split_param_count(spec), replicated_param_count(spec)
+    intervals = [[_stage_intervals(s) for s in rep] for rep in replicas]
     for layer in range(spec.num_layers):
-        holding = [next(s for s in rep if s.holds(layer)) for rep in replicas]
-        cuts = [_stage_intervals(s) for s in holding]
-        add("units", layer, cuts, split_n)
+        stages = tuple(next(i for i, s in enumerate(rep) if s.holds(layer)) for rep in replicas)
+        cuts = [intervals[r][i] for r, i in enumerate(stages)]
+        add("units", layer, cuts, split_n, stages=stages)
         add("replicated", layer, cuts, repl_n, split=False)
     add("final_norm", None, [_stage_intervals(l) for l in lasts], final_norm_param_count(spec), split=False)
 
