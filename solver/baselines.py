@@ -45,6 +45,7 @@ from baton.operators import operator_names
 from baton.plan import DeviceShare, Pipeline, Plan, Stage, plan_of_replicas, validate
 from baton.profile import ProfileSet
 
+from solver import stop
 from solver.milp import highs_solve
 from solver.options import ratio_vectors, units_in_proportion, valid_unit_counts
 from solver.space import Skeleton, device_codes, hethub_layout, megatron_layout
@@ -402,7 +403,7 @@ def cephalo_batches(spec, cluster, profiles, ids, *, global_batch: int, micro_ba
 
 
 def _past(deadline_s: float | None) -> None:
-    if deadline_s is not None and time.perf_counter() > deadline_s:
+    if deadline_s is not None and stop.past(deadline_s):
         raise TimeoutError
 
 

@@ -1,6 +1,7 @@
 """``baton solve``: find the fastest plan that fits, with a proven gap, or one of the baselines."""
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -18,6 +19,7 @@ from baton.errors import BatonError
 from baton.profile import ProfileSet
 from baton.model_files import load_model
 from baton.plan import save_plan
+from solver import stop
 from solver.instance import DEFAULT_SHARD_GRID
 
 STRATEGIES = ("baton", "megatron", "hethub", "hap", "poplar", "cephalo", "exhaustive")
@@ -172,9 +174,14 @@ def register(app: typer.Typer) -> None:
             prof = profile_set[g]
             if prof.seq_len != spec.seq_len:
                 raise BatonError(f"the profile is for seq_len {prof.seq_len}, not {spec.seq_len}", source=prof.source, field="--seq-len")
-        result = run_strategy(strategy, spec, c, profile_set, global_batch=global_batch, micro_batch=micro_batch,
-                              time_limit=time_limit, gap=gap, threads=threads, shard_grid=shard_grid, zero_stage=zero_stage,
-                              max_chunks=max_chunks, offload=offload, offload_optimizer=offload_optimizer)
+        # Ctrl-C stops the search as its time limit would, keeping the best plan so far (solver/stop.py); a second
+        # one aborts. Not for the exhaustive search, whose worker processes get the same Ctrl-C.
+        graceful = stop.on_interrupt("stopping: the best plan so far follows (Ctrl-C again to abort)")
+        with graceful if strategy != "exhaustive" else contextlib.nullcontext():
+            result = run_strategy(strategy, spec, c, profile_set, global_batch=global_batch, micro_batch=micro_batch,
+                                  time_limit=time_limit, gap=gap, threads=threads, shard_grid=shard_grid,
+                                  zero_stage=zero_stage, max_chunks=max_chunks, offload=offload,
+                                  offload_optimizer=offload_optimizer)
         if out is not None:
             save_plan(result.plan, out)
         rep = result.report

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 
 from baton.costmodel import (LayeredParts, device_optimizer_ms, device_slot, edge_cost, held_weights_bytes, layer_cost,
@@ -46,6 +45,7 @@ from baton.costmodel import (LayeredParts, device_optimizer_ms, device_slot, edg
 from baton.operators import operator_names
 from baton.plan import LAYERED_ZERO_STAGES, DeviceShare, Plan, Stage, plan_of_replicas
 
+from solver import stop
 from solver.options import compositions, ratio_vectors
 from solver.unlike import LAYOUT_LIMIT, _best_backward, fitting_backwards, unit_options
 
@@ -205,14 +205,14 @@ def expand_layered(spec, cluster, profiles, space, pipes, batches, zero_stage: i
     left out (inf when none was). Raises OverflowError when more than ``LAYOUT_LIMIT`` structures would be
     priced. ``collectives_ms``: a lower bound on the collectives of every structure (``collectives_lower_bound``),
     added to the compute alone to drop units choices before their syncs are priced. Raises TimeoutError when
-    ``time.perf_counter()`` passes ``deadline_s`` before every structure is priced."""
+    ``time.perf_counter()`` passes ``deadline_s`` (or a stop is requested) before every structure is priced."""
     tables = LayeredTables(spec, cluster, profiles, space, pipes, batches, zero_stage)
     classes = [(pattern, tuple(batch)) for pattern, batch in zip(patterns, batches)]
     one_shape = len({len(pipe[0]) for pipe in pipes}) == 1
     choose = one_shape and not even
     entries, dropped, priced = [], math.inf, 0
     for units in _unit_choices(spec, pipes, classes, even):
-        if time.perf_counter() > deadline_s:
+        if stop.past(deadline_s):
             raise TimeoutError
         lb = tables.compute_bound(units) + collectives_ms
         if lb >= limit_ms:
@@ -234,7 +234,7 @@ def expand_layered(spec, cluster, profiles, space, pipes, batches, zero_stage: i
             priced += 1
             if priced > LAYOUT_LIMIT:
                 raise OverflowError(priced)
-            if time.perf_counter() > deadline_s:
+            if stop.past(deadline_s):
                 raise TimeoutError
             ratios, terms = None, sync
             if combo is not None and any(vec is not None for vec in combo):

@@ -29,6 +29,7 @@ from baton.schedules import interleaved_one_f_one_b, pass_dependencies
 from baton.plan import DeviceShare, Plan, Stage, interleaved_pipeline, plan_of_replicas
 from baton.waits import arrival_planes
 
+from solver import stop
 from solver.bounds import least_slowest
 from solver.instance import GB, Instance
 
@@ -60,9 +61,11 @@ def highs_solve(model, *, threads: int, **opts):
     if _SCHEDULER_THREADS and _SCHEDULER_THREADS[-1] != threads:
         highspy.Highs.resetGlobalScheduler(True)
     _SCHEDULER_THREADS[:] = [threads]
-    res = SolverFactory("highs").solve(model, threads=threads, load_solutions=False,
-                                       raise_exception_on_nonoptimal_result=False, **opts)
-    if res.termination_condition == TerminationCondition.unknown and res.incumbent_objective is None:
+    solver = SolverFactory("highs")
+    with stop.solving(solver):  # a stop request (Ctrl-C in `baton solve`) cancels it, as its time limit would
+        res = solver.solve(model, threads=threads, load_solutions=False, raise_exception_on_nonoptimal_result=False,
+                           **opts)
+    if res.termination_condition == TerminationCondition.unknown and res.incumbent_objective is None and not stop.requested():
         raise RuntimeError("HiGHS stopped without a result (termination 'unknown'); run with tee=True to see why")
     return res
 

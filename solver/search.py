@@ -52,6 +52,7 @@ from solver.bounds import (BoundCache, bound_owned, candidate_lower_bound, data_
 from solver.greedy import greedy_incumbent
 from solver.instance import DEFAULT_SHARD_GRID, build_instance
 from solver.layered import LAYERED_STAGES, collectives_lower_bound, expand_layered, layered_skeleton, solve_layered
+from solver import stop
 from solver.milp import InnerModel
 from solver.options import monotone_in_share, valid_unit_counts
 from solver.space import Skeleton, exact_skeletons, iter_structured_skeletons, replica_pattern
@@ -314,6 +315,10 @@ class _Entry(NamedTuple):
     'struct': (tables, structure, sync)."""
     refined: bool
     """The bound already holds what is only computed at the front (the sync bound, the collectives' bound)."""
+    covered_ms: float
+    """A bound of every plan the entry stands for that may lie above ``bound_ms``: that of the entry it was pushed while
+    processing (a stage's rule-10 bound covers every candidate seeded from it, whose own cheap bounds may lie below).
+    Not a heap key, so it changes no search order; a search stopped early takes the least over the heap."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -371,7 +376,7 @@ class _Inputs:
     """(skeleton, stage, owned, every schedule) -> {(replica class, b, m): its cheap bound} (``phi``)."""
 
     def time_left(self) -> bool:
-        return time.perf_counter() < self.deadline_s
+        return not stop.past(self.deadline_s)
 
     def skeleton_info(self, sk: Skeleton) -> _Skeleton:
         patterns = [replica_pattern(self.cluster, pipe) for pipe in sk.pipelines]
@@ -518,6 +523,9 @@ class _Frontier:
     """_Skeleton of every skeleton with candidates; heap entries name theirs by index."""
     heap: list = field(default_factory=list)
     """_Entry heap, smallest bound first."""
+    covering_ms: float = -math.inf
+    """While an entry taken from the heap is processed, its ``covered_ms``: every entry pushed meanwhile stands for some
+    of its plans (its candidates, structures, the rest of its splits, itself at a higher bound)."""
     seq: Iterator[int] = field(default_factory=itertools.count)
     group_ceiling_ms: dict = field(default_factory=dict)
     """(skeleton index, stage) -> the largest finite bound of its splits: a window beyond it takes all the rest."""
@@ -554,7 +562,12 @@ class _Frontier:
         return inc * (1 - gap) - 1e-9 * inc
 
     def push(self, bound_ms: float, kind: str, k: int, z: int, data, refined: bool) -> None:
-        heapq.heappush(self.heap, _Entry(bound_ms, next(self.seq), kind, k, z, data, refined))
+        heapq.heappush(self.heap, _Entry(bound_ms, next(self.seq), kind, k, z, data, refined,
+                                         max(bound_ms, self.covering_ms)))
+
+    def stopped_bound_ms(self) -> float:
+        """A bound of every plan of the heap's entries, for a search that stops before taking them."""
+        return min(e.covered_ms for e in self.heap)
 
     def push_candidate(self, info: _Skeleton, k: int, batches, z: int, bound_ms: float, refined: bool) -> None:
         """Once per (stage, canonical batches): swapping interchangeable replicas' batches gives the same candidate."""
@@ -668,11 +681,11 @@ def _search_every_plan(inputs: _Inputs, result: SolveResult, *, t_start: float, 
     Returns ``result`` with the higher bound over every plan, or the exact family's result if it found a better
     plan; ``result`` alone where the pass cannot start or bounds nothing."""
     # Listing them takes about 2% of the time bounding them does: list no more than the time left could bound.
-    limit = min(PROOF_MAX_SKELETONS, int((inputs.deadline_s - time.perf_counter()) / PROOF_S_PER_SKELETON))
+    limit = min(PROOF_MAX_SKELETONS, int(stop.seconds_left(inputs.deadline_s) / PROOF_S_PER_SKELETON))
     if limit <= EXACT_LIMIT:
         return result
     skeletons = exact_skeletons(inputs.cluster, max_stages=inputs.spec.num_layers + 2, limit=limit)
-    if skeletons is None or inputs.deadline_s - time.perf_counter() < len(skeletons) * PROOF_S_PER_SKELETON:
+    if skeletons is None or stop.seconds_left(inputs.deadline_s) < len(skeletons) * PROOF_S_PER_SKELETON:
         return result
     if log:
         log(f"{time.perf_counter() - t_start:7.1f}s  searching every plan ({len(skeletons):,} exact skeletons) from the "
@@ -856,9 +869,10 @@ def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
             break
         if not inputs.time_left():
             frontier.timed_out = True
-            frontier.bounds_ms.append(entry.bound_ms)
+            frontier.bounds_ms.append(frontier.stopped_bound_ms())
             break
         heapq.heappop(heap)
+        frontier.covering_ms = entry.covered_ms
         info = frontier.skeletons[entry.skeleton]
         if entry.kind == "group":
             _expand_group(inputs, frontier, entry)
@@ -876,6 +890,7 @@ def _visit_candidates(inputs: _Inputs, frontier: _Frontier) -> None:
             _expand_structures(inputs, frontier, entry)
         else:
             _solve_milp(inputs, frontier, entry)
+        frontier.covering_ms = -math.inf
 
 
 def _expand_group(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
@@ -936,13 +951,13 @@ def _expand_structures(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> N
                                               deadline_s=inputs.deadline_s)
         else:
             entries, dropped = expand(*args, deadline_s=inputs.deadline_s)
-    except TimeoutError:  # the time limit, mid-listing: its cheap bound stays in the proven bound
-        frontier.bounds_ms.append(lb)
+    except TimeoutError:  # the time limit, mid-listing: its bound stays in the proven bound
+        frontier.bounds_ms.append(entry.covered_ms)
         frontier.timed_out = True
         frontier.build_s += time.perf_counter() - tb
         return
     except OverflowError as exc:
-        frontier.bounds_ms.append(lb)  # not searched: its cheap bound stays in the proven bound
+        frontier.bounds_ms.append(entry.covered_ms)  # not searched: its bound stays in the proven bound
         frontier.notes.append(f"{info.sk.describe()} ({_describe(batches)}, stage {z}): {exc.args[0]} layouts, not searched")
         frontier.build_s += time.perf_counter() - tb
         return
@@ -984,7 +999,11 @@ def _solve_milp(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
         return
     model = InnerModel(inst)
     frontier.build_s += time.perf_counter() - tb
-    left = inputs.deadline_s - time.perf_counter()
+    left = stop.seconds_left(inputs.deadline_s)
+    if left <= 0 and stop.requested():  # asked to stop since the candidate was taken: it keeps its bound
+        frontier.bounds_ms.append(entry.covered_ms)
+        frontier.timed_out = True
+        return
     res = model.solve(time_limit=left, rel_gap=inputs.gap, threads=inputs.threads, cutoff=inc if math.isfinite(inc) else None)
     frontier.solve_s += res.solve_s
     frontier.solved += 1
@@ -993,12 +1012,12 @@ def _solve_milp(inputs: _Inputs, frontier: _Frontier, entry: _Entry) -> None:
     if res.status in ("infeasible", "cutoff"):
         return
     if res.status == "no_solution":  # time ran out before any incumbent
-        frontier.bounds_ms.append(max(lb, res.bound_ms))
+        frontier.bounds_ms.append(max(entry.covered_ms, res.bound_ms))
         frontier.timed_out = True
         return
     if res.status == "time_limit":
         frontier.timed_out = True
-    frontier.bounds_ms.append(max(lb, res.bound_ms))
+    frontier.bounds_ms.append(max(entry.covered_ms, res.bound_ms))
     if res.objective_ms < inc:
         frontier.improve(res.objective_ms, res.plan, "MILP", frontier.proven_bound_ms())
 
@@ -1011,6 +1030,9 @@ def _result(inputs: _Inputs, frontier: _Frontier, *, t_start: float, time_limit:
         off = [flag for flag, on in (("--offload", bool(inputs.space.offloads.any())),
                                      ("--offload-optimizer", inputs.host_optimizer)) if not on]
         hint = f"; host memory may hold what does not fit ({' and '.join(off)})" if off and inputs.strategy == "baton" else ""
+        if frontier.timed_out and stop.requested():
+            raise NoPlanFits(f"stopped on request before any plan was found ({frontier.solved} of {frontier.candidates} "
+                             "candidates tried)")
         if frontier.timed_out:
             raise NoPlanFits(f"no plan found within the time limit of {time_limit:g} s "
                              f"({frontier.solved} of {frontier.candidates} candidates tried){hint}")
@@ -1028,7 +1050,8 @@ def _result(inputs: _Inputs, frontier: _Frontier, *, t_start: float, time_limit:
     # The exact family is every plan over the options given (solver/README.md, "Families"), the structured one not.
     whole = family == "exact" and inputs.exact and inputs.strategy == "baton" and inputs.allowed is None
     space_bound = min(objective, max(inputs.space_bound_ms, bound_ms if whole else 0.0))
-    status = "optimal" if not frontier.timed_out and achieved_gap <= inputs.gap + 1e-9 else "time_limit"
+    status = ("optimal" if not frontier.timed_out and achieved_gap <= inputs.gap + 1e-9
+              else "interrupted" if stop.requested() else "time_limit")
     result = SolveResult(plan=plan, report=report, strategy=inputs.strategy, status=status, objective_ms=objective,
                          bound_ms=bound_ms, gap=achieved_gap, build_s=frontier.build_s, solve_s=frontier.solve_s,
                          total_s=total_s, family=family, candidates=frontier.candidates, solved=frontier.solved,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -41,6 +40,7 @@ from baton.pipeline import PipelineTiming, iteration_time_1f1b
 from baton.plan import DeviceShare, Plan, Stage, plan_of_replicas
 from baton.waits import last_arrival_ms
 
+from solver import stop
 from solver.options import valid_unit_counts
 
 LAYOUT_LIMIT = 200_000
@@ -163,7 +163,7 @@ class StageTables:
 def replica_layouts(tables: StageTables, rho: int, limit_ms: float, deadline_s: float = math.inf) -> tuple[list[Layout], float]:
     """Every layout of replica ``rho`` (layer split x units per stage) whose pipeline without recomputation is
     below ``limit_ms``, fastest first; and the least such time of the layouts left out (inf if none). Raises
-    TimeoutError when ``time.perf_counter()`` passes ``deadline_s`` first: a replica of seven stages over 32 layers
+    TimeoutError when ``time.perf_counter()`` passes ``deadline_s`` (or a stop is requested, ``solver.stop``) first: a replica of seven stages over 32 layers
     has 736,281 layer splits (poplar_a's exact family, searched after the structured one, ran a minute over)."""
     spec, pipe = tables.spec, tables.pipes[rho]
     unit_sets = list(itertools.product(*(unit_options(spec, len(g)) for g in pipe)))
@@ -175,7 +175,7 @@ def replica_layouts(tables: StageTables, rho: int, limit_ms: float, deadline_s: 
     # ``pipeline_ms``'s two quick bounds over a block of layer splits at once, for each unit choice; eq. 1 itself
     # only where they stay below the limit. Sums run stage by stage, in the order ``pipeline_ms`` adds them.
     while block := list(itertools.islice(splits, _SPLIT_BLOCK)):
-        if time.perf_counter() > deadline_s:
+        if stop.past(deadline_s):
             raise TimeoutError
         L = np.array(block, dtype=float)
         for u, units in enumerate(unit_sets):
@@ -329,7 +329,7 @@ def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patt
     """The structures of one candidate that may beat an incumbent of ``limit_ms``: (entries, dropped) with entries
     (bound, tables, structure, sync terms) below the limit, and ``dropped`` a lower bound on every structure left
     out (inf when none was). Raises OverflowError when more than ``LAYOUT_LIMIT`` structures would be listed, and
-    TimeoutError when ``time.perf_counter()`` passes ``deadline_s`` before they are."""
+    TimeoutError when ``time.perf_counter()`` passes ``deadline_s`` (or a stop is requested) before they are."""
     tables = StageTables(spec, cluster, profiles, space, pipes, batches)
     emb = tables.emb_ms
     layouts, dropped = [], math.inf
@@ -345,7 +345,7 @@ def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patt
              for i in range(len(pipes))]
     entries = []
     for struct in structures(layouts, twins):
-        if time.perf_counter() > deadline_s:
+        if stop.past(deadline_s):
             raise TimeoutError
         pipe_lb = last_arrival_ms([x.pipe_ms for x in struct], cluster.replica_time_cv) + emb
         if pipe_lb >= limit_ms:
