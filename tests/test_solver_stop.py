@@ -119,3 +119,32 @@ def test_ctrl_c_during_baton_solve_prints_and_writes_the_best_plan(tmp_path):
     assert math.isclose(t, plan.info["objective_ms"], rel_tol=1e-6)
     assert json.loads(out.read_text())  # whole, not half written
     assert os.path.getsize(out) > 0
+
+
+def test_a_search_stopped_after_seeding_a_stage_claims_no_less_than_it_had_proven(monkeypatch):
+    """Rule 12's stage entries wait at rule 10's bound of all their splits; once taken, their candidates enter the
+    heap at their own cheap bounds, which may lie far lower. A stop right then must keep the stage's bound for them
+    (``_Entry.covered_ms``), not fall back to the cheap ones: the bound at the stop is no less than the last one
+    printed. The stop is requested right after rule 15's pass seeds its first stage from the heap."""
+    import solver.search as S
+
+    spec = PRESETS["gpt3-6.7b"]
+    cluster, profiles = load_cluster(ROOT / "clusters" / "poplar_c.yaml"), ProfileSet(spec)
+    printed: list[float] = []  # (on this 2-core VM: 8,887.3 ms printed; 8,409.7 ms claimed at the stop without it)
+
+    def log(line: str) -> None:
+        if "the bound holds over every plan" in line:
+            printed.append(float(line.split(" bound ")[1].split(" ms")[0]))
+
+    seed_stage = S._seed_stage
+
+    def seed_then_stop(inputs, frontier, *args, **kwargs):
+        seed_stage(inputs, frontier, *args, **kwargs)
+        if inputs.exact and printed:  # rule 15's pass, taking a stage from the heap
+            stop.request()
+
+    monkeypatch.setattr(S, "_seed_stage", seed_then_stop)
+    res = search(spec, cluster, profiles, global_batch=64, time_limit=300, gap=1e-6, threads=1, every_plan=True,
+                 log=log)
+    assert stop.requested() and printed
+    assert res.space_bound_ms >= printed[-1] - 0.05, (res.space_bound_ms, printed)
