@@ -603,6 +603,24 @@ def unlike_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Ske
     r = skeleton.num_replicas
     if r < 2:
         return 0.0
+    return _least_holding_time(cluster, skeleton, _sync_line(spec, r), spec.num_layers * layer_param_count(spec, 1.0))
+
+
+def unlike_sync_device_lines(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton) -> dict[str, tuple]:
+    """Rule 13 device by device: for each device d of the skeleton, lines (a, b), one per other replica, with
+    T_dp >= a P_d + b for each of them, P_d the parameters d holds, at stage 0 or 1, in every plan of the skeleton
+    where d holds any (``unlike_sync_lower_bound`` is the least T at which a replica's devices could hold every layer
+    so). Empty for one replica."""
+    r = skeleton.num_replicas
+    if r < 2:
+        return {}
+    lines = _device_lines(cluster, skeleton, _sync_line(spec, r))
+    return {d: tuple(own) for pipe, per in zip(skeleton.pipelines, lines)
+            for d, own in zip([d for stage in pipe for d in stage], per)}
+
+
+def _sync_line(spec: ModelSpec, r: int):
+    """Rule 13's cost line of one group of r or more holders over a link: (ms per parameter, fixed ms)."""
     e = spec.dtype_bytes
 
     def line(link) -> tuple[float, float]:
@@ -612,7 +630,7 @@ def unlike_sync_lower_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Ske
         stage1 = _affine(lambda x: sum(ring_step_ms(x / r * e, r, link, kind) for kind in RING_PASSES))
         return min(stage0[0], stage1[0]), min(stage0[1], stage1[1])
 
-    return _least_holding_time(cluster, skeleton, line, spec.num_layers * layer_param_count(spec, 1.0))
+    return line
 
 
 def layered_collectives_bound(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton, zero_stage: int) -> float:
@@ -649,15 +667,7 @@ def _least_holding_time(cluster: ClusterSpec, skeleton: Skeleton, line, need: fl
     them, each device d at most P with alpha_d P + beta_d <= T for every other replica r' (alpha and beta the least
     slope and fixed cost of ``line(link)`` over d's links to the devices of r'); a device may hold nothing, at no
     cost. Bisection from below: the bound stays valid whatever the rounding."""
-    r = skeleton.num_replicas
-    devices = [[d for stage in pipe for d in stage] for pipe in skeleton.pipelines]
-    memo: dict = {}
-
-    def pair(d: str, x: str) -> tuple[float, float]:
-        link = cluster.slowest_link([d, x])
-        if link not in memo:
-            memo[link] = line(link)
-        return memo[link]
+    per_replica = _device_lines(cluster, skeleton, line)
 
     def held(lines, T: float) -> float:
         total = 0.0
@@ -669,11 +679,7 @@ def _least_holding_time(cluster: ClusterSpec, skeleton: Skeleton, line, need: fl
         return total
 
     bound = 0.0
-    for i, own in enumerate(devices):
-        lines = []
-        for d in own:
-            others = [[pair(d, x) for x in devices[j]] for j in range(r) if j != i]
-            lines.append([(min(a for a, _ in o), min(b for _, b in o)) for o in others])
+    for lines in per_replica:
         if held(lines, 0.0) >= need:
             continue
         lo, hi = 0.0, max(b for device in lines for _, b in device) + 1.0
@@ -684,6 +690,29 @@ def _least_holding_time(cluster: ClusterSpec, skeleton: Skeleton, line, need: fl
             lo, hi = (lo, mid) if held(lines, mid) >= need else (mid, hi)
         bound = max(bound, lo)
     return bound
+
+
+def _device_lines(cluster: ClusterSpec, skeleton: Skeleton, line) -> list[list[list[tuple[float, float]]]]:
+    """Per replica, per device (stage by stage, rank order), per other replica r': the least slope and the least
+    fixed cost of ``line(link)`` over the device's links to the devices of r'."""
+    r = skeleton.num_replicas
+    devices = [[d for stage in pipe for d in stage] for pipe in skeleton.pipelines]
+    memo: dict = {}
+
+    def pair(d: str, x: str) -> tuple[float, float]:
+        link = cluster.slowest_link([d, x])
+        if link not in memo:
+            memo[link] = line(link)
+        return memo[link]
+
+    out = []
+    for i, own in enumerate(devices):
+        lines = []
+        for d in own:
+            others = [[pair(d, x) for x in devices[j]] for j in range(r) if j != i]
+            lines.append([(min(a for a, _ in o), min(b for _, b in o)) for o in others])
+        out.append(lines)
+    return out
 
 
 def _dp_sync_lines(spec: ModelSpec, cluster: ClusterSpec, skeleton: Skeleton):

@@ -33,15 +33,17 @@ from fractions import Fraction
 import numpy as np
 
 from baton.costmodel import (BLOCKS, SyncTerms, device_memory, device_optimizer_ms, device_slot, edge_cost,
-                             embedding_sync_ms, group_layer_ms, held_weights_bytes, layer_limits, layer_prices, pipeline_transfers,
-                             stage_constants, stage_time_ms, sync_terms)
+                             embedding_sync_ms, group_layer_ms, held_weights_bytes, layer_limits, layer_param_count, layer_prices,
+                             pipeline_transfers, stage_constants, stage_time_ms, sync_terms)
 from baton.operators import operator_names
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
 from baton.plan import DeviceShare, Plan, Stage, plan_of_replicas
 from baton.waits import last_arrival_ms
 
 from solver import stop
+from solver.bounds import unlike_sync_device_lines
 from solver.options import valid_unit_counts
+from solver.space import Skeleton
 
 LAYOUT_LIMIT = 200_000
 """Most structures (products of the replicas' layouts left after the per-replica bound) one candidate is expanded
@@ -324,6 +326,31 @@ def solve_structure(tables: StageTables, struct, sync: SyncTerms, emb_ms: float,
     return total, structure_plan(spec, tables.pipes, tables.batches, zero_stage, struct, recompute)
 
 
+def _sync_floor(spec, cluster, pipes):
+    """A structure -> a lower bound on its T_dp (eq. 13, 15 at stage 0 or 1): rule 13 of solver/README.md device by
+    device, T_dp >= a P_d + b for each of d's lines (``bounds.unlike_sync_device_lines``), with P_d at least its
+    layers' parameters at its share (the edges only add)."""
+    lines = unlike_sync_device_lines(spec, cluster, Skeleton(pipelines=tuple(tuple(tuple(g) for g in pipe) for pipe in pipes)))
+    if not lines:
+        return lambda struct: 0.0
+    per_layer: dict = {}
+
+    def floor(struct) -> float:
+        best = 0.0
+        for pipe, lay in zip(pipes, struct):
+            for group, L, (U, us) in zip(pipe, lay.layers, lay.units):
+                if not L:
+                    continue
+                for d, u in zip(group, us):
+                    if (U, u) not in per_layer:
+                        per_layer[U, u] = layer_param_count(spec, u / U)
+                    held = L * per_layer[U, u]
+                    best = max(best, max(a * held + b for a, b in lines[d]))
+        return best
+
+    return floor
+
+
 def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patterns, limit_ms: float, *,
            deadline_s: float = math.inf):
     """The structures of one candidate that may beat an incumbent of ``limit_ms``: (entries, dropped) with entries
@@ -344,12 +371,19 @@ def expand(spec, cluster, profiles, space, pipes, batches, zero_stage: int, patt
     twins = [next((j for j in range(i - 1, -1, -1) if patterns[j] == patterns[i] and batches[j] == batches[i]), None)
              for i in range(len(pipes))]
     entries = []
+    sync_floor = _sync_floor(spec, cluster, pipes)
     for struct in structures(layouts, twins):
         if stop.past(deadline_s):
             raise TimeoutError
         pipe_lb = last_arrival_ms([x.pipe_ms for x in struct], cluster.replica_time_cv) + emb
         if pipe_lb >= limit_ms:
             dropped = min(dropped, pipe_lb)
+            continue
+        # Rule 13 device by device before eq. 15 itself: almost every structure listed ends above the limit by its
+        # sync (on poplar_a's pass all 42,120 that came this far), and its peer groups cost a millisecond each.
+        sync_lb = pipe_lb + sync_floor(struct)
+        if sync_lb >= limit_ms:
+            dropped = min(dropped, sync_lb)
             continue
         sync = sync_terms(cluster, structure_plan(spec, pipes, batches, zero_stage, struct))  # the evaluator's own terms
         lb = structure_bound(tables, struct, sync, emb)

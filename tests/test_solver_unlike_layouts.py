@@ -49,3 +49,25 @@ def test_screened_layouts_are_the_layouts_priced_one_by_one(seed, monkeypatch):
             assert got_least == want_least, (seed, rho, limit)
             compared += len(want)
     assert compared > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_sync_floor_lies_under_every_structures_sync(seed):
+    """``unlike.expand`` drops a structure when its pipeline and rule 13's device-by-device floor on its sync already
+    reach the limit, before pricing eq. 15. The floor must lie under the evaluator's own T_dp of every structure, at
+    stages 0 and 1, and be worth computing (at least half of T_dp on some structure)."""
+    inst = random_instance(seed, num_devices=6, num_layers=5, heads=16, universe_size=2, global_batch=4)
+    ids = [d.id for d in inst.cluster.devices]
+    pipes = (((ids[0],), (ids[1], ids[2]), (ids[3],)), ((ids[4],), (ids[5],)))
+    batches = ((1, 2), (2, 1))
+    tables = U.StageTables(inst.spec, inst.cluster, inst.profiles, RecomputeSpace(inst.spec, inst.universe), pipes, batches)
+    layouts = [U.replica_layouts(tables, rho, math.inf)[0] for rho in range(len(pipes))]
+    floor = U._sync_floor(inst.spec, inst.cluster, pipes)
+    ratios = []
+    for struct in itertools.islice(U.structures(layouts, [None, None]), 400):
+        lb = floor(struct)
+        for z in (0, 1):
+            exact = U.sync_terms(inst.cluster, U.structure_plan(inst.spec, pipes, batches, z, struct)).dp_sync_ms
+            assert lb <= exact * (1 + 1e-9), (seed, z, lb, exact)
+            ratios.append(lb / exact)
+    assert max(ratios) >= 0.5, max(ratios)
