@@ -143,23 +143,39 @@ class StageTables:
             self._memo[key] = tuple(x[0] for x in sends), tuple(x[1] for x in sends)
         return self._memo[key]
 
-    def pipeline_ms(self, rho: int, layers, units, bwd_layer=None, below: float = math.inf) -> float:
-        """Eq. 1 for replica ``rho`` with these layers and units; backward per layer ``bwd_layer[s]`` (default:
-        nothing recomputed). When two lower bounds of eq. 1 (every stage runs m forwards and backwards; micro-batch
-        0 crosses every stage and link both ways) already reach ``below``, their max is returned instead."""
+    def stage_passes(self, rho: int, layers, units, bwd_layer=None) -> tuple[list, list]:
+        """Eq. 9 both ways, stage by stage, for replica ``rho`` with these layers (per stage: a count, or a numpy
+        array of counts, one per layer split) and units; backward per layer ``bwd_layer[s]`` (default: nothing
+        recomputed)."""
         fwd, bwd = [], []
         for s, (L, opt) in enumerate(zip(layers, units)):
             f_layer, b_plain, allreduce, edge_fwd, edge_bwd = self._stage_terms(rho, s, opt)
             bl = b_plain if bwd_layer is None else bwd_layer[s]
             fwd.append(stage_time_ms(L, f_layer, allreduce, edge_fwd))
             bwd.append(stage_time_ms(L, bl, allreduce, edge_bwd))
+        return fwd, bwd
+
+    def pipeline_ms(self, rho: int, layers, units, bwd_layer=None, below: float = math.inf) -> float:
+        """Eq. 1 for replica ``rho`` with these layers and units; backward per layer ``bwd_layer[s]`` (default:
+        nothing recomputed). When two lower bounds of eq. 1 (every stage runs m forwards and backwards; micro-batch
+        0 crosses every stage and link both ways) already reach ``below``, their max is returned instead."""
+        fwd, bwd = self.stage_passes(rho, layers, units, bwd_layer)
         sf, sb = self.transfers(rho)
-        m = self.batches[rho][1]
-        quick = max(m * max(f + b for f, b in zip(fwd, bwd)), sum(fwd) + sum(bwd) + sum(sf) + sum(sb))
+        quick = float(quick_pipeline_ms(fwd, bwd, sf, sb, self.batches[rho][1]))
         if quick >= below:
             return quick
         return iteration_time_1f1b(PipelineTiming(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), send_fwd_ms=sf, send_bwd_ms=sb),
                                    self.batches[rho][1])
+
+
+def quick_pipeline_ms(fwd, bwd, send_fwd, send_bwd, m: int):
+    """Two lower bounds of eq. 1, their larger: every stage runs m forwards and backwards; micro-batch 0 crosses
+    every stage and link both ways. Per-stage times may be numpy arrays (a block of layer splits at once); the sums
+    run stage by stage, so a float and an array's element agree exactly."""
+    passes = fwds = bwds = 0.0
+    for f, b in zip(fwd, bwd):
+        passes, fwds, bwds = np.maximum(passes, f + b), fwds + f, bwds + b
+    return np.maximum(m * passes, fwds + bwds + sum(send_fwd) + sum(send_bwd))
 
 
 def replica_layouts(tables: StageTables, rho: int, limit_ms: float, deadline_s: float = math.inf) -> tuple[list[Layout], float]:
@@ -175,7 +191,7 @@ def replica_layouts(tables: StageTables, rho: int, limit_ms: float, deadline_s: 
     splits = layer_splits(spec.num_layers, len(pipe))
     first = 0
     # ``pipeline_ms``'s two quick bounds over a block of layer splits at once, for each unit choice; eq. 1 itself
-    # only where they stay below the limit. Sums run stage by stage, in the order ``pipeline_ms`` adds them.
+    # only where they stay below the limit.
     while block := list(itertools.islice(splits, _SPLIT_BLOCK)):
         if stop.past(deadline_s):
             raise TimeoutError
@@ -186,13 +202,7 @@ def replica_layouts(tables: StageTables, rho: int, limit_ms: float, deadline_s: 
                     found.append(((first + k) * len(unit_sets) + u, Layout(layers=layers, units=units,
                                                                            pipe_ms=tables.pipeline_ms(rho, layers, units))))
                 continue
-            passes, fwds, bwds = np.zeros(len(block)), np.zeros(len(block)), np.zeros(len(block))
-            for s, opt in enumerate(units):
-                f_layer, b_plain, allreduce, edge_fwd, edge_bwd = tables._stage_terms(rho, s, opt)
-                fwd, bwd = L[:, s] * (f_layer + allreduce) + edge_fwd, L[:, s] * (b_plain + allreduce) + edge_bwd
-                passes = np.maximum(passes, fwd + bwd)
-                fwds, bwds = fwds + fwd, bwds + bwd
-            quick = np.maximum(m * passes, fwds + bwds + sum(sf) + sum(sb))
+            quick = quick_pipeline_ms(*tables.stage_passes(rho, L.T, units), sf, sb, m)
             below = quick < limit_ms
             if not below.all():
                 least = min(least, float(quick[~below].min()))
