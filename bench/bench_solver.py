@@ -55,6 +55,11 @@ UNIFORM_LIMIT_S = 30
 """Time limit of the comparison solve with every replica on one batch at stage 0."""
 
 
+BOUND_SOURCES = {"eq. 12b": "12b", "eq. 12c": "12c", "the exact family's search": "exact",
+                 "the exact family, searched after the structured one": "exact"}
+"""``SolveResult.space_bound_from`` as the table's column says it."""
+
+
 def _plan_summary(plan) -> dict:
     batches = [plan.batch(i) for i in range(len(plan.pipelines))]
     ratios = [d.shard_ratio for p in plan.pipelines for s in p.stages for d in s.devices]
@@ -97,7 +102,7 @@ def run_case(name, cluster_file, model, global_batch, gap, time_limit, threads):
             results[strategy] = {
                 "iteration_ms": rep.iteration_time_ms, "tokens_per_s": rep.tokens_per_s,
                 "efficiency_vs_ideal_used": rep.efficiency_vs_ideal, "status": res.status, "gap": res.gap,
-                "space_gap": res.space_gap,
+                "space_gap": res.space_gap, "space_bound_from": res.space_bound_from,
                 "build_s": res.build_s, "solve_s": res.solve_s, "wall_s": time.perf_counter() - t0,
                 "devices_used": len(res.plan.device_ids()), "stages": res.plan.num_stages,
                 "replicas": len(res.plan.pipelines), "micro_batch": res.plan.micro_batch_size,
@@ -143,7 +148,9 @@ def markdown(rows, meta) -> str:
            "Iteration times are the cost model's predictions (`baton.evaluate`), for the plan each strategy returns. "
            "Speedup = baseline time / Baton time. Efficiency = tokens/s over the ideal additive bound of all devices "
            "of the cluster (eq. 12). Gap = proven relative gap of Baton over its search space (the family: exact or "
-           "structured); over every plan = its gap against eq. 12b, a bound on every plan of any layout (solver/README.md). "
+           "structured); over every plan = its gap against the highest bound it has on every plan of any layout, in "
+           "brackets: eq. 12b, eq. 12c (replicas, where the cluster's classes are few enough) or the exact family "
+           "searched after the structured one (rule 15; solver/README.md). "
            "Het. DP = what uneven "
            "per-replica batches and sharding stages 1-3 changed in Baton's plan, against Baton with every replica on one "
            f"batch at stage 0 ({UNIFORM_LIMIT_S} s limit): that plan's ms, then how much faster Baton's is.", "",
@@ -160,6 +167,8 @@ def markdown(rows, meta) -> str:
             x = r["results"][s]
             cells.append(f"{x['iteration_ms']:.0f} ({r['speedup_vs'][s]:.2f}x)" if "iteration_ms" in x else "no plan")
         whole = f"{b['space_gap']:.2%}" if "space_gap" in b else "-"
+        if "space_bound_from" in b:
+            whole += f" ({BOUND_SOURCES.get(b['space_bound_from'], b['space_bound_from'])})"
         out.append(f"| {r['case']} | {b['iteration_ms']:.1f} | {b['status']} ({b['family']}) | {b['gap']:.2%} | {whole} | "
                    f"{b['build_s']:.2f} | {b['solve_s']:.2f} | {r['baton_efficiency_vs_ideal_all_devices']:.1%} | "
                    + " | ".join(cells) + f" | {_dp_cell(r)} |")

@@ -49,7 +49,7 @@ def _space(strategy: str, family: str) -> str:
 
 
 def _over_every_plan(result) -> str:
-    """The gap over every plan (eq. 12b), where the family's does not already cover them all."""
+    """The gap over every plan (eq. 12b or 12c), where the family's does not already cover them all."""
     if result.strategy != "baton" or result.space_bound_ms <= 0:
         return ""
     if result.family == "exact" and result.space_bound_ms >= result.bound_ms:

@@ -1,0 +1,402 @@
+"""Eq. 12c: a bound on every plan from its replicas, each priced with its fill and drain, its tensor-parallel
+all-reduces, whole samples and its data-parallel sync (solver/README.md, "A sharper bound from replicas").
+
+Eq. 12b (``solver.ideal``) spreads the batch over every device as a fluid. Where a cluster has about one sample per
+GPU (HAP's and Cephalo's clusters at batch 64), every real plan pays for that: long pipelines fill and drain, wide
+tensor-parallel groups all-reduce every layer, and many replicas sync their gradients over slow links. This bound
+prices those three together, per replica, over *device classes* (devices of one GPU type on nodes of one kind,
+which enter every equation alike), so it needs no layout:
+
+* a replica is a vector ``a`` of device counts per class; its stages are compositions ``c`` (counts per class) in
+  some order. ``stage_rates`` bounds what a stage of composition ``c`` can do per ms (eq. 2, 5, 9);
+  ``pipeline_capacity`` the most a replica of ``a`` can do within its pipeline time with ``m`` micro-batches
+  (eq. 1's fill and drain), by a dynamic programme over the stage sequences;
+* ``sync_floor`` bounds a replica's data-parallel sync (eq. 13, 15-17) when the plan has ``r`` or more replicas;
+* an LP over replicas (how many of each vector, fractions allowed) finds the least time at which the replicas,
+  within the cluster's devices and ``r`` replicas, could train the global batch.
+
+The proof, one step per function, is in solver/README.md. The programme is over every composition, so its size
+grows as the product of the class counts: it runs where that stays small (``MAX_PAIRS``), which covers the shipped
+clusters of up to 64 GPUs, and where the options leave 1F1B or the layered schedule (interleaved 1F1B is not bounded
+by eq. 1's chain in this form).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from baton.cluster import ClusterSpec, Link, slower_end
+from baton.costmodel import ALLREDUCES_PER_LAYER, activation_bytes, layer_param_count, layer_train_ms, tp_allreduce_ms
+from baton.model_spec import ModelSpec
+from baton.profile import ProfileSet
+
+from solver import stop
+from solver.bounds import _sync_line
+from solver.options import plan_shares, valid_unit_counts
+
+MAX_PAIRS = 20_000_000
+"""Pairs (replica vector, stage composition) the programme may visit: 13.1M on cephalo_64gpu's three classes of 16,
+16 and 32 GPUs (a few seconds); beyond it the bound is not computed and eq. 12b stands alone."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceClass:
+    """Devices of one GPU type on nodes of one kind: interchangeable in every equation the bound reads."""
+
+    gpu: str
+    """GPU type (its profile table)."""
+    count: int
+    """Devices of the class in the cluster."""
+    per_node: int
+    """Devices of the class on one of its nodes."""
+    node_devices: int
+    """Devices of any class on one of its nodes."""
+    node_kind: tuple
+    """The node's links and GPU types: classes with one node kind can share a node."""
+    intra: Link | None
+    """The node's intra-node link (None for a node of one device)."""
+    nic: Link | None
+    """The node's network link (None on a cluster of one node)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaBound:
+    """Eq. 12c and what it was made of."""
+
+    bound_ms: float
+    """Lower bound on the iteration time of every plan, ms."""
+    pipeline_ms: float
+    """Its pipeline and sync part (the least over replica counts), ms."""
+    optimizer_ms: float
+    """Its Adam step part (eq. 12b's), ms."""
+    replicas: tuple[int, int]
+    """The range of replica counts where the least was found."""
+    seconds: float
+    """Time it took."""
+
+
+def device_classes(cluster: ClusterSpec) -> list[DeviceClass]:
+    """The cluster's devices grouped by GPU type and node kind (its links and the GPU types it holds)."""
+    per_node: dict[str, list] = {}
+    for d in cluster.devices:
+        per_node.setdefault(d.node, []).append(d)
+    found: dict[tuple, dict] = {}
+    for node, devices in per_node.items():
+        intra = cluster.intra_links.get(node) if len(devices) > 1 else None
+        nic = cluster.nic(node) if len(per_node) > 1 else None
+        kind = (intra, nic, tuple(sorted(d.gpu.name for d in devices)))
+        for d in devices:
+            entry = found.setdefault((d.gpu.name, kind), {"gpu": d.gpu.name, "count": 0, "node_kind": kind, "intra": intra,
+                                                          "nic": nic, "node_devices": len(devices),
+                                                          "per_node": sum(x.gpu.name == d.gpu.name for x in devices)})
+            entry["count"] += 1
+    return [DeviceClass(**e) for e in found.values()]
+
+
+def share_lines(profile, spec: ModelSpec, micro_batch: int) -> list[tuple[float, float, float]]:
+    """The lower convex hull of a device's layer time against its share, t(b, u) over every share a plan can hold,
+    as (from share, slope, intercept) edges: each edge's line lies under every point, so t(b, u) >= slope u +
+    intercept at every share (a device's forward and backward with nothing recomputed, as eq. 12b reads them)."""
+    us = plan_shares(spec)
+    ts = [layer_train_ms(profile, spec, micro_batch, u) for u in us]
+    hull: list[int] = []
+    for i in range(len(us)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (ts[b] - ts[a]) * (us[i] - us[a]) >= (ts[i] - ts[a]) * (us[b] - us[a]):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    if len(hull) == 1:
+        return [(us[0], 0.0, ts[0])]
+    edges = []
+    for a, b in zip(hull, hull[1:]):
+        slope = (ts[b] - ts[a]) / (us[b] - us[a])
+        # A falling edge (a table slower at a smaller share) cannot carry the proof's tau: the flat line at the least
+        # time of all lies under every point too.
+        edges.append((us[a], slope, ts[a] - slope * us[a]) if slope > 0 else (us[a], 0.0, min(ts)))
+    return edges
+
+
+def _line_at(lines, share: float) -> tuple[float, float]:
+    """The hull edge over ``share`` (the first below the smallest share, the last above the largest)."""
+    chosen = lines[0]
+    for edge in lines:
+        if edge[0] <= share:
+            chosen = edge
+    return chosen[1], chosen[2]
+
+
+def class_grid(classes: list[DeviceClass]) -> np.ndarray:
+    """Every vector of counts per class up to the cluster's, in row-major order (index = dot with ``strides``)."""
+    dims = [c.count + 1 for c in classes]
+    return np.stack(np.meshgrid(*[np.arange(d) for d in dims], indexing="ij"), -1).reshape(-1, len(classes))
+
+
+def _strides(classes: list[DeviceClass]) -> np.ndarray:
+    dims = [c.count + 1 for c in classes]
+    return np.array([int(np.prod(dims[k + 1:])) for k in range(len(dims))], dtype=np.int64)
+
+
+def stage_allreduce_ms(spec: ModelSpec, classes: list[DeviceClass], c, micro_batch: int) -> float:
+    """The least eq. 9 can charge a stage of composition ``c`` for its in-layer all-reduces, per layer and micro-batch
+    (both directions): eq. 5 over the fastest slowest link such a group can have. On one node: that node's intra
+    link, possible when every class present has its node kind and fits one node; across nodes: the slower end of the
+    NICs of every class present (each has a device on a node of its kind, and a group spanning nodes pays every
+    involved node's NIC)."""
+    n = int(sum(c))
+    if n <= 1:
+        return 0.0
+    present = [k for k, x in enumerate(c) if x]
+    x = activation_bytes(spec, micro_batch)
+    options = []
+    kinds = {classes[k].node_kind for k in present}
+    if (len(kinds) == 1 and classes[present[0]].intra is not None and n <= classes[present[0]].node_devices
+            and all(c[k] <= classes[k].per_node for k in present)):
+        options.append(tp_allreduce_ms(x, n, classes[present[0]].intra))
+    nics = [classes[k].nic for k in present if classes[k].nic is not None]
+    if nics:
+        options.append(tp_allreduce_ms(x, n, slower_end(*nics)))
+    if not options:
+        return math.inf  # no such group exists
+    return 2 * ALLREDUCES_PER_LAYER * min(options)
+
+
+def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray,
+                micro_batch: int) -> np.ndarray:
+    """For every composition c: rho(c) >= what a stage of those devices does per ms at micro-batch b, in samples
+    times layers, b / (its per-layer time of one micro-batch). Eq. 9: the stage's per-layer time is at least the
+    slowest rank's forward and backward plus 4 in-layer all-reduces A(c). Rank d at share u_d takes at least
+    alpha_d u_d + beta_d (``share_lines``, any edge), the shares add up to one, so the slowest takes at least
+    tau = (1 + sum_d beta_d / alpha_d) / sum_d (1 / alpha_d) (the level at which every rank's share fits). So
+    rho(c) <= b / (tau + A) = b R / (1 + sum_k R_k beta_k + A R), R_k = c_k / alpha_k, R = sum_k R_k. A group
+    needs a unit per rank: where n exceeds every unit count U the model allows, rho = 0 (no such stage)."""
+    most_units = max(valid_unit_counts(spec))
+    lines = [share_lines(profiles[c.gpu], spec, micro_batch) for c in classes]
+    out = np.zeros(len(grid))
+    for i, c in enumerate(grid):
+        n = int(c.sum())
+        if n == 0 or n > most_units:
+            continue
+        A = stage_allreduce_ms(spec, classes, c, micro_batch)
+        if not math.isfinite(A):
+            continue
+        R, Rbeta = 0.0, 0.0
+        for k, count in enumerate(c):
+            if count:
+                alpha, beta = _line_at(lines[k], 1.0 / n)
+                alpha = max(alpha, 1e-12)  # a flat edge: the rank takes at least beta whatever its share
+                R += count / alpha
+                Rbeta += count / alpha * beta
+        out[i] = micro_batch * R / (1.0 + Rbeta + A * R)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Pairs:
+    """Every (vector a, composition c <= a, c != 0), ordered by a's device count and then by a."""
+
+    a: np.ndarray
+    c: np.ndarray
+    rest: np.ndarray
+    """Index of a - c."""
+    levels: list
+    """Per device count t: (slice of the pairs, the a's of that count in order, start of each a's run)."""
+
+
+def _pairs(classes: list[DeviceClass], grid: np.ndarray) -> _Pairs:
+    strides = _strides(classes)
+    # Per class, every (a_k, c_k) with c_k <= a_k; the pairs are their product over the classes.
+    per_class = [np.array([(x, y) for x in range(c.count + 1) for y in range(x + 1)], dtype=np.int64) for c in classes]
+    mesh = np.meshgrid(*[np.arange(len(p)) for p in per_class], indexing="ij")
+    a = sum(per_class[k][mesh[k].ravel(), 0] * strides[k] for k in range(len(classes)))
+    c = sum(per_class[k][mesh[k].ravel(), 1] * strides[k] for k in range(len(classes)))
+    del mesh
+    keep = c > 0
+    a, c = a[keep], c[keep]
+    totals = grid.sum(1)
+    order = np.lexsort((a, totals[a]))
+    a, c = a[order].astype(np.int32), c[order].astype(np.int32)
+    rest = (a - c).astype(np.int32)  # row-major indices subtract like the vectors
+    levels = []
+    bounds = np.r_[0, np.nonzero(np.diff(totals[a]))[0] + 1, len(a)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        starts = np.r_[0, np.nonzero(np.diff(a[lo:hi]))[0] + 1]
+        levels.append((slice(lo, hi), a[lo:hi][starts], starts))
+    return _Pairs(a=a, c=c, rest=rest, levels=levels)
+
+
+def pair_count(classes: list[DeviceClass]) -> int:
+    """How many pairs ``_pairs`` would list: prod_k (n_k + 1)(n_k + 2) / 2, less the zero vectors."""
+    return math.prod((c.count + 1) * (c.count + 2) // 2 for c in classes)
+
+
+def pipeline_capacity(rates: np.ndarray, pairs: _Pairs, size: int, q: float) -> np.ndarray:
+    """F(a) = the most sum_s q^s rho(c_s) over sequences of compositions c_0, c_1, ... whose counts add up to a:
+    F(a) = max_c rho(c) + q F(a - c). Eq. 1's chain gives every 1F1B replica T_pipe >= sum_{s' < s} t_s' + m t_s for
+    every stage s (stage s starts only after micro-batch 0 went forward through the stages before it, then runs its
+    2m passes one after another, and after its last backward the stages before it run that micro-batch's backward), so
+    with q = 1 - 1/m a replica does at most (T / m) F(a) samples times layers per micro-batch (solver/README.md)."""
+    F = np.zeros(size)
+    for sl, targets, starts in pairs.levels:
+        values = rates[pairs.c[sl]] + q * F[pairs.rest[sl]]
+        F[targets] = np.maximum.reduceat(values, starts)
+    return F
+
+
+def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, holders: int) -> np.ndarray:
+    """For every replica vector a: a lower bound on T_dp (eq. 13, 15; the ring passes of eq. 16-17 at stages 2 and 3)
+    in every plan of ``holders`` or more replicas (rule 13): each device d holding P_d parameters pays at least
+    alpha_k P_d + beta_k, the line of a group of that many holders over the fastest link d could reach another replica's
+    holder by (its node's intra link when the holders fit on one node, its NIC otherwise), and the replica's devices
+    hold every layer between them. The least T at which they could, by bisection from below."""
+    line = _sync_line(spec, holders)
+    per_class = []
+    for c in classes:
+        options = []
+        if c.intra is not None and holders <= c.node_devices:
+            options.append(line(c.intra))
+        if c.nic is not None:
+            options.append(line(c.nic))
+        if not options:  # no other replica can be reached: no plan has this many replicas with this class
+            per_class.append((math.inf, math.inf))
+        else:
+            per_class.append((min(o[0] for o in options), min(o[1] for o in options)))
+    alpha = np.array([a for a, _ in per_class])
+    beta = np.array([b for _, b in per_class])
+    need = spec.num_layers * layer_param_count(spec, 1.0)
+    counts = grid.astype(float)
+
+    def held(T):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            each = np.where(np.isfinite(alpha) & (T[:, None] > beta), (T[:, None] - beta) / alpha, 0.0)
+        return (counts * each).sum(1)
+
+    lo = np.zeros(len(grid))
+    hi = np.full(len(grid), max(1.0, float(np.nanmax(np.where(np.isfinite(beta), beta, 0.0))) + 1.0))
+    usable = (counts[:, np.isfinite(alpha)].sum(1) > 0) if np.isfinite(alpha).any() else np.zeros(len(grid), bool)
+    for _ in range(200):
+        short = usable & (held(hi) < need)
+        if not short.any():
+            break
+        hi[short] *= 2
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        ok = held(mid) >= need
+        lo, hi = np.where(ok, lo, mid), np.where(ok, mid, hi)
+    return np.where(usable, lo, math.inf)
+
+
+def _micro_batch_buckets(most: int) -> list[tuple[int, int]]:
+    """Micro-batch counts one by one up to 16, then in buckets a quarter wide (17-20, 21-25, ...): a bucket is
+    priced at its largest count, where F is largest (it grows with q = 1 - 1/m)."""
+    out, lo = [], 1
+    while lo <= most:
+        hi = min(most, lo if lo <= 16 else max(lo, (lo * 5) // 4))
+        out.append((lo, hi))
+        lo = hi + 1
+    return out
+
+
+def _replica_buckets(most: int) -> list[tuple[int, int]]:
+    """Replica counts 2, 3-4, 5-8, 9-16, ...: a bucket's sync is priced at its fewest holders."""
+    out, lo = [], 2
+    while lo <= most:
+        hi = min(most, 2 * lo - 2 if lo > 2 else lo)
+        out.append((lo, hi))
+        lo = hi + 1
+    return out
+
+
+def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
+                  micro_batches: list[int], optimizer_ms: float, *, deadline_s: float = math.inf) -> ReplicaBound | None:
+    """Eq. 12c over plans of 1F1B (one chunk) or layered replicas whose micro-batch sizes are ``micro_batches``; None
+    where the programme is too large (``MAX_PAIRS``) or the deadline (or a stop) came first. ``optimizer_ms`` is eq.
+    12b's Adam step, which follows everything else in every schedule."""
+    t0 = time.perf_counter()
+    classes = device_classes(cluster)
+    if pair_count(classes) > MAX_PAIRS or stop.past(deadline_s):
+        return None
+    G, N = global_batch, spec.num_layers
+    grid = class_grid(classes)
+    size = len(grid)
+    pairs = _pairs(classes, grid)
+    capacity: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, micro-batch count bucket) -> F per vector
+    for b in micro_batches:
+        if stop.past(deadline_s):
+            return None
+        rates = stage_rates(spec, profiles, classes, grid, b)
+        for bucket in _micro_batch_buckets(G // b):
+            capacity[b, bucket] = pipeline_capacity(rates, pairs, size, 1.0 - 1.0 / bucket[1])
+
+    def samples(T: float, floor: np.ndarray) -> np.ndarray:
+        """Per vector, the most samples a replica of it could train with its pipeline and sync within T: m b with
+        m b N <= (T - sync) F(a) (F at the largest count of m's bucket, so never less than m's own)."""
+        best = np.zeros(size)
+        room = np.maximum(T - floor, 0.0)
+        for (b, (lo, hi)), F in capacity.items():
+            m = np.minimum(hi, np.floor(room * F / (b * N) * (1 + 1e-12) + 1e-9))
+            best = np.maximum(best, np.where(m >= lo, b * m, 0.0))
+        return np.minimum(best, G)
+
+    def least(feasible, start: float, cap: float = math.inf) -> float | None:
+        """The least T at which ``feasible`` holds, from below (the bound stays valid whatever the rounding); ``cap``
+        where it does not hold at ``cap`` (only a least under it matters)."""
+        if math.isfinite(cap) and not feasible(cap):
+            return cap
+        lo, hi = 0.0, min(max(start, 1e-3), cap)
+        while not feasible(hi):
+            if stop.past(deadline_s):
+                return None
+            lo, hi = hi, hi * 2
+        while hi - lo > 1e-7 * hi:
+            if stop.past(deadline_s):
+                return None
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+        return lo
+
+    full = int(np.nonzero((grid == [c.count for c in classes]).all(1))[0][0])
+    no_sync = np.zeros(size)
+    guess = N * G / max(1e-12, float(max(F[full] for F in capacity.values())))
+    best = least(lambda T: samples(T, no_sync)[full] >= G, guess)  # one replica: every device, the whole batch
+    if best is None:
+        return None
+    where = (1, 1)
+    avail = np.array([c.count for c in classes], dtype=float)
+    for r_lo, r_hi in _replica_buckets(min(G, len(cluster.devices))):
+        floor = sync_floor(spec, classes, grid, r_lo)
+        value = least(lambda T: _replicas_lp(samples(T, floor), grid, avail, r_lo, r_hi) >= G, best / 2, cap=best)
+        if value is None:
+            return None
+        if value < best:
+            best, where = value, (r_lo, r_hi)
+    return ReplicaBound(bound_ms=best + optimizer_ms, pipeline_ms=best, optimizer_ms=optimizer_ms, replicas=where,
+                        seconds=time.perf_counter() - t0)
+
+
+def _replicas_lp(samples: np.ndarray, grid: np.ndarray, avail: np.ndarray, r_lo: int, r_hi: int) -> float:
+    """max sum_a x_a g_a over x >= 0 with sum_a x_a a <= the cluster's counts and r_lo <= sum_a x_a <= r_hi: every
+    plan of r replicas in the bucket gives a feasible x (its replicas' vectors), so its samples are at most this."""
+    cols = np.nonzero(samples > 0)[0]
+    if len(cols) == 0:
+        return 0.0
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    inf = highspy.kHighsInf
+    n = len(cols)
+    h.addVars(n, np.zeros(n), np.full(n, inf))
+    h.changeColsCost(n, np.arange(n, dtype=np.int32), -samples[cols])
+    index = np.arange(n, dtype=np.int32)
+    for k in range(grid.shape[1]):
+        h.addRow(-inf, float(avail[k]), n, index, grid[cols, k].astype(float))
+    h.addRow(float(r_lo), float(r_hi), n, index, np.ones(n))
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return 0.0
+    return -h.getInfo().objective_function_value
