@@ -38,9 +38,12 @@ from solver import stop
 from solver.bounds import _sync_line
 from solver.options import plan_shares, valid_unit_counts
 
-MAX_PAIRS = 20_000_000
+MAX_PAIRS = 16_000_000
 """Pairs (replica vector, stage composition) the programme may visit: 13.1M on cephalo_64gpu's three classes of 16,
-16 and 32 GPUs (a few seconds); beyond it the bound is not computed and eq. 12b stands alone."""
+16 and 32 GPUs (8 s, about 700 MB at the peak); beyond it the bound is not computed and eq. 12b stands alone."""
+MAX_DEVICES = 128
+"""The programme runs one step per device count (its levels), per micro-batch size and count bucket: a cluster of more
+devices is not bounded so, however few its classes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,13 +178,15 @@ def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
     alpha_d u_d + beta_d (``share_lines``, any edge), the shares add up to one, so the slowest takes at least
     tau = (1 + sum_d beta_d / alpha_d) / sum_d (1 / alpha_d) (the level at which every rank's share fits). So
     rho(c) <= b / (tau + A) = b R / (1 + sum_k R_k beta_k + A R), R_k = c_k / alpha_k, R = sum_k R_k. A group
-    needs a unit per rank: where n exceeds every unit count U the model allows, rho = 0 (no such stage)."""
+    needs a unit per rank: where n exceeds every unit count U the model allows, rho = 0 (no such stage); so is a
+    stage with a class whose table does not hold b (a replica runs only sizes every table of its GPUs holds)."""
     most_units = max(valid_unit_counts(spec))
-    lines = [share_lines(profiles[c.gpu], spec, micro_batch) for c in classes]
+    holds = [micro_batch in profiles[c.gpu].micro_batches("qkv") for c in classes]
+    lines = [share_lines(profiles[c.gpu], spec, micro_batch) if holds[k] else None for k, c in enumerate(classes)]
     out = np.zeros(len(grid))
     for i, c in enumerate(grid):
         n = int(c.sum())
-        if n == 0 or n > most_units:
+        if n == 0 or n > most_units or any(c[k] and not holds[k] for k in range(len(classes))):
             continue
         A = stage_allreduce_ms(spec, classes, c, micro_batch)
         if not math.isfinite(A):
@@ -236,7 +241,8 @@ def pair_count(classes: list[DeviceClass]) -> int:
     return math.prod((c.count + 1) * (c.count + 2) // 2 for c in classes)
 
 
-def pipeline_capacity(rates: np.ndarray, pairs: _Pairs, size: int, q: float) -> np.ndarray:
+def pipeline_capacity(rates: np.ndarray, pairs: _Pairs, size: int, q: float,
+                      deadline_s: float = math.inf) -> np.ndarray | None:
     """F(a) = the most sum_s q^s rho(c_s) over sequences of compositions c_0, c_1, ... whose counts add up to a:
     F(a) = max_c rho(c) + q F(a - c). Eq. 1's chain gives every 1F1B replica T_pipe >= sum_{s' < s} t_s' + m t_s for
     every stage s (stage s starts only after micro-batch 0 went forward through the stages before it, then runs its
@@ -244,6 +250,8 @@ def pipeline_capacity(rates: np.ndarray, pairs: _Pairs, size: int, q: float) -> 
     with q = 1 - 1/m a replica does at most (T / m) F(a) samples times layers per micro-batch (solver/README.md)."""
     F = np.zeros(size)
     for sl, targets, starts in pairs.levels:
+        if stop.past(deadline_s):
+            return None
         values = rates[pairs.c[sl]] + q * F[pairs.rest[sl]]
         F[targets] = np.maximum.reduceat(values, starts)
     return F
@@ -313,14 +321,24 @@ def _replica_buckets(most: int) -> list[tuple[int, int]]:
     return out
 
 
+def micro_batch_sizes(cluster: ClusterSpec, profiles: ProfileSet, global_batch: int, micro_batch: int | None) -> list[int]:
+    """Every micro-batch size a replica of some of the cluster's GPUs may run (``search.replica_micro_batches``: those
+    every table of its GPUs holds, up to the global batch; the one given, when given): the sizes any table holds.
+    ``stage_rates`` gives a stage no rate at a size one of its classes lacks."""
+    if micro_batch is not None:
+        return [micro_batch]
+    return sorted({b for g in cluster.gpu_types for b in profiles[g].micro_batches("qkv") if b <= global_batch})
+
+
 def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
-                  micro_batches: list[int], optimizer_ms: float, *, deadline_s: float = math.inf) -> ReplicaBound | None:
-    """Eq. 12c over plans of 1F1B (one chunk) or layered replicas whose micro-batch sizes are ``micro_batches``; None
-    where the programme is too large (``MAX_PAIRS``) or the deadline (or a stop) came first. ``optimizer_ms`` is eq.
-    12b's Adam step, which follows everything else in every schedule."""
+                     micro_batches: list[int], optimizer_ms: float, *, deadline_s: float = math.inf) -> ReplicaBound | None:
+    """Eq. 12c over plans of 1F1B (one chunk) or layered replicas whose micro-batch sizes are among ``micro_batches``
+    (``micro_batch_sizes`` gives the search's); None where the programme is too large (``MAX_PAIRS``, ``MAX_DEVICES``)
+    or the deadline (or a stop) came first. ``optimizer_ms`` is eq. 12b's Adam step, which follows everything else in
+    every schedule."""
     t0 = time.perf_counter()
     classes = device_classes(cluster)
-    if pair_count(classes) > MAX_PAIRS or stop.past(deadline_s):
+    if pair_count(classes) > MAX_PAIRS or len(cluster.devices) > MAX_DEVICES or stop.past(deadline_s):
         return None
     G, N = global_batch, spec.num_layers
     grid = class_grid(classes)
@@ -332,7 +350,10 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
             return None
         rates = stage_rates(spec, profiles, classes, grid, b)
         for bucket in _micro_batch_buckets(G // b):
-            capacity[b, bucket] = pipeline_capacity(rates, pairs, size, 1.0 - 1.0 / bucket[1])
+            F = pipeline_capacity(rates, pairs, size, 1.0 - 1.0 / bucket[1], deadline_s)
+            if F is None:
+                return None
+            capacity[b, bucket] = F
 
     def samples(T: float, floor: np.ndarray) -> np.ndarray:
         """Per vector, the most samples a replica of it could train with its pipeline and sync within T: m b with
@@ -371,7 +392,8 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
     avail = np.array([c.count for c in classes], dtype=float)
     for r_lo, r_hi in _replica_buckets(min(G, len(cluster.devices))):
         floor = sync_floor(spec, classes, grid, r_lo)
-        value = least(lambda T: _replicas_lp(samples(T, floor), grid, avail, r_lo, r_hi) >= G, best / 2, cap=best)
+        value = least(lambda T: _replicas_lp(samples(T, floor), grid, avail, r_lo, r_hi) >= G * (1 - 1e-9), best / 2,
+                      cap=best)
         if value is None:
             return None
         if value < best:
@@ -397,6 +419,9 @@ def _replicas_lp(samples: np.ndarray, grid: np.ndarray, avail: np.ndarray, r_lo:
         h.addRow(-inf, float(avail[k]), n, index, grid[cols, k].astype(float))
     h.addRow(float(r_lo), float(r_hi), n, index, np.ones(n))
     h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
         return 0.0
+    if status != highspy.HighsModelStatus.kOptimal:
+        return math.inf  # not proven infeasible: T may suffice, and a bound from below must allow it
     return -h.getInfo().objective_function_value

@@ -58,7 +58,7 @@ from solver.options import monotone_in_share, valid_unit_counts
 from solver.space import Skeleton, exact_skeletons, iter_structured_skeletons, replica_pattern
 from solver.unlike import expand, solve_structure
 from solver.ideal import ideal_bound
-from solver.relaxation import relaxation_bound
+from solver.relaxation import micro_batch_sizes, relaxation_bound
 from solver.splits import (_largest_m, canonical, class_members, exact_splits_below, replica_classes, structured_splits,
                            uniform_splits)
 
@@ -655,7 +655,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         result.plan = result.plan.with_info(**result.info())
     if (every_plan and inputs.strategy == "baton" and allowed is None and splits == "auto" and inputs.chunks == (1,)
             and result.space_gap > gap):
-        _sharpen_space_bound(inputs, result, mbs, t_start=t_start, log=log)
+        _sharpen_space_bound(inputs, result, t_start=t_start, log=log)
         result.total_s = time.perf_counter() - t_start
         result.plan = result.plan.with_info(**result.info())
     return result
@@ -665,15 +665,20 @@ SHARPENED = "eq. 12c"
 """``SolveResult.space_bound_from`` where the bound over every plan is ``solver.relaxation``'s."""
 
 
-def _sharpen_space_bound(inputs: _Inputs, result: SolveResult, mbs: list[int], *, t_start: float, log) -> None:
+def _sharpen_space_bound(inputs: _Inputs, result: SolveResult, *, t_start: float, log) -> None:
     """Eq. 12c (``solver.relaxation``, solver/README.md "A sharper bound from replicas") for the time left, where it
     applies (1F1B or layered replicas only: ``chunks`` 1) and its programme is small enough; it replaces the bound over
-    every plan where it is higher."""
+    every plan where it is higher. A bound above the plan found would be a broken proof, not a better bound: it
+    raises, as a plan the evaluator disagrees with does."""
     ideal = ideal_bound(inputs.spec, inputs.cluster, inputs.profiles, inputs.global_batch, inputs.micro_batch)
-    found = relaxation_bound(inputs.spec, inputs.cluster, inputs.profiles, inputs.global_batch, mbs, ideal.optimizer_ms,
-                          deadline_s=inputs.deadline_s)
+    sizes = micro_batch_sizes(inputs.cluster, inputs.profiles, inputs.global_batch, inputs.micro_batch)
+    found = relaxation_bound(inputs.spec, inputs.cluster, inputs.profiles, inputs.global_batch, sizes,
+                             ideal.optimizer_ms, deadline_s=inputs.deadline_s)
     if found is None or found.bound_ms <= result.space_bound_ms:
         return
+    if found.bound_ms > result.objective_ms * (1 + 1e-9):
+        raise SolverCheckFailed(f"eq. 12c bounds every plan at {found.bound_ms:.6f} ms, above the plan found "
+                                f"({result.objective_ms:.6f} ms): the bound's proof does not hold here")
     result.space_bound_ms = min(result.objective_ms, found.bound_ms)
     result.space_gap = max(0.0, (result.objective_ms - result.space_bound_ms) / result.objective_ms)
     result.space_bound_from = SHARPENED

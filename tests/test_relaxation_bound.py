@@ -27,13 +27,13 @@ from baton.errors import BatonError
 from baton.evaluate import evaluate
 from baton.model_spec import PRESETS
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
-from baton.plan import validate
+from baton.plan import simple_plan, validate
 from baton.profile import ProfileSet
 from solver.ideal import ideal_bound
 from solver.moves import neighbours
 from solver.options import valid_unit_counts
-from solver.relaxation import (_pairs, class_grid, device_classes, pipeline_capacity, relaxation_bound, stage_rates,
-                               sync_floor)
+from solver.relaxation import (_pairs, class_grid, device_classes, micro_batch_sizes, pipeline_capacity,
+                               relaxation_bound, stage_rates, sync_floor)
 from tests.conftest import ROOT
 from tests.test_solver_helpers import random_instance
 
@@ -114,18 +114,19 @@ def test_eq1_chain_and_the_capacity_of_every_stage_order():
 def _clusters():
     yield ROOT / "clusters" / "cephalo_8gpu.yaml", PRESETS["gpt3-1.3b"], None
     for seed in (1, 4, 11):
-        inst = random_instance(seed, num_devices=4, num_layers=4, heads=16, universe_size=2, global_batch=4,
+        inst = random_instance(seed, num_devices=6, num_layers=4, heads=16, universe_size=2, global_batch=4,
                                monotone=seed != 11)
         yield inst.cluster, inst.spec, inst.profiles
 
 
 @pytest.mark.parametrize("case", range(4))
 def test_a_stage_runs_a_layer_no_faster_than_its_rate(case):
-    """Random groups of a cluster's devices at random units: eq. 9's per-layer time of one micro-batch (at least the
-    slowest rank's forward and backward plus both directions' in-layer all-reduces, on the group's own slowest link)
-    is at least b / rho(c) for the group's composition. Covers mixed nodes (cephalo_8gpu), tables that are not
-    monotone in the share and measured in-layer figures. Fails if a share line is above a table point, an
-    all-reduce is taken over a faster link than the group could have, or a group's ranks are counted as faster."""
+    """Random groups of a cluster's devices at random units, each the middle stage of a three-stage plan (no edges
+    on it): the evaluator's forward, backward and in-layer all-reduces of that stage per micro-batch and layer are at
+    least the slowest rank's layer time plus both directions' all-reduces (the proof's first step), which is at least
+    b / rho(c) for the group's composition. Covers mixed nodes (cephalo_8gpu), tables that are not monotone in
+    the share and measured in-layer figures. Fails if a share line is above a table point, an all-reduce is taken
+    over a faster link than the group could have, or a group's ranks are counted as faster."""
     cluster, spec, profiles = list(_clusters())[case]
     if isinstance(cluster, type(ROOT)):
         cluster = load_cluster(cluster)
@@ -136,32 +137,50 @@ def test_a_stage_runs_a_layer_no_faster_than_its_rate(case):
     klass = {d.id: _class_of(cluster, classes, d.id) for d in cluster.devices}
     rng = random.Random(case)
     ids = [d.id for d in cluster.devices]
+    middle = spec.num_layers - 2
     for b in profiles[cluster.devices[0].gpu.name].micro_batches("qkv")[:2]:
         rates = stage_rates(spec, profiles, classes, grid, b)
         checked = 0
-        for _ in range(60):
-            group = rng.sample(ids, rng.randint(1, len(ids)))
+        for _ in range(40):
+            group = rng.sample(ids, rng.randint(1, len(ids) - 2))
+            ends = rng.sample([d for d in ids if d not in group], 2)
             units = [U for U in valid_unit_counts(spec) if U >= len(group)]
-            if not units:
+            if not units or any(b not in profiles[cluster.device(d).gpu.name].micro_batches("qkv") for d in group + ends):
                 continue
             U = rng.choice(units)
             cuts = sorted(rng.sample(range(1, U), len(group) - 1))
             held = [y - x for x, y in zip([0] + cuts, cuts + [U])]
-            per_layer = max(layer_train_ms(profiles[cluster.device(d).gpu.name], spec, b, u / U) for d, u in zip(group, held))
-            per_layer += 2 * layer_allreduce_ms(cluster, spec, b, group)
+            plan = simple_plan(spec, cluster=cluster.name, stages=[[(ends[0], 1)], list(zip(group, held)), [(ends[1], 1)]],
+                               layers=[1, middle, 1], units_per_layer=[1, U, 1], micro_batch_size=b)
+            stage = evaluate(plan, cluster, profiles).stages[1]
+            per_layer = (stage.fwd_ms + stage.bwd_ms + stage.allreduce_ms) / middle
+            # the proof's first step, in the cost model's own functions: the slowest rank plus both directions
+            slowest = max(layer_train_ms(profiles[cluster.device(d).gpu.name], spec, b, u / U) for d, u in zip(group, held))
+            stated = slowest + 2 * layer_allreduce_ms(cluster, spec, b, group)
+            assert per_layer >= stated * (1 - 1e-9), (group, held, per_layer, stated)
             vector = [0] * len(classes)
             for d in group:
                 vector[klass[d]] += 1
             rho = rates[index[tuple(vector)]]
             assert rho > 0
-            assert per_layer >= b / rho * (1 - 1e-9), (group, held, per_layer, b / rho)
+            assert stated >= b / rho * (1 - 1e-9), (group, held, stated, b / rho)
             checked += 1
-        assert checked >= 30
+        assert checked >= 20
 
 
-def _plans(inst):
-    """The exact optimum of a random instance and every plan one move away that validates."""
-    best = S.search(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, gap=0.0, time_limit=120,
+def _bound(inst):
+    """Eq. 12c as `baton solve` computes it for the instance."""
+    sizes = micro_batch_sizes(inst.cluster, inst.profiles, inst.global_batch, None)
+    ideal = ideal_bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch)
+    found = relaxation_bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch, sizes, ideal.optimizer_ms)
+    assert found is not None
+    return found
+
+
+def _plans(inst, time_limit: float = 120):
+    """The exact optimum of a random instance (or the best plan within ``time_limit``) and every plan one move away
+    that validates."""
+    best = S.search(inst.spec, inst.cluster, inst.profiles, global_batch=inst.global_batch, gap=0.0, time_limit=time_limit,
                     family="exact", shard_grid=2)
     plans = [best.plan] + [n.plan for n in neighbours(best.plan, inst.cluster, inst.profiles, shard_grid=2,
                                                      max_per_move=12)]
@@ -186,10 +205,7 @@ def test_no_plan_beats_the_bound_and_every_replica_pays_its_sync_floor(seed, rep
     monotone in the share."""
     inst = random_instance(seed, num_devices=4, num_layers=4, heads=16, universe_size=2, global_batch=4,
                            monotone=seed != 11)
-    mbs = S.micro_batch_candidates(inst.spec, inst.cluster, inst.profiles, inst.global_batch, None)
-    ideal = ideal_bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch)
-    found = relaxation_bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch, mbs, ideal.optimizer_ms)
-    assert found is not None
+    found = _bound(inst)
     best, plans = _plans(inst)
     assert best.objective_ms >= found.bound_ms * (1 - 1e-9)
     classes = device_classes(inst.cluster)
@@ -198,8 +214,6 @@ def test_no_plan_beats_the_bound_and_every_replica_pays_its_sync_floor(seed, rep
     floors: dict[int, np.ndarray] = {}
     synced = 0
     for plan, report in plans:
-        if plan.micro_batch_size not in mbs or any(pipe.micro_batch_size not in (None, *mbs) for pipe in plan.pipelines):
-            continue  # a size the stated space leaves out
         assert report.iteration_time_ms >= found.bound_ms * (1 - 1e-9), (plan, report.iteration_time_ms, found)
         r = len(plan.pipelines)
         if r < 2:
@@ -233,8 +247,10 @@ def test_on_hap_the_bound_lies_between_eq_12b_and_the_plan():
     profiles = ProfileSet(spec)
     result = S.search(spec, cluster, profiles, global_batch=64, time_limit=60, every_plan=True)
     ideal = ideal_bound(spec, cluster, profiles, 64)
-    assert result.space_bound_from == S.SHARPENED
-    assert ideal.bound_ms * 1.1 < result.space_bound_ms <= result.objective_ms
+    found = relaxation_bound(spec, cluster, profiles, 64, micro_batch_sizes(cluster, profiles, 64, None),
+                             ideal.optimizer_ms)
+    assert ideal.bound_ms * 1.1 < found.bound_ms <= result.objective_ms
+    assert result.space_bound_from == S.SHARPENED and result.space_bound_ms == pytest.approx(found.bound_ms)
     assert result.plan.info["space_bound_from"] == S.SHARPENED
 
 
@@ -244,6 +260,24 @@ def test_a_past_deadline_gives_no_bound():
     profiles = ProfileSet(spec)
     assert relaxation_bound(spec, cluster, profiles, 64, [1, 2], 0.0, deadline_s=time.perf_counter() - 1) is None
     assert math.isfinite(relaxation_bound(spec, cluster, profiles, 64, [1, 2], 0.0).bound_ms)
+
+
+@pytest.mark.parametrize("seed, global_batch, mixed", [(0, 3, True), (7, 5, False)])
+def test_replicas_may_run_sizes_that_do_not_divide_the_batch(seed, global_batch, mixed):
+    """A replica runs any size every table of its GPUs holds, whether or not it divides the global batch (the
+    search's ``replica_micro_batches``): at batch 3 the exact optimum here runs replicas of micro-batch 1 and 2 side
+    by side; neither it nor the one at batch 5 may be faster than the bound. Fails if the bound prices only the sizes dividing the batch
+    (it did, at first: 1.378 ms against seed 0's optimum of 0.970)."""
+    rng = random.Random(seed * 7 + 1)
+    nd = rng.choice([2, 3, 4])
+    layers, heads, monotone = rng.choice([2, 3, 4]), rng.choice([4, 16]), rng.random() < 0.5
+    inst = random_instance(seed, num_devices=nd, num_layers=layers, heads=heads, universe_size=2,
+                           global_batch=global_batch, monotone=monotone, memory_scale=(40.0, 50.0))
+    found = _bound(inst)
+    best = S.search(inst.spec, inst.cluster, inst.profiles, global_batch=global_batch, gap=0.0, time_limit=60,
+                    family="exact", shard_grid=2)
+    assert (len({best.plan.batch(i)[0] for i in range(len(best.plan.pipelines))}) > 1) == mixed
+    assert best.objective_ms >= found.bound_ms * (1 - 1e-9)
 
 
 def test_the_replicas_lp_and_the_buckets():
@@ -264,3 +298,20 @@ def test_the_replicas_lp_and_the_buckets():
         for buckets, first in ((_micro_batch_buckets(most), 1), (_replica_buckets(most), 2)):
             covered = [m for lo, hi in buckets for m in range(lo, hi + 1)]
             assert covered == list(range(first, most + 1)), (most, buckets)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("seed", range(20, 30))
+def test_no_plan_beats_the_bound_on_many_instances(seed):
+    """The sweep of the quick test above over ten more random instances of 3-5 GPUs at global batches 2-8,
+    with tables monotone or not in the share: the exact optimum and every evaluated neighbour of it take at least
+    eq. 12c (the search's best within 15 s where the exact family is larger)."""
+    rng = random.Random(seed)
+    inst = random_instance(seed, num_devices=rng.choice([3, 4, 5]), num_layers=rng.choice([2, 4]),
+                           heads=rng.choice([4, 16]), universe_size=2, global_batch=rng.choice([2, 3, 4, 5, 8]),
+                           monotone=rng.random() < 0.5)
+    found = _bound(inst)
+    best, plans = _plans(inst, time_limit=15)  # a plan the search did not prove optimal is a plan all the same
+    assert best.objective_ms >= found.bound_ms * (1 - 1e-9)
+    for plan, report in plans:
+        assert report.iteration_time_ms >= found.bound_ms * (1 - 1e-9), (plan, report.iteration_time_ms, found)
