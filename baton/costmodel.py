@@ -631,7 +631,13 @@ class StageConstants:
 
 def layer_allreduce_ms(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str]) -> float:
     """Eq. 9's all-reduce term: both in-layer all-reduces of one direction, on the group's slowest link."""
-    return tp_allreduce_ms(activation_bytes(spec, micro_batch), len(ids), cluster.slowest_link(list(ids))) * ALLREDUCES_PER_LAYER
+    return layer_allreduce_on_ms(spec, micro_batch, len(ids), cluster.slowest_link(list(ids)))
+
+
+def layer_allreduce_on_ms(spec: ModelSpec, micro_batch: int, num_devices: int, link: Link | None) -> float:
+    """Eq. 9's all-reduce term for a group of ``num_devices`` whose slowest link is ``link`` (bounds ask it of the
+    fastest link a group could have)."""
+    return tp_allreduce_ms(activation_bytes(spec, micro_batch), num_devices, link) * ALLREDUCES_PER_LAYER
 
 
 LOSS_REDUCTIONS = 3

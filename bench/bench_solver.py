@@ -25,6 +25,7 @@ from baton.errors import BatonError  # noqa: E402
 from baton.evaluate import ideal_tokens_per_s  # noqa: E402
 from baton.profile import ProfileSet  # noqa: E402
 from baton.model_spec import PRESETS  # noqa: E402
+import solver.search as search_module  # noqa: E402
 from solver.commands import run_strategy  # noqa: E402
 
 # (name, cluster file, model, global batch, gap, time limit s)
@@ -55,8 +56,8 @@ UNIFORM_LIMIT_S = 30
 """Time limit of the comparison solve with every replica on one batch at stage 0."""
 
 
-BOUND_SOURCES = {"eq. 12b": "12b", "eq. 12c": "12c", "the exact family's search": "exact",
-                 "the exact family, searched after the structured one": "exact"}
+BOUND_SOURCES = {search_module.IDEAL: "12b", search_module.SHARPENED: "12c", search_module.EXACT_SEARCH: "exact",
+                 search_module.AFTER_STRUCTURED: "exact"}
 """``SolveResult.space_bound_from`` as the table's column says it."""
 
 

@@ -30,7 +30,7 @@ import highspy
 import numpy as np
 
 from baton.cluster import ClusterSpec, Link, slower_end
-from baton.costmodel import ALLREDUCES_PER_LAYER, activation_bytes, layer_param_count, layer_train_ms, tp_allreduce_ms
+from baton.costmodel import layer_allreduce_on_ms, layer_param_count, layer_train_ms
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
 
@@ -64,6 +64,8 @@ class DeviceClass:
     """The node's intra-node link (None for a node of one device)."""
     nic: Link | None
     """The node's network link (None on a cluster of one node)."""
+    members: tuple[str, ...]
+    """The devices of the class."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,11 +95,12 @@ def device_classes(cluster: ClusterSpec) -> list[DeviceClass]:
         nic = cluster.nic(node) if len(per_node) > 1 else None
         kind = (intra, nic, tuple(sorted(d.gpu.name for d in devices)))
         for d in devices:
-            entry = found.setdefault((d.gpu.name, kind), {"gpu": d.gpu.name, "count": 0, "node_kind": kind, "intra": intra,
+            entry = found.setdefault((d.gpu.name, kind), {"gpu": d.gpu.name, "node_kind": kind, "intra": intra,
                                                           "nic": nic, "node_devices": len(devices),
-                                                          "per_node": sum(x.gpu.name == d.gpu.name for x in devices)})
-            entry["count"] += 1
-    return [DeviceClass(**e) for e in found.values()]
+                                                          "per_node": sum(x.gpu.name == d.gpu.name for x in devices),
+                                                          "members": []})
+            entry["members"].append(d.id)
+    return [DeviceClass(count=len(e["members"]), **{**e, "members": tuple(e["members"])}) for e in found.values()]
 
 
 def share_lines(profile, spec: ModelSpec, micro_batch: int) -> list[tuple[float, float, float]]:
@@ -156,18 +159,17 @@ def stage_allreduce_ms(spec: ModelSpec, classes: list[DeviceClass], c, micro_bat
     if n <= 1:
         return 0.0
     present = [k for k, x in enumerate(c) if x]
-    x = activation_bytes(spec, micro_batch)
     options = []
     kinds = {classes[k].node_kind for k in present}
     if (len(kinds) == 1 and classes[present[0]].intra is not None and n <= classes[present[0]].node_devices
             and all(c[k] <= classes[k].per_node for k in present)):
-        options.append(tp_allreduce_ms(x, n, classes[present[0]].intra))
+        options.append(layer_allreduce_on_ms(spec, micro_batch, n, classes[present[0]].intra))
     nics = [classes[k].nic for k in present if classes[k].nic is not None]
     if nics:
-        options.append(tp_allreduce_ms(x, n, slower_end(*nics)))
+        options.append(layer_allreduce_on_ms(spec, micro_batch, n, slower_end(*nics)))
     if not options:
         return math.inf  # no such group exists
-    return 2 * ALLREDUCES_PER_LAYER * min(options)
+    return 2 * min(options)  # both directions
 
 
 def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray,

@@ -84,6 +84,10 @@ EXACT_MAX_DEVICES = 8
 PROOF_MAX_SKELETONS = 200_000
 """Rule 15: on a cluster of up to ``EXACT_MAX_DEVICES`` devices whose exact family has more than ``EXACT_LIMIT``
 skeletons (and at most this many), the exact family is searched after the structured one, from its plan."""
+IDEAL = "eq. 12b"
+"""``SolveResult.space_bound_from`` where the bound over every plan is ``solver.ideal``'s."""
+EXACT_SEARCH = "the exact family's search"
+"""... where the family searched is the exact one and its own bound is higher."""
 AFTER_STRUCTURED = "the exact family, searched after the structured one"
 """Rule 15's bound over every plan, as the status line names it."""
 PROOF_S_PER_SKELETON = 0.5e-3
@@ -125,10 +129,16 @@ class SolveResult:
     (``solver.ideal``), and in the exact family the search's own bound where that is higher."""
     space_gap: float = 1.0
     """The gap of ``objective_ms`` against ``space_bound_ms`` (1 where nothing is claimed: the baselines)."""
-    space_bound_from: str = "eq. 12b"
+    space_bound_from: str = IDEAL
     """Where ``space_bound_ms`` comes from: eq. 12b, the exact family's own search, ``AFTER_STRUCTURED`` (rule 15) or
     ``SHARPENED`` (eq. 12c)."""
     notes: list = field(default_factory=list)
+
+    def raise_space_bound(self, bound_ms: float, source: str) -> None:
+        """A higher bound over every plan, from ``source``."""
+        self.space_bound_ms = min(self.objective_ms, bound_ms)
+        self.space_gap = max(0.0, (self.objective_ms - self.space_bound_ms) / self.objective_ms)
+        self.space_bound_from = source
 
     def info(self) -> dict:
         return {"strategy": self.strategy, "objective_ms": self.objective_ms, "bound_ms": self.bound_ms, "gap": self.gap,
@@ -633,12 +643,13 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
     dominated = stage_one_dominates(spec, cluster, profiles)
     if skeletons is None:
         family, skeletons = skeleton_family(spec, cluster, family)
+    ideal = ideal_bound(spec, cluster, profiles, global_batch, micro_batch)
     inputs = _Inputs(spec=spec, cluster=cluster, profiles=profiles, space=space, global_batch=global_batch,
                      micro_batch=micro_batch, monotone=monotone, reduce_symmetry=reduce_symmetry, allowed=allowed,
                      shard_grid=shard_grid, exact=family == "exact" and splits == "auto", strategy=strategy, gap=gap,
                      threads=threads, deadline_s=t_start + time_limit, chunks=tuple(sorted(set(chunks) | {1})),
                      host_optimizer=offload_optimizer, extra_splits=extra_splits,
-                     space_bound_ms=ideal_bound(spec, cluster, profiles, global_batch, micro_batch).bound_ms)
+                     space_bound_ms=ideal.bound_ms)
     frontier = _Frontier(progress=Progress(log, t_start, detail_log, inputs.space_bound_ms))
     t0 = time.perf_counter()
     _seed_all(inputs, frontier, skeletons, zero_stages=zero_stages, dominated=dominated, splits=splits)
@@ -655,7 +666,7 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         result.plan = result.plan.with_info(**result.info())
     if (every_plan and inputs.strategy == "baton" and allowed is None and splits == "auto" and inputs.chunks == (1,)
             and result.space_gap > gap):
-        _sharpen_space_bound(inputs, result, t_start=t_start, log=log)
+        _sharpen_space_bound(inputs, result, ideal.optimizer_ms, t_start=t_start, log=log)
         result.total_s = time.perf_counter() - t_start
         result.plan = result.plan.with_info(**result.info())
     return result
@@ -665,23 +676,20 @@ SHARPENED = "eq. 12c"
 """``SolveResult.space_bound_from`` where the bound over every plan is ``solver.relaxation``'s."""
 
 
-def _sharpen_space_bound(inputs: _Inputs, result: SolveResult, *, t_start: float, log) -> None:
+def _sharpen_space_bound(inputs: _Inputs, result: SolveResult, optimizer_ms: float, *, t_start: float, log) -> None:
     """Eq. 12c (``solver.relaxation``, solver/README.md "A sharper bound from replicas") for the time left, where it
     applies (1F1B or layered replicas only: ``chunks`` 1) and its programme is small enough; it replaces the bound over
     every plan where it is higher. A bound above the plan found would be a broken proof, not a better bound: it
-    raises, as a plan the evaluator disagrees with does."""
-    ideal = ideal_bound(inputs.spec, inputs.cluster, inputs.profiles, inputs.global_batch, inputs.micro_batch)
+    raises, as a plan the evaluator disagrees with does. ``optimizer_ms``: eq. 12b's Adam step."""
     sizes = micro_batch_sizes(inputs.cluster, inputs.profiles, inputs.global_batch, inputs.micro_batch)
     found = relaxation_bound(inputs.spec, inputs.cluster, inputs.profiles, inputs.global_batch, sizes,
-                             ideal.optimizer_ms, deadline_s=inputs.deadline_s)
+                             optimizer_ms, deadline_s=inputs.deadline_s)
     if found is None or found.bound_ms <= result.space_bound_ms:
         return
     if found.bound_ms > result.objective_ms * (1 + 1e-9):
         raise SolverCheckFailed(f"eq. 12c bounds every plan at {found.bound_ms:.6f} ms, above the plan found "
                                 f"({result.objective_ms:.6f} ms): the bound's proof does not hold here")
-    result.space_bound_ms = min(result.objective_ms, found.bound_ms)
-    result.space_gap = max(0.0, (result.objective_ms - result.space_bound_ms) / result.objective_ms)
-    result.space_bound_from = SHARPENED
+    result.raise_space_bound(found.bound_ms, SHARPENED)
     if log:
         log(f"{time.perf_counter() - t_start:7.1f}s  over every plan: bound {found.bound_ms:.1f} ms from replicas "
             f"(eq. 12c, {found.seconds:.1f} s), gap {result.space_gap:.2%}")
@@ -734,13 +742,11 @@ def _search_every_plan(inputs: _Inputs, result: SolveResult, *, t_start: float, 
     if proof.objective_ms < result.objective_ms * (1 - 1e-9):
         proof.notes.append(f"the exact family, searched after the structured one, found a better plan "
                            f"({result.objective_ms:.1f} -> {proof.objective_ms:.1f} ms)")
-        if proof.space_bound_from != "eq. 12b":  # stopped early, its own bound may lie under eq. 12b
+        if proof.space_bound_from != IDEAL:  # stopped early, its own bound may lie under eq. 12b
             proof.space_bound_from = AFTER_STRUCTURED
         return proof
     if proof.bound_ms > result.space_bound_ms:
-        result.space_bound_ms = min(result.objective_ms, proof.bound_ms)
-        result.space_gap = max(0.0, (result.objective_ms - result.space_bound_ms) / result.objective_ms)
-        result.space_bound_from = AFTER_STRUCTURED
+        result.raise_space_bound(proof.bound_ms, AFTER_STRUCTURED)
     return result
 
 
@@ -1089,8 +1095,8 @@ def _result(inputs: _Inputs, frontier: _Frontier, *, t_start: float, time_limit:
                          total_s=total_s, family=family, candidates=frontier.candidates, solved=frontier.solved,
                          pruned=frontier.pruned, first_plan_s=frontier.progress.first_s, unbounded=frontier.unbounded,
                          space_bound_ms=space_bound, space_gap=max(0.0, (objective - space_bound) / objective),
-                         space_bound_from="the exact family's search" if whole and bound_ms > inputs.space_bound_ms
-                         else "eq. 12b", notes=frontier.notes)
+                         space_bound_from=EXACT_SEARCH if whole and bound_ms > inputs.space_bound_ms else IDEAL,
+                         notes=frontier.notes)
     result.plan = plan.with_info(**result.info())
     return result
 

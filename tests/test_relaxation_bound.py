@@ -57,8 +57,8 @@ def test_the_programme_is_the_best_sequence_of_stages(counts):
     at the wrong index."""
     from solver.relaxation import DeviceClass
 
-    classes = [DeviceClass(gpu="x", count=n, per_node=n, node_devices=n, node_kind=(k,), intra=None, nic=None)
-               for k, n in enumerate(counts)]
+    classes = [DeviceClass(gpu="x", count=n, per_node=n, node_devices=n, node_kind=(k,), intra=None, nic=None,
+                           members=tuple(f"{k}:{i}" for i in range(n))) for k, n in enumerate(counts)]
     grid = class_grid(classes)
     pairs = _pairs(classes, grid)
     rng = random.Random(sum(counts))
@@ -134,7 +134,7 @@ def test_a_stage_runs_a_layer_no_faster_than_its_rate(case):
     classes = device_classes(cluster)
     grid = class_grid(classes)
     index = {tuple(v): i for i, v in enumerate(grid.tolist())}
-    klass = {d.id: _class_of(cluster, classes, d.id) for d in cluster.devices}
+    klass = {d: k for k, c in enumerate(classes) for d in c.members}
     rng = random.Random(case)
     ids = [d.id for d in cluster.devices]
     middle = spec.num_layers - 2
@@ -209,6 +209,7 @@ def test_no_plan_beats_the_bound_and_every_replica_pays_its_sync_floor(seed, rep
     best, plans = _plans(inst)
     assert best.objective_ms >= found.bound_ms * (1 - 1e-9)
     classes = device_classes(inst.cluster)
+    klass = {d: k for k, c in enumerate(classes) for d in c.members}
     grid = class_grid(classes)
     index = {tuple(v): i for i, v in enumerate(grid.tolist())}
     floors: dict[int, np.ndarray] = {}
@@ -223,20 +224,11 @@ def test_no_plan_beats_the_bound_and_every_replica_pays_its_sync_floor(seed, rep
             vector = [0] * len(classes)
             for stage in pipe.stages:
                 for d in stage.device_ids:
-                    vector[_class_of(inst.cluster, classes, d)] += 1
+                    vector[klass[d]] += 1
             assert report.dp_sync_ms >= floor[index[tuple(vector)]] * (1 - 1e-9), (plan, report.dp_sync_ms)
         synced += 1
     assert len(plans) >= 10
     assert (synced > 0) == replicas
-
-
-def _class_of(cluster, classes, device_id: str) -> int:
-    d = cluster.device(device_id)
-    node_devices = [x for x in cluster.devices if x.node == d.node]
-    intra = cluster.intra_links.get(d.node) if len(node_devices) > 1 else None
-    kind = (intra, cluster.nic(d.node) if len({x.node for x in cluster.devices}) > 1 else None,
-            tuple(sorted(x.gpu.name for x in node_devices)))
-    return next(k for k, c in enumerate(classes) if c.gpu == d.gpu.name and c.node_kind == kind)
 
 
 def test_on_hap_the_bound_lies_between_eq_12b_and_the_plan():
