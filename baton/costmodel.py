@@ -383,6 +383,13 @@ def _edge_cost(profile: Profile, spec: ModelSpec, micro_batch: int, share: float
                     param_bytes=params)
 
 
+def edge_train_ms(profile: Profile, spec: ModelSpec, micro_batch: int, share: float, *, first: bool, last: bool) -> float:
+    """Forward + backward of the embedding (``first``) and of the final norm, head and loss (``last``) at ``share``,
+    compute only, as ``edge_cost`` prices them (eq. 12c's edges)."""
+    edge = _edge_cost(profile, spec, micro_batch, share, first, last)
+    return edge.fwd_ms + edge.bwd_ms
+
+
 def tied_embedding_bytes(spec: ModelSpec) -> float:
     """The token embedding (padded V x h), which the LM head shares: a last stage that is not the first
     keeps its own copy of its rows, and the two copies' gradients are summed once per iteration."""
@@ -647,9 +654,14 @@ LOSS_REDUCTIONS = 3
 def edge_comms_ms(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str]) -> tuple[float, float]:
     """The vocabulary-parallel edges' all-reduces in a group: (one (b, s, h) sum, the loss's reductions):
     the embedding's forward and the head's backward each take the first, the loss's forward the second."""
-    n, link = len(ids), cluster.slowest_link(list(ids))
-    x = tp_allreduce_ms(activation_bytes(spec, micro_batch), n, link)
-    rows = tp_allreduce_ms(micro_batch * spec.seq_len * 4, n, link)
+    return edge_comms_on_ms(spec, micro_batch, len(ids), cluster.slowest_link(list(ids)))
+
+
+def edge_comms_on_ms(spec: ModelSpec, micro_batch: int, num_devices: int, link: Link | None) -> tuple[float, float]:
+    """``edge_comms_ms`` for a group of ``num_devices`` whose slowest link is ``link`` (bounds ask it of the fastest
+    link a group could have)."""
+    x = tp_allreduce_ms(activation_bytes(spec, micro_batch), num_devices, link)
+    rows = tp_allreduce_ms(micro_batch * spec.seq_len * 4, num_devices, link)
     return x, LOSS_REDUCTIONS * rows
 
 

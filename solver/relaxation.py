@@ -30,7 +30,7 @@ import highspy
 import numpy as np
 
 from baton.cluster import ClusterSpec, Link, slower_end
-from baton.costmodel import layer_allreduce_on_ms, layer_param_count, layer_train_ms
+from baton.costmodel import edge_comms_on_ms, edge_train_ms, layer_allreduce_on_ms, layer_param_count, layer_train_ms
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
 
@@ -108,7 +108,18 @@ def share_lines(profile, spec: ModelSpec, micro_batch: int) -> list[tuple[float,
     as (from share, slope, intercept) edges: each edge's line lies under every point, so t(b, u) >= slope u +
     intercept at every share (a device's forward and backward with nothing recomputed, as eq. 12b reads them)."""
     us = plan_shares(spec)
-    ts = [layer_train_ms(profile, spec, micro_batch, u) for u in us]
+    return _lower_hull(us, [layer_train_ms(profile, spec, micro_batch, u) for u in us])
+
+
+def edge_lines(profile, spec: ModelSpec, micro_batch: int, *, first: bool) -> list[tuple[float, float, float]]:
+    """``share_lines`` of the embedding's forward and backward (``first``) or the final norm's, head's and loss's (the
+    edge of a last stage), over the vocabulary shares, which are the layer's (``edge_cost``)."""
+    us = plan_shares(spec)
+    return _lower_hull(us, [edge_train_ms(profile, spec, micro_batch, u, first=first, last=not first) for u in us])
+
+
+def _lower_hull(us, ts) -> list[tuple[float, float, float]]:
+    """The edges of the lower convex hull of the points (us, ts), ``us`` increasing."""
     hull: list[int] = []
     for i in range(len(us)):
         while len(hull) >= 2:
@@ -149,27 +160,48 @@ def _strides(classes: list[DeviceClass]) -> np.ndarray:
     return np.array([int(np.prod(dims[k + 1:])) for k in range(len(dims))], dtype=np.int64)
 
 
-def stage_allreduce_ms(spec: ModelSpec, classes: list[DeviceClass], c, micro_batch: int) -> float:
-    """The least eq. 9 can charge a stage of composition ``c`` for its in-layer all-reduces, per layer and micro-batch
-    (both directions): eq. 5 over the fastest slowest link such a group can have. On one node: that node's intra
-    link, possible when every class present has its node kind and fits one node; across nodes: the slower end of the
-    NICs of every class present (each has a device on a node of its kind, and a group spanning nodes pays every
-    involved node's NIC)."""
+def group_links(classes: list[DeviceClass], c) -> list[Link | None]:
+    """The links a group of composition ``c`` (two or more devices) could have as its slowest, one of which is the
+    fastest it can have: on one node, that node's intra link, possible when every class present has its node kind and
+    fits one node; across nodes, the slower end of the NICs of every class present (each has a device on a node of its
+    kind, and a group spanning nodes pays every involved node's NIC). Empty where no such group exists."""
     n = int(sum(c))
-    if n <= 1:
-        return 0.0
     present = [k for k, x in enumerate(c) if x]
     options = []
     kinds = {classes[k].node_kind for k in present}
     if (len(kinds) == 1 and classes[present[0]].intra is not None and n <= classes[present[0]].node_devices
             and all(c[k] <= classes[k].per_node for k in present)):
-        options.append(layer_allreduce_on_ms(spec, micro_batch, n, classes[present[0]].intra))
+        options.append(classes[present[0]].intra)
     nics = [classes[k].nic for k in present if classes[k].nic is not None]
     if nics:
-        options.append(layer_allreduce_on_ms(spec, micro_batch, n, slower_end(*nics)))
-    if not options:
+        options.append(slower_end(*nics))
+    return options
+
+
+def stage_allreduce_ms(spec: ModelSpec, classes: list[DeviceClass], c, micro_batch: int) -> float:
+    """The least eq. 9 can charge a stage of composition ``c`` for its in-layer all-reduces, per layer and micro-batch
+    (both directions): eq. 5 over the fastest link such a group can have (``group_links``)."""
+    n = int(sum(c))
+    if n <= 1:
+        return 0.0
+    links = group_links(classes, c)
+    if not links:
         return math.inf  # no such group exists
-    return 2 * min(options)  # both directions
+    return 2 * min(layer_allreduce_on_ms(spec, micro_batch, n, link) for link in links)  # both directions
+
+
+def _slowest_rank_ms(lines: list, c) -> tuple[float, float]:
+    """(R, R tau) for ranks of composition ``c`` whose times lie over ``lines`` (per class, at share 1/n): the
+    slowest rank takes at least tau = (1 + sum_k R_k beta_k) / R, R_k = c_k / alpha_k (``stage_rates``)."""
+    n = int(sum(c))
+    R, Rbeta = 0.0, 0.0
+    for k, count in enumerate(c):
+        if count:
+            alpha, beta = _line_at(lines[k], 1.0 / n)
+            alpha = max(alpha, 1e-12)  # a flat edge: the rank takes at least beta whatever its share
+            R += count / alpha
+            Rbeta += count / alpha * beta
+    return R, 1.0 + Rbeta
 
 
 def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray,
@@ -193,15 +225,53 @@ def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
         A = stage_allreduce_ms(spec, classes, c, micro_batch)
         if not math.isfinite(A):
             continue
-        R, Rbeta = 0.0, 0.0
-        for k, count in enumerate(c):
-            if count:
-                alpha, beta = _line_at(lines[k], 1.0 / n)
-                alpha = max(alpha, 1e-12)  # a flat edge: the rank takes at least beta whatever its share
-                R += count / alpha
-                Rbeta += count / alpha * beta
-        out[i] = micro_batch * R / (1.0 + Rbeta + A * R)
+        R, R_tau = _slowest_rank_ms(lines, c)
+        out[i] = micro_batch * R / (R_tau + A * R)
     return out
+
+
+def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray,
+                micro_batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """For every composition c: the least time per micro-batch a stage of those devices spends on the embedding (as a
+    first stage) and on the final norm, head and loss (as a last stage), each the slowest rank's forward and backward
+    under ``edge_lines`` at shares adding up to one (``stage_rates``' tau) plus the edges' all-reduces over the
+    fastest link such a group can have (eq. 9's edge terms, ``edge_comms_ms``)."""
+    holds = [micro_batch in profiles[c.gpu].micro_batches("qkv") for c in classes]
+    lines = {first: [edge_lines(profiles[c.gpu], spec, micro_batch, first=first) if holds[k] else None
+                     for k, c in enumerate(classes)] for first in (True, False)}
+    emb, head = np.full(len(grid), math.inf), np.full(len(grid), math.inf)
+    for i, c in enumerate(grid):
+        n = int(c.sum())
+        if n == 0 or any(c[k] and not holds[k] for k in range(len(classes))):
+            continue
+        comms = (0.0, 0.0)
+        if n > 1:
+            links = group_links(classes, c)
+            if not links:
+                continue
+            sums, losses = zip(*(edge_comms_on_ms(spec, micro_batch, n, link) for link in links))
+            comms = (min(sums), min(x + y for x, y in zip(sums, losses)))
+        for first, out, comm in ((True, emb, comms[0]), (False, head, comms[1])):
+            R, R_tau = _slowest_rank_ms(lines[first], c)
+            out[i] = R_tau / R + comm
+    return emb, head
+
+
+def edge_layers(rates: np.ndarray, emb_ms: np.ndarray, head_ms: np.ndarray, classes: list[DeviceClass],
+                micro_batch: int) -> np.ndarray:
+    """For every replica vector a: E(a), the least the edges can cost a replica of a, in layers of its stages:
+    min over stages c <= a of e(c) rho(c) / b, plus the same of the head (solver/README.md, step 3). A stage that
+    cannot exist (rho = 0) carries no edge."""
+    dims = [c.count + 1 for c in classes]
+    total = np.zeros(len(rates))
+    for ms in (emb_ms, head_ms):
+        with np.errstate(invalid="ignore"):
+            eta = np.where(rates > 0, ms * rates / micro_batch, math.inf)
+        box = eta.reshape(dims)
+        for axis in range(len(dims)):  # the least over every c <= a: running minima along each class
+            box = np.minimum.accumulate(box, axis=axis)
+        total = total + box.reshape(-1)
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,10 +417,12 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
     size = len(grid)
     pairs = _pairs(classes, grid)
     capacity: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, micro-batch count bucket) -> F per vector
+    work: dict[int, np.ndarray] = {}  # b -> the layers a sample costs a replica of each vector: N + E(a)
     for b in micro_batches:
         if stop.past(deadline_s):
             return None
         rates = stage_rates(spec, profiles, classes, grid, b)
+        work[b] = N + edge_layers(rates, *edge_floors(spec, profiles, classes, grid, b), classes, b)
         for bucket in _micro_batch_buckets(G // b):
             F = pipeline_capacity(rates, pairs, size, 1.0 - 1.0 / bucket[1], deadline_s)
             if F is None:
@@ -359,11 +431,12 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
 
     def samples(T: float, floor: np.ndarray) -> np.ndarray:
         """Per vector, the most samples a replica of it could train with its pipeline and sync within T: m b with
-        m b N <= (T - sync) F(a) (F at the largest count of m's bucket, so never less than m's own)."""
+        m b (N + E(a)) <= (T - sync) F(a) (F at the largest count of m's bucket, so never less than m's own)."""
         best = np.zeros(size)
         room = np.maximum(T - floor, 0.0)
         for (b, (lo, hi)), F in capacity.items():
-            m = np.minimum(hi, np.floor(room * F / (b * N) * (1 + 1e-12) + 1e-9))
+            with np.errstate(invalid="ignore"):
+                m = np.minimum(hi, np.nan_to_num(np.floor(room * F / (b * work[b]) * (1 + 1e-12) + 1e-9)))
             best = np.maximum(best, np.where(m >= lo, b * m, 0.0))
         return np.minimum(best, G)
 
