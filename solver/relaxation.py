@@ -111,11 +111,11 @@ def share_lines(profile, spec: ModelSpec, micro_batch: int) -> list[tuple[float,
     return _lower_hull(us, [layer_train_ms(profile, spec, micro_batch, u) for u in us])
 
 
-def edge_lines(profile, spec: ModelSpec, micro_batch: int, *, first: bool) -> list[tuple[float, float, float]]:
-    """``share_lines`` of the embedding's forward and backward (``first``) or the final norm's, head's and loss's (the
-    edge of a last stage), over the vocabulary shares, which are the layer's (``edge_cost``)."""
+def edge_lines(profile, spec: ModelSpec, micro_batch: int, *, first: bool, last: bool) -> list[tuple[float, float, float]]:
+    """``share_lines`` of the embedding's forward and backward (``first``), the final norm's, head's and loss's
+    (``last``), or both together, over the vocabulary shares, which are the layer's (``edge_cost``)."""
     us = plan_shares(spec)
-    return _lower_hull(us, [edge_train_ms(profile, spec, micro_batch, u, first=first, last=not first) for u in us])
+    return _lower_hull(us, [edge_train_ms(profile, spec, micro_batch, u, first=first, last=last) for u in us])
 
 
 def _lower_hull(us, ts) -> list[tuple[float, float, float]]:
@@ -231,47 +231,60 @@ def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
 
 
 def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray,
-                micro_batch: int) -> tuple[np.ndarray, np.ndarray]:
+                micro_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every composition c: the least time per micro-batch a stage of those devices spends on the embedding (as a
-    first stage) and on the final norm, head and loss (as a last stage), each the slowest rank's forward and backward
-    under ``edge_lines`` at shares adding up to one (``stage_rates``' tau) plus the edges' all-reduces over the
-    fastest link such a group can have (eq. 9's edge terms, ``edge_comms_ms``)."""
+    first stage), on the final norm, head and loss (as a last stage), and on both (as the only stage, whose ranks run
+    both at one share each), each the slowest rank's forward and backward under ``edge_lines`` at shares adding up to
+    one (``stage_rates``' tau) plus the edges' all-reduces over the fastest link such a group can have (eq. 9's edge
+    terms, ``edge_comms_ms``). Both edges on one stage get the floor of their sum, not the sum of the two floors: one
+    rank may be the slowest at the embedding and another at the head."""
     holds = [micro_batch in profiles[c.gpu].micro_batches("qkv") for c in classes]
-    lines = {first: [edge_lines(profiles[c.gpu], spec, micro_batch, first=first) if holds[k] else None
-                     for k, c in enumerate(classes)] for first in (True, False)}
-    emb, head = np.full(len(grid), math.inf), np.full(len(grid), math.inf)
+    roles = {"first": (True, False), "last": (False, True), "both": (True, True)}
+    lines = {role: [edge_lines(profiles[c.gpu], spec, micro_batch, first=first, last=last) if holds[k] else None
+                    for k, c in enumerate(classes)] for role, (first, last) in roles.items()}
+    out = {role: np.full(len(grid), math.inf) for role in roles}
     for i, c in enumerate(grid):
         n = int(c.sum())
         if n == 0 or any(c[k] and not holds[k] for k in range(len(classes))):
             continue
-        comms = (0.0, 0.0)
+        comms = {role: 0.0 for role in roles}
         if n > 1:
             links = group_links(classes, c)
             if not links:
                 continue
             sums, losses = zip(*(edge_comms_on_ms(spec, micro_batch, n, link) for link in links))
-            comms = (min(sums), min(x + y for x, y in zip(sums, losses)))
-        for first, out, comm in ((True, emb, comms[0]), (False, head, comms[1])):
-            R, R_tau = _slowest_rank_ms(lines[first], c)
-            out[i] = R_tau / R + comm
-    return emb, head
+            comms = {"first": min(sums), "last": min(x + y for x, y in zip(sums, losses)),
+                     "both": min(2 * x + y for x, y in zip(sums, losses))}
+        for role in roles:
+            R, R_tau = _slowest_rank_ms(lines[role], c)
+            out[role][i] = R_tau / R + comms[role]
+    return out["first"], out["last"], out["both"]
 
 
-def edge_layers(rates: np.ndarray, emb_ms: np.ndarray, head_ms: np.ndarray, classes: list[DeviceClass],
-                micro_batch: int) -> np.ndarray:
-    """For every replica vector a: E(a), the least the edges can cost a replica of a, in layers of its stages:
-    min over stages c <= a of e(c) rho(c) / b, plus the same of the head (solver/README.md, step 3). A stage that
-    cannot exist (rho = 0) carries no edge."""
+def edge_layers(rates: np.ndarray, emb_ms: np.ndarray, head_ms: np.ndarray, both_ms: np.ndarray,
+                classes: list[DeviceClass], micro_batch: int) -> np.ndarray:
+    """For every replica vector a: E(a), the least the edges can cost a replica of a, in layers of the stages that run
+    them (solver/README.md, step 3): one stage runs both, e_both(a) rho(a) / b; two or more put the embedding and the
+    head on two stages, each a composition c < a, so at least the least e(c) rho(c) / b over those of the embedding
+    plus the same of the head. A stage that cannot exist (rho = 0) carries no edge."""
     dims = [c.count + 1 for c in classes]
-    total = np.zeros(len(rates))
-    for ms in (emb_ms, head_ms):
+
+    def layers(ms):
         with np.errstate(invalid="ignore"):
-            eta = np.where(rates > 0, ms * rates / micro_batch, math.inf)
-        box = eta.reshape(dims)
+            return np.where(rates > 0, ms * rates / micro_batch, math.inf)
+
+    apart = np.zeros(dims)
+    for ms in (emb_ms, head_ms):
+        box = layers(ms).reshape(dims)
         for axis in range(len(dims)):  # the least over every c <= a: running minima along each class
             box = np.minimum.accumulate(box, axis=axis)
-        total = total + box.reshape(-1)
-    return total
+        inside = np.full(dims, math.inf)
+        for axis in range(len(dims)):  # over every c < a: the least at a less one device of some class
+            to, frm = [slice(None)] * len(dims), [slice(None)] * len(dims)
+            to[axis], frm[axis] = slice(1, None), slice(None, -1)
+            inside[tuple(to)] = np.minimum(inside[tuple(to)], box[tuple(frm)])
+        apart = apart + inside
+    return np.minimum(apart.reshape(-1), layers(both_ms))
 
 
 @dataclass(frozen=True, slots=True)
