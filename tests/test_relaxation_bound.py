@@ -17,6 +17,7 @@ import itertools
 import math
 import random
 import time
+from typing import NamedTuple
 
 import highspy
 import numpy as np
@@ -121,6 +122,49 @@ def _clusters():
         yield inst.cluster, inst.spec, inst.profiles
 
 
+class _Drawn(NamedTuple):
+    """A random group of a cluster's devices at random units, and two other devices."""
+
+    group: list
+    others: list
+    units: int
+    """Units per layer of the group's stage."""
+    held: list
+    """Units each device of the group holds."""
+    composition: int
+    """Index of the group's class counts in the class grid."""
+
+
+class _GridCase:
+    """One of ``_clusters()`` with its device classes and class grid."""
+
+    def __init__(self, case: int):
+        cluster, self.spec, profiles = list(_clusters())[case]
+        self.cluster = load_cluster(cluster) if isinstance(cluster, type(ROOT)) else cluster
+        self.profiles = profiles or ProfileSet(self.spec)
+        self.classes = device_classes(self.cluster)
+        self.grid = class_grid(self.classes)
+        self._index = {tuple(v): i for i, v in enumerate(self.grid.tolist())}
+        self._klass = {d: k for k, c in enumerate(self.classes) for d in c.members}
+        self.ids = [d.id for d in self.cluster.devices]
+
+    def draw(self, rng: random.Random, micro_batch: int) -> _Drawn | None:
+        """A group and two other devices (None where the draw cannot make a plan at ``micro_batch``)."""
+        group = rng.sample(self.ids, rng.randint(1, len(self.ids) - 2))
+        others = rng.sample([d for d in self.ids if d not in group], 2)
+        units = [U for U in valid_unit_counts(self.spec) if U >= len(group)]
+        if not units or any(micro_batch not in self.profiles[self.cluster.device(d).gpu.name].micro_batches("qkv")
+                            for d in group + others):
+            return None
+        U = rng.choice(units)
+        cuts = sorted(rng.sample(range(1, U), len(group) - 1))
+        vector = [0] * len(self.classes)
+        for d in group:
+            vector[self._klass[d]] += 1
+        return _Drawn(group=group, others=others, units=U, held=[y - x for x, y in zip([0] + cuts, cuts + [U])],
+                      composition=self._index[tuple(vector)])
+
+
 @pytest.mark.parametrize("case", range(4))
 def test_a_stage_runs_a_layer_no_faster_than_its_rate(case):
     """Random groups of a cluster's devices at random units, each the middle stage of a three-stage plan (no edges
@@ -129,29 +173,18 @@ def test_a_stage_runs_a_layer_no_faster_than_its_rate(case):
     b / rho(c) for the group's composition. Covers mixed nodes (cephalo_8gpu), tables that are not monotone in
     the share and measured in-layer figures. Fails if a share line is above a table point, an all-reduce is taken
     over a faster link than the group could have, or a group's ranks are counted as faster."""
-    cluster, spec, profiles = list(_clusters())[case]
-    if isinstance(cluster, type(ROOT)):
-        cluster = load_cluster(cluster)
-    profiles = profiles or ProfileSet(spec)
-    classes = device_classes(cluster)
-    grid = class_grid(classes)
-    index = {tuple(v): i for i, v in enumerate(grid.tolist())}
-    klass = {d: k for k, c in enumerate(classes) for d in c.members}
+    g = _GridCase(case)
+    cluster, spec, profiles = g.cluster, g.spec, g.profiles
     rng = random.Random(case)
-    ids = [d.id for d in cluster.devices]
     middle = spec.num_layers - 2
     for b in profiles[cluster.devices[0].gpu.name].micro_batches("qkv")[:2]:
-        rates = stage_rates(spec, profiles, classes, grid, b)
+        rates = stage_rates(spec, profiles, g.classes, g.grid, b)
         checked = 0
         for _ in range(40):
-            group = rng.sample(ids, rng.randint(1, len(ids) - 2))
-            ends = rng.sample([d for d in ids if d not in group], 2)
-            units = [U for U in valid_unit_counts(spec) if U >= len(group)]
-            if not units or any(b not in profiles[cluster.device(d).gpu.name].micro_batches("qkv") for d in group + ends):
+            drawn = g.draw(rng, b)
+            if drawn is None:
                 continue
-            U = rng.choice(units)
-            cuts = sorted(rng.sample(range(1, U), len(group) - 1))
-            held = [y - x for x, y in zip([0] + cuts, cuts + [U])]
+            group, ends, U, held = drawn.group, drawn.others, drawn.units, drawn.held
             plan = simple_plan(spec, cluster=cluster.name, stages=[[(ends[0], 1)], list(zip(group, held)), [(ends[1], 1)]],
                                layers=[1, middle, 1], units_per_layer=[1, U, 1], micro_batch_size=b)
             stage = evaluate(plan, cluster, profiles).stages[1]
@@ -160,10 +193,7 @@ def test_a_stage_runs_a_layer_no_faster_than_its_rate(case):
             slowest = max(layer_train_ms(profiles[cluster.device(d).gpu.name], spec, b, u / U) for d, u in zip(group, held))
             stated = slowest + 2 * layer_allreduce_ms(cluster, spec, b, group)
             assert per_layer >= stated * (1 - 1e-9), (group, held, per_layer, stated)
-            vector = [0] * len(classes)
-            for d in group:
-                vector[klass[d]] += 1
-            rho = rates[index[tuple(vector)]]
+            rho = rates[drawn.composition]
             assert rho > 0
             assert stated >= b / rho * (1 - 1e-9), (group, held, stated, b / rho)
             checked += 1
@@ -178,28 +208,17 @@ def test_an_edge_stage_costs_no_less_than_its_floor(case):
     under the edge lines, plus the edges' all-reduces on the fastest link such a group could have). Fails if an edge
     line lies above a table point, the head's and the embedding's floors are swapped, or an all-reduce is taken over a
     faster link than the group could have."""
-    cluster, spec, profiles = list(_clusters())[case]
-    if isinstance(cluster, type(ROOT)):
-        cluster = load_cluster(cluster)
-    profiles = profiles or ProfileSet(spec)
-    classes = device_classes(cluster)
-    grid = class_grid(classes)
-    index = {tuple(v): i for i, v in enumerate(grid.tolist())}
-    klass = {d: k for k, c in enumerate(classes) for d in c.members}
+    g = _GridCase(case)
+    cluster, spec, profiles = g.cluster, g.spec, g.profiles
     rng = random.Random(100 + case)
-    ids = [d.id for d in cluster.devices]
     checked = 0
     for b in profiles[cluster.devices[0].gpu.name].micro_batches("qkv")[:2]:
-        floors = dict(zip((True, False), edge_floors(spec, profiles, classes, grid, b)))
+        floors = dict(zip((True, False), edge_floors(spec, profiles, g.classes, g.grid, b)))
         for _ in range(40):
-            group = rng.sample(ids, rng.randint(1, len(ids) - 2))
-            others = rng.sample([d for d in ids if d not in group], 2)
-            units = [U for U in valid_unit_counts(spec) if U >= len(group)]
-            if not units or any(b not in profiles[cluster.device(d).gpu.name].micro_batches("qkv") for d in group + others):
+            drawn = g.draw(rng, b)
+            if drawn is None:
                 continue
-            U = rng.choice(units)
-            cuts = sorted(rng.sample(range(1, U), len(group) - 1))
-            held = list(zip(group, [y - x for x, y in zip([0] + cuts, cuts + [U])]))
+            held, others, U = list(zip(drawn.group, drawn.held)), drawn.others, drawn.units
             first = rng.random() < 0.5
             stages = [held, [(others[0], 1)], [(others[1], 1)]] if first else [[(others[0], 1)], [(others[1], 1)], held]
             layers = [0, spec.num_layers - 1, 1] if first else [1, spec.num_layers - 1, 0]
@@ -207,12 +226,9 @@ def test_an_edge_stage_costs_no_less_than_its_floor(case):
             plan = simple_plan(spec, cluster=cluster.name, stages=stages, layers=layers, units_per_layer=units_per_layer,
                                micro_batch_size=b)
             stage = evaluate(plan, cluster, profiles).stages[0 if first else 2]
-            vector = [0] * len(classes)
-            for d in group:
-                vector[klass[d]] += 1
-            floor = floors[first][index[tuple(vector)]]
+            floor = floors[first][drawn.composition]
             assert 0 < floor < math.inf
-            assert stage.fwd_ms + stage.bwd_ms >= floor * (1 - 1e-9), (group, held, first, stage, floor)
+            assert stage.fwd_ms + stage.bwd_ms >= floor * (1 - 1e-9), (held, first, stage, floor)
             checked += 1
     assert checked >= 30
 
