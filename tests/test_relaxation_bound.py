@@ -38,7 +38,7 @@ from solver.options import valid_unit_counts
 from solver.relaxation import (_pairs, class_grid, device_classes, edge_floors, micro_batch_sizes, pipeline_capacity,
                                relaxation_bound, stage_rates, sync_floor)
 from tests.conftest import ROOT
-from tests.test_solver_helpers import random_instance
+from tests.test_solver_helpers import CROSSED_EDGES, crossed_instance, random_instance
 
 
 def _sequences(vector):
@@ -248,40 +248,13 @@ def test_on_one_device_the_bound_is_the_optimum():
     assert found.bound_ms == pytest.approx(best.objective_ms, rel=1e-6)
 
 
-def _crossed_edges_instance():
-    """An A100 and a T4 on one node with a free link, tables exactly linear in the share (t = alpha u + beta) whose
-    edges cross: the embedding is dear on the A100 and the head on the T4. One layer, one sample."""
-    from baton.model_spec import ModelSpec
-    from baton.profile import Profile, derive_table
-
-    spec = ModelSpec(name="crossed", num_layers=1, hidden_dim=256, num_heads=16, ffn_dim=1024, seq_len=32, vocab_size=128,
-                     dtype="fp32", dropout=0.0)
-    lines = {"a100-40gb": {"qkv": (4.231394, 0.0), "ln1": (0.0, 0.0), "embedding": (20.129536, 0.689274),
-                           "head": (2.990191, 22.240364)},
-             "t4": {"qkv": (0.515184, 0.0), "ln1": (0.0, 4.430872), "embedding": (5.577311, 13.809186),
-                    "head": (43.390146, 0.636714)}}
-
-    def table(gpu):
-        df = derive_table(spec, gpu, micro_batches=(1,))
-        df["fwd_ms"], df["bwd_ms"] = 1e-7, 1e-7
-        for op, (alpha, beta) in lines[gpu].items():
-            rows = df["op"] == op
-            df.loc[rows, "fwd_ms"] = df.loc[rows, "bwd_ms"] = (alpha * df.loc[rows, "tp_share"] + beta) / 2
-        return Profile(df, source=f"<crossed {gpu}>")
-
-    cluster = from_mapping({"name": "crossed", "nodes": [{"name": "n", "gpus": [
-        {"type": g, "count": 1, "memory_gib": 40.0, "memory_reserve_gib": 0.0} for g in lines],
-        "intra_node_link": {"bandwidth_gb_per_s": 1e6, "latency_us": 1e-6}}]}, source="<crossed>")
-    return spec, cluster, ProfileSet(spec, tables={g: table(g) for g in lines})
-
-
 def test_one_stage_runs_both_edges_at_one_share():
     """A one-stage replica runs the embedding and the head on the same ranks at the same shares, so its edges cost the
     slowest rank of their sum, which may lie under the embedding's floor plus the head's (each rank the slowest at one
     of them). Every tensor-parallel split of the one stage, and the exact optimum, take at least the bound. Fails if
     one stage is charged the two floors apart (a review found that: the best split took 40.63 ms against a bound of
     41.65 ms)."""
-    spec, cluster, profiles = _crossed_edges_instance()
+    spec, cluster, profiles = crossed_instance(CROSSED_EDGES)
     ideal = ideal_bound(spec, cluster, profiles, 1)
     found = relaxation_bound(spec, cluster, profiles, 1, micro_batch_sizes(cluster, profiles, 1, None), ideal.optimizer_ms)
     ids = [d.id for d in cluster.devices]

@@ -136,3 +136,32 @@ def interleaved_wins_instance() -> Instance:
     1.2919 ms, 6.8% less (the oracle's optima; tests/test_solver_exact.py)."""
     return two_gpu_instance(types=("a100-40gb", "v100-16gb"), slowdown=1.5, memory_gib=(300e3 / GIB, 300e3 / GIB),
                             num_layers=4, global_batch=4)
+
+
+CROSSED_EDGES = {"a100-40gb": {"qkv": (4.231394, 0.0), "ln1": (0.0, 0.0), "embedding": (20.129536, 0.689274),
+                               "head": (2.990191, 22.240364)},
+                 "t4": {"qkv": (0.515184, 0.0), "ln1": (0.0, 4.430872), "embedding": (5.577311, 13.809186),
+                        "head": (43.390146, 0.636714)}}
+"""``crossed_instance`` lines whose edges cross: the embedding is dear on the A100 and the head on the T4 (a review's
+counterexample to charging one stage the embedding's floor and the head's apart, tests/test_relaxation_bound.py)."""
+
+
+def crossed_instance(lines: dict) -> tuple[ModelSpec, object, ProfileSet]:
+    """(spec, cluster, profiles): one GPU of each type in ``lines`` on one node with a free link, one layer, and tables
+    exactly linear in the share: per GPU type, operator -> (alpha, beta), forward and backward each (alpha u + beta) / 2,
+    every other operator 1e-7 ms."""
+    spec = ModelSpec(name="crossed", num_layers=1, hidden_dim=256, num_heads=16, ffn_dim=1024, seq_len=32, vocab_size=128,
+                     dtype="fp32", dropout=0.0)
+
+    def table(gpu):
+        df = derive_table(spec, gpu, micro_batches=(1,))
+        df["fwd_ms"], df["bwd_ms"] = 1e-7, 1e-7
+        for op, (alpha, beta) in lines[gpu].items():
+            rows = df["op"] == op
+            df.loc[rows, "fwd_ms"] = df.loc[rows, "bwd_ms"] = (alpha * df.loc[rows, "tp_share"] + beta) / 2
+        return Profile(df, source=f"<crossed {gpu}>")
+
+    cluster = from_mapping({"name": "crossed", "nodes": [{"name": "n", "gpus": [
+        {"type": g, "count": 1, "memory_gib": 40.0, "memory_reserve_gib": 0.0} for g in lines],
+        "intra_node_link": {"bandwidth_gb_per_s": 1e6, "latency_us": 1e-6}}]}, source="<crossed>")
+    return spec, cluster, ProfileSet(spec, tables={g: table(g) for g in lines})
