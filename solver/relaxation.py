@@ -178,16 +178,25 @@ def group_links(classes: list[DeviceClass], c) -> list[Link | None]:
     return options
 
 
-def stage_allreduce_ms(spec: ModelSpec, classes: list[DeviceClass], c, micro_batch: int) -> float:
-    """The least eq. 9 can charge a stage of composition ``c`` for its in-layer all-reduces, per layer and micro-batch
-    (both directions): eq. 5 over the fastest link such a group can have (``group_links``)."""
+def on_fastest_link(classes: list[DeviceClass], c, price) -> float:
+    """The least ``price(n, link)`` a group of composition ``c`` (n devices) can pay over the links it could have
+    (``group_links``): 0 for one device, inf where no such group exists. Collectives cost no more on a faster link."""
     n = int(sum(c))
     if n <= 1:
         return 0.0
-    links = group_links(classes, c)
-    if not links:
-        return math.inf  # no such group exists
-    return 2 * min(layer_allreduce_on_ms(spec, micro_batch, n, link) for link in links)  # both directions
+    return min((price(n, link) for link in group_links(classes, c)), default=math.inf)
+
+
+def stage_allreduce_ms(spec: ModelSpec, classes: list[DeviceClass], c, micro_batch: int) -> float:
+    """The least eq. 9 can charge a stage of composition ``c`` for its in-layer all-reduces, per layer and micro-batch
+    (both directions): eq. 5 over the fastest link such a group can have."""
+    return 2 * on_fastest_link(classes, c, lambda n, link: layer_allreduce_on_ms(spec, micro_batch, n, link))
+
+
+def _holds(profiles: ProfileSet, classes: list[DeviceClass], micro_batch: int) -> list[bool]:
+    """Per class, whether its table holds the micro-batch size (a replica runs only sizes every table of its GPUs
+    holds, so a stage with a class that lacks it does not exist)."""
+    return [micro_batch in profiles[c.gpu].micro_batches("qkv") for c in classes]
 
 
 def _slowest_rank_ms(lines: list, c) -> tuple[float, float]:
@@ -215,7 +224,7 @@ def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
     needs a unit per rank: where n exceeds every unit count U the model allows, rho = 0 (no such stage); so is a
     stage with a class whose table does not hold b (a replica runs only sizes every table of its GPUs holds)."""
     most_units = max(valid_unit_counts(spec))
-    holds = [micro_batch in profiles[c.gpu].micro_batches("qkv") for c in classes]
+    holds = _holds(profiles, classes, micro_batch)
     lines = [share_lines(profiles[c.gpu], spec, micro_batch) if holds[k] else None for k, c in enumerate(classes)]
     out = np.zeros(len(grid))
     for i, c in enumerate(grid):
@@ -238,8 +247,11 @@ def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
     one (``stage_rates``' tau) plus the edges' all-reduces over the fastest link such a group can have (eq. 9's edge
     terms, ``edge_comms_ms``). Both edges on one stage get the floor of their sum, not the sum of the two floors: one
     rank may be the slowest at the embedding and another at the head."""
-    holds = [micro_batch in profiles[c.gpu].micro_batches("qkv") for c in classes]
+    holds = _holds(profiles, classes, micro_batch)
     roles = {"first": (True, False), "last": (False, True), "both": (True, True)}
+    # The all-reduces each role pays (edge_comms_ms): the embedding one (b, s, h) sum, the head another and the loss's
+    # reductions, both edges on one stage all three.
+    comm_of = {"first": lambda x, loss: x, "last": lambda x, loss: x + loss, "both": lambda x, loss: 2 * x + loss}
     lines = {role: [edge_lines(profiles[c.gpu], spec, micro_batch, first=first, last=last) if holds[k] else None
                     for k, c in enumerate(classes)] for role, (first, last) in roles.items()}
     out = {role: np.full(len(grid), math.inf) for role in roles}
@@ -247,17 +259,10 @@ def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
         n = int(c.sum())
         if n == 0 or any(c[k] and not holds[k] for k in range(len(classes))):
             continue
-        comms = {role: 0.0 for role in roles}
-        if n > 1:
-            links = group_links(classes, c)
-            if not links:
-                continue
-            sums, losses = zip(*(edge_comms_on_ms(spec, micro_batch, n, link) for link in links))
-            comms = {"first": min(sums), "last": min(x + y for x, y in zip(sums, losses)),
-                     "both": min(2 * x + y for x, y in zip(sums, losses))}
         for role in roles:
+            comm = on_fastest_link(classes, c, lambda k, link: comm_of[role](*edge_comms_on_ms(spec, micro_batch, k, link)))
             R, R_tau = _slowest_rank_ms(lines[role], c)
-            out[role][i] = R_tau / R + comms[role]
+            out[role][i] = R_tau / R + comm
     return out["first"], out["last"], out["both"]
 
 

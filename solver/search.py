@@ -90,6 +90,8 @@ EXACT_SEARCH = "the exact family's search"
 """... where the family searched is the exact one and its own bound is higher."""
 AFTER_STRUCTURED = "the exact family, searched after the structured one"
 """Rule 15's bound over every plan, as the status line names it."""
+SHARPENED = "eq. 12c"
+"""... where the bound over every plan is ``solver.relaxation``'s (eq. 12c) and higher than the others."""
 PROOF_S_PER_SKELETON = 0.5e-3
 """Rule 15 starts only with this much time left per exact skeleton: bounding every skeleton (without which the pass
 proves nothing) took 0.17 ms each on poplar_a's 57,316 on this project's 2-core VM (10 s), and 0.08 ms on poplar_c's."""
@@ -670,10 +672,6 @@ def search(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, *, globa
         result.total_s = time.perf_counter() - t_start
         result.plan = result.plan.with_info(**result.info())
     return result
-
-
-SHARPENED = "eq. 12c"
-"""``SolveResult.space_bound_from`` where the bound over every plan is ``solver.relaxation``'s."""
 
 
 def _sharpen_space_bound(inputs: _Inputs, result: SolveResult, optimizer_ms: float, *, t_start: float, log) -> None:

@@ -53,6 +53,15 @@ def _sequences(vector):
                 yield (c,) + tail
 
 
+def _bound(spec, cluster, profiles, global_batch):
+    """Eq. 12c as `baton solve` computes it: every micro-batch size the tables hold, eq. 12b's optimizer term."""
+    ideal = ideal_bound(spec, cluster, profiles, global_batch)
+    found = relaxation_bound(spec, cluster, profiles, global_batch,
+                             micro_batch_sizes(cluster, profiles, global_batch, None), ideal.optimizer_ms)
+    assert found is not None
+    return found
+
+
 @pytest.mark.parametrize("counts", [(2, 2), (1, 2, 1), (3,)])
 def test_the_programme_is_the_best_sequence_of_stages(counts):
     """F(a) = max over every ordered sequence of stage compositions using exactly a of sum_s q^s rho(c_s), checked by
@@ -242,8 +251,7 @@ def test_on_one_device_the_bound_is_the_optimum():
     cluster = from_mapping({"name": "one", "nodes": [{"name": "n", "gpus": [{"type": "a100-80gb", "count": 1}]}]},
                            source="<one>")
     profiles = ProfileSet(spec)
-    ideal = ideal_bound(spec, cluster, profiles, 8)
-    found = relaxation_bound(spec, cluster, profiles, 8, micro_batch_sizes(cluster, profiles, 8, None), ideal.optimizer_ms)
+    found = _bound(spec, cluster, profiles, 8)
     best = S.search(spec, cluster, profiles, global_batch=8, gap=0.0, time_limit=60)
     assert found.bound_ms == pytest.approx(best.objective_ms, rel=1e-6)
 
@@ -255,8 +263,7 @@ def test_one_stage_runs_both_edges_at_one_share():
     one stage is charged the two floors apart (a review found that: the best split took 40.63 ms against a bound of
     41.65 ms)."""
     spec, cluster, profiles = crossed_instance(CROSSED_EDGES)
-    ideal = ideal_bound(spec, cluster, profiles, 1)
-    found = relaxation_bound(spec, cluster, profiles, 1, micro_batch_sizes(cluster, profiles, 1, None), ideal.optimizer_ms)
+    found = _bound(spec, cluster, profiles, 1)
     ids = [d.id for d in cluster.devices]
     times = []
     for U in valid_unit_counts(spec):
@@ -267,15 +274,6 @@ def test_one_stage_runs_both_edges_at_one_share():
     best = S.search(spec, cluster, profiles, global_batch=1, gap=0.0, time_limit=60, family="exact", shard_grid=2)
     assert min(times) == pytest.approx(best.objective_ms, rel=1e-6)  # the optimum is such a split
     assert min(times) >= found.bound_ms * (1 - 1e-9), (min(times), found.bound_ms)
-
-
-def _bound(inst):
-    """Eq. 12c as `baton solve` computes it for the instance."""
-    sizes = micro_batch_sizes(inst.cluster, inst.profiles, inst.global_batch, None)
-    ideal = ideal_bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch)
-    found = relaxation_bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch, sizes, ideal.optimizer_ms)
-    assert found is not None
-    return found
 
 
 def _plans(inst, time_limit: float = 120):
@@ -306,7 +304,7 @@ def test_no_plan_beats_the_bound_and_every_replica_pays_its_sync_floor(seed, rep
     monotone in the share."""
     inst = random_instance(seed, num_devices=4, num_layers=4, heads=16, universe_size=2, global_batch=4,
                            monotone=seed != 11)
-    found = _bound(inst)
+    found = _bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch)
     best, plans = _plans(inst)
     assert best.objective_ms >= found.bound_ms * (1 - 1e-9)
     classes = device_classes(inst.cluster)
@@ -339,10 +337,8 @@ def test_on_hap_the_bound_lies_between_eq_12b_and_the_plan():
     spec, cluster = PRESETS["gpt3-1.3b"], load_cluster(ROOT / "clusters" / "hap_v100x16_p100x48.yaml")
     profiles = ProfileSet(spec)
     result = S.search(spec, cluster, profiles, global_batch=64, time_limit=60, every_plan=True)
-    ideal = ideal_bound(spec, cluster, profiles, 64)
-    found = relaxation_bound(spec, cluster, profiles, 64, micro_batch_sizes(cluster, profiles, 64, None),
-                             ideal.optimizer_ms)
-    assert ideal.bound_ms * 1.1 < found.bound_ms <= result.objective_ms
+    found = _bound(spec, cluster, profiles, 64)
+    assert ideal_bound(spec, cluster, profiles, 64).bound_ms * 1.1 < found.bound_ms <= result.objective_ms
     assert result.space_bound_from == S.SHARPENED and result.space_bound_ms == pytest.approx(found.bound_ms)
     assert result.plan.info["space_bound_from"] == S.SHARPENED
 
@@ -366,7 +362,7 @@ def test_replicas_may_run_sizes_that_do_not_divide_the_batch(seed, global_batch,
     layers, heads, monotone = rng.choice([2, 3, 4]), rng.choice([4, 16]), rng.random() < 0.5
     inst = random_instance(seed, num_devices=nd, num_layers=layers, heads=heads, universe_size=2,
                            global_batch=global_batch, monotone=monotone, memory_scale=(40.0, 50.0))
-    found = _bound(inst)
+    found = _bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch)
     best = S.search(inst.spec, inst.cluster, inst.profiles, global_batch=global_batch, gap=0.0, time_limit=60,
                     family="exact", shard_grid=2)
     assert (len({best.plan.batch(i)[0] for i in range(len(best.plan.pipelines))}) > 1) == mixed
@@ -403,7 +399,7 @@ def test_no_plan_beats_the_bound_on_many_instances(seed):
     inst = random_instance(seed, num_devices=rng.choice([3, 4, 5]), num_layers=rng.choice([2, 4]),
                            heads=rng.choice([4, 16]), universe_size=2, global_batch=rng.choice([2, 3, 4, 5, 8]),
                            monotone=rng.random() < 0.5)
-    found = _bound(inst)
+    found = _bound(inst.spec, inst.cluster, inst.profiles, inst.global_batch)
     best, plans = _plans(inst, time_limit=15)  # a plan the search did not prove optimal is a plan all the same
     assert best.objective_ms >= found.bound_ms * (1 - 1e-9)
     for plan, report in plans:
