@@ -665,12 +665,19 @@ def edge_comms_on_ms(spec: ModelSpec, micro_batch: int, num_devices: int, link: 
     return x, LOSS_REDUCTIONS * rows
 
 
+def edge_comm_passes_on_ms(spec: ModelSpec, micro_batch: int, num_devices: int, link: Link | None, *, first: bool,
+                           last: bool) -> tuple[float, float]:
+    """(forward, backward) edge all-reduces of a stage holding the embedding (``first``) and/or the head (``last``):
+    the embedding's sum in the forward, the loss's reductions in the forward and the head's sum in the backward."""
+    x, loss = edge_comms_on_ms(spec, micro_batch, num_devices, link)
+    return (x if first else 0.0) + (loss if last else 0.0), x if last else 0.0
+
+
 def stage_constants(cluster: ClusterSpec, spec: ModelSpec, micro_batch: int, ids: Sequence[str], *, first: bool,
                     last: bool) -> StageConstants:
-    x, loss = edge_comms_ms(cluster, spec, micro_batch, ids)
+    fwd, bwd = edge_comm_passes_on_ms(spec, micro_batch, len(ids), cluster.slowest_link(list(ids)), first=first, last=last)
     return StageConstants(allreduce_ms=layer_allreduce_ms(cluster, spec, micro_batch, ids),
-                          edge_fwd_comm_ms=(x if first else 0.0) + (loss if last else 0.0),
-                          edge_bwd_comm_ms=x if last else 0.0)
+                          edge_fwd_comm_ms=fwd, edge_bwd_comm_ms=bwd)
 
 
 def stage_time_ms(num_layers: int, per_layer_ms: float, allreduce_ms_per_layer: float, edge_ms: float) -> float:

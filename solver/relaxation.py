@@ -30,7 +30,8 @@ import highspy
 import numpy as np
 
 from baton.cluster import ClusterSpec, Link, slower_end
-from baton.costmodel import edge_comms_on_ms, edge_train_ms, layer_allreduce_on_ms, layer_param_count, layer_train_ms
+from baton.costmodel import (edge_comm_passes_on_ms, edge_train_ms, layer_allreduce_on_ms, layer_param_count,
+                             layer_train_ms)
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
 
@@ -249,9 +250,6 @@ def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
     rank may be the slowest at the embedding and another at the head."""
     holds = _holds(profiles, classes, micro_batch)
     roles = {"first": (True, False), "last": (False, True), "both": (True, True)}
-    # The all-reduces each role pays (edge_comms_ms): the embedding one (b, s, h) sum, the head another and the loss's
-    # reductions, both edges on one stage all three.
-    comm_of = {"first": lambda x, loss: x, "last": lambda x, loss: x + loss, "both": lambda x, loss: 2 * x + loss}
     lines = {role: [edge_lines(profiles[c.gpu], spec, micro_batch, first=first, last=last) if holds[k] else None
                     for k, c in enumerate(classes)] for role, (first, last) in roles.items()}
     out = {role: np.full(len(grid), math.inf) for role in roles}
@@ -259,8 +257,9 @@ def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
         n = int(c.sum())
         if n == 0 or any(c[k] and not holds[k] for k in range(len(classes))):
             continue
-        for role in roles:
-            comm = on_fastest_link(classes, c, lambda k, link: comm_of[role](*edge_comms_on_ms(spec, micro_batch, k, link)))
+        for role, (first, last) in roles.items():
+            comm = on_fastest_link(classes, c, lambda k, link: sum(edge_comm_passes_on_ms(spec, micro_batch, k, link,
+                                                                                          first=first, last=last)))
             R, R_tau = _slowest_rank_ms(lines[role], c)
             out[role][i] = R_tau / R + comm
     return out["first"], out["last"], out["both"]
