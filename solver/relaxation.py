@@ -10,7 +10,9 @@ which enter every equation alike), so it needs no layout:
 * a replica is a vector ``a`` of device counts per class; its stages are compositions ``c`` (counts per class) in
   some order. ``stage_rates`` bounds what a stage of composition ``c`` can do per ms (eq. 2, 5, 9);
   ``pipeline_capacity`` the most a replica of ``a`` can do within its pipeline time with ``m`` micro-batches
-  (eq. 1's fill and drain), by a dynamic programme over the stage sequences;
+  (eq. 1's fill and drain), by a dynamic programme over the stage sequences; ``chain_floor`` the least pipeline
+  time eq. 1's chain allows when every stage holds whole layers and the first and last stages run the edges, by a
+  second programme, where it fits ``CHAIN_WORK``;
 * ``sync_floor`` bounds a replica's data-parallel sync (eq. 13, 15-17) when the plan has ``r`` or more replicas;
 * an LP over replicas (how many of each vector, fractions allowed) finds the least time at which the replicas,
   within the cluster's devices and ``r`` replicas, could train the global batch.
@@ -42,6 +44,14 @@ from solver.options import plan_shares, valid_unit_counts
 MAX_PAIRS = 16_000_000
 """Pairs (replica vector, stage composition) the programme may visit: 13.1M on cephalo_64gpu's three classes of 16,
 16 and 32 GPUs (8 s, about 700 MB at the peak); beyond it the bound is not computed and eq. 12b stands alone."""
+CHAIN_WORK = 1_500_000_000
+"""Steps (``ChainPairs.work``, one ``chain_floor`` per micro-batch size and count) eq. 1's chain with whole layers may
+take, about 10 s on this 2-core machine (1.5e8 a second); beyond it eq. 12c stands without it. HAP's 64 GPUs at batch 64
+take 0.65e9, scale_64 1.0e9, hethub_nv_gpua 0.05e9; cephalo_64gpu (6e10) and a generated 64-GPU cluster at batch 512
+(5e9) are beyond it."""
+CHAIN_EXACT_COUNTS = 64
+"""With whole layers, micro-batch counts up to this are priced one by one (a bucket is priced by the chain at its
+fewest micro-batches, where eq. 1 allows most, so wide buckets lose what whole layers gain)."""
 MAX_DEVICES = 128
 """The programme runs one step per device count (its levels), per micro-batch size and count bucket: a cluster of more
 devices is not bounded so, however few its classes."""
@@ -81,6 +91,8 @@ class ReplicaBound:
     """Its Adam step part (eq. 12b's), ms."""
     replicas: tuple[int, int]
     """The range of replica counts where the least was found."""
+    whole_layers: bool
+    """Whether eq. 1's chain was priced with whole layers per stage (``chain_floor``, within ``CHAIN_WORK``)."""
     seconds: float
     """Time it took."""
 
@@ -277,18 +289,28 @@ def edge_layers(rates: np.ndarray, emb_ms: np.ndarray, head_ms: np.ndarray, both
         with np.errstate(invalid="ignore"):
             return np.where(rates > 0, ms * rates / micro_batch, math.inf)
 
-    apart = np.zeros(dims)
-    for ms in (emb_ms, head_ms):
-        box = layers(ms).reshape(dims)
-        for axis in range(len(dims)):  # the least over every c <= a: running minima along each class
-            box = np.minimum.accumulate(box, axis=axis)
-        inside = np.full(dims, math.inf)
-        for axis in range(len(dims)):  # over every c < a: the least at a less one device of some class
-            to, frm = [slice(None)] * len(dims), [slice(None)] * len(dims)
-            to[axis], frm[axis] = slice(1, None), slice(None, -1)
-            inside[tuple(to)] = np.minimum(inside[tuple(to)], box[tuple(frm)])
-        apart = apart + inside
-    return np.minimum(apart.reshape(-1), layers(both_ms))
+    apart = least_below(layers(emb_ms), dims) + least_below(layers(head_ms), dims)
+    return np.minimum(apart, layers(both_ms))
+
+
+def least_within(values: np.ndarray, dims: list[int]) -> np.ndarray:
+    """For every vector a of the grid: the least value over every vector c <= a (running minima along each class)."""
+    box = values.reshape(dims)
+    for axis in range(len(dims)):
+        box = np.minimum.accumulate(box, axis=axis)
+    return box.reshape(-1)
+
+
+def least_below(values: np.ndarray, dims: list[int]) -> np.ndarray:
+    """For every vector a of the grid: the least value over every vector c < a (``least_within`` at a less one device
+    of some class); infinite at the zero vector."""
+    box = least_within(values, dims).reshape(dims)
+    inside = np.full(dims, math.inf)
+    for axis in range(len(dims)):
+        to, frm = [slice(None)] * len(dims), [slice(None)] * len(dims)
+        to[axis], frm[axis] = slice(1, None), slice(None, -1)
+        inside[tuple(to)] = np.minimum(inside[tuple(to)], box[tuple(frm)])
+    return inside.reshape(-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,12 +339,24 @@ def _pairs(classes: list[DeviceClass], grid: np.ndarray) -> _Pairs:
     order = np.lexsort((a, totals[a]))
     a, c = a[order].astype(np.int32), c[order].astype(np.int32)
     rest = (a - c).astype(np.int32)  # row-major indices subtract like the vectors
+    return _Pairs(a=a, c=c, rest=rest, levels=_levels(a, totals))
+
+
+def _levels(a: np.ndarray, totals: np.ndarray) -> list:
+    """``_Pairs.levels`` of pairs listed by a's device count and then by a."""
     levels = []
     bounds = np.r_[0, np.nonzero(np.diff(totals[a]))[0] + 1, len(a)]
     for lo, hi in zip(bounds, bounds[1:]):
-        starts = np.r_[0, np.nonzero(np.diff(a[lo:hi]))[0] + 1]
-        levels.append((slice(lo, hi), a[lo:hi][starts], starts))
-    return _Pairs(a=a, c=c, rest=rest, levels=levels)
+        if hi > lo:
+            starts = np.r_[0, np.nonzero(np.diff(a[lo:hi]))[0] + 1]
+            levels.append((slice(lo, hi), a[lo:hi][starts], starts))
+    return levels
+
+
+def _subset(pairs: _Pairs, keep: np.ndarray, totals: np.ndarray) -> _Pairs:
+    """The pairs where ``keep`` holds, in the same order, with their levels."""
+    a = pairs.a[keep]
+    return _Pairs(a=a, c=pairs.c[keep], rest=pairs.rest[keep], levels=_levels(a, totals))
 
 
 def pair_count(classes: list[DeviceClass]) -> int:
@@ -344,6 +378,80 @@ def pipeline_capacity(rates: np.ndarray, pairs: _Pairs, size: int, q: float,
         values = rates[pairs.c[sl]] + q * F[pairs.rest[sl]]
         F[targets] = np.maximum.reduceat(values, starts)
     return F
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPairs:
+    """The pairs ``chain_floor`` tries, for one micro-batch size's stage times."""
+
+    middle: _Pairs
+    """A middle stage before the rest: compositions that exist and that no smaller one runs as fast, devices left."""
+    first: _Pairs
+    """A first stage before the rest: compositions that exist, devices left after them."""
+
+    def work(self, num_layers: int) -> int:
+        """Steps of one ``chain_floor``: each middle pair tries every layer count at every count it could hold, each
+        first pair every layer count."""
+        N = num_layers
+        return len(self.middle.a) * (N + 1) * (N + 2) // 2 + len(self.first.a) * (N + 1)
+
+
+def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np.ndarray) -> ChainPairs:
+    """``ChainPairs`` of ``layer_ms`` (per composition; inf where no such stage exists)."""
+    exists = np.isfinite(layer_ms)
+    quicker = layer_ms < least_below(layer_ms, dims)
+    left = pairs.rest != 0
+    return ChainPairs(middle=_subset(pairs, quicker[pairs.c] & left, totals),
+                      first=_subset(pairs, exists[pairs.c] & left, totals))
+
+
+def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray, both_ms: np.ndarray,
+                chain: ChainPairs, dims: list[int], num_layers: int, m: int,
+                deadline_s: float = math.inf) -> np.ndarray | None:
+    """Phi_m(a) for every replica vector a: the least T_pipe eq. 1's chain allows a replica of (some of) a's devices with
+    m micro-batches when every stage holds whole layers (solver/README.md, step 3, "Whole layers"): the least over
+    sequences of stages c_0, c_1, ... and layer counts L_s adding up to N of max_s sum_{s' < s} t_s' + m t_s, with
+    t_s = L_s b / rho(c_s) (``layer_ms`` per composition; inf where no such stage exists), plus the embedding's floor
+    on the first stage, the head's on the last, both on an only stage. First and last stages may hold no layer; the
+    others hold one or more (a stage of none only delays the later ones and uses devices).
+
+    By dynamic programming from the back: S(a, L), the least over suffixes using exactly a and holding L layers whose
+    last stage runs the head, of the chain's largest term measured from the suffix's start, is m t for a last stage
+    alone, else min over its first stage (c, l >= 1) of t + max((m - 1) t, S(a - c, L - l)); Phi puts a first stage
+    before a suffix the same way, or runs an only stage. A middle composition some smaller one runs no slower is
+    skipped: swapping it for the smaller one leaves a faster sequence on fewer devices, which the least over every
+    sub-vector at the end takes. None past the deadline."""
+    N = num_layers
+    exists = np.isfinite(layer_ms)
+    first_ms, last_ms, both_ms = (np.where(exists, e, math.inf) for e in (first_ms, last_ms, both_ms))
+    counts = np.arange(N + 1)
+    with np.errstate(invalid="ignore"):
+        held = np.where(counts[None, :] > 0, layer_ms[:, None] * counts[None, :], 0.0)  # l layers of each composition
+    S = m * (held + last_ms[:, None])
+    S[0, :] = math.inf
+    middle = chain.middle
+    for sl, targets, starts in middle.levels:
+        if stop.past(deadline_s):
+            return None
+        c, after = middle.c[sl], S[middle.rest[sl]]
+        per = layer_ms[c][:, None]
+        best = np.full((len(c), N + 1), math.inf)
+        with np.errstate(invalid="ignore"):
+            for l in range(1, N + 1):
+                t = per * l
+                # fmax: (m - 1) t is nan where t is inf and m = 1; such a stage is out of play anyway (t + ... = inf)
+                np.minimum(best[:, l:], t + np.fmax((m - 1) * t, after[:, :N + 1 - l]), out=best[:, l:])
+        S[targets] = np.minimum(S[targets], np.minimum.reduceat(best, starts, axis=0))
+    phi = m * (held[:, N] + both_ms)
+    top = chain.first
+    if len(top.a):
+        t0 = held[top.c] + first_ms[top.c][:, None]  # by the first stage's layer count l
+        with np.errstate(invalid="ignore"):
+            value = (t0 + np.fmax((m - 1) * t0, S[top.rest][:, ::-1])).min(axis=1)  # reversed S: column l is N - l
+        starts = np.r_[0, np.nonzero(np.diff(top.a))[0] + 1]
+        phi[top.a[starts]] = np.minimum(phi[top.a[starts]], np.minimum.reduceat(value, starts))
+    phi[0] = math.inf
+    return least_within(phi, dims)
 
 
 def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, holders: int) -> np.ndarray:
@@ -389,12 +497,13 @@ def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, ho
     return np.where(usable, lo, math.inf)
 
 
-def _micro_batch_buckets(most: int) -> list[tuple[int, int]]:
-    """Micro-batch counts one by one up to 16, then in buckets a quarter wide (17-20, 21-25, ...): a bucket is
-    priced at its largest count, where F is largest (it grows with q = 1 - 1/m)."""
+def _micro_batch_buckets(most: int, exact: int = 16) -> list[tuple[int, int]]:
+    """Micro-batch counts one by one up to ``exact``, then in buckets a quarter wide (17-20, 21-25, ...): a bucket is
+    priced at its largest count where F is largest (it grows with q = 1 - 1/m), and at its fewest by the chain with
+    whole layers (``chain_floor`` grows with m)."""
     out, lo = [], 1
     while lo <= most:
-        hi = min(most, lo if lo <= 16 else max(lo, (lo * 5) // 4))
+        hi = min(most, lo if lo <= exact else max(lo, (lo * 5) // 4))
         out.append((lo, hi))
         lo = hi + 1
     return out
@@ -419,42 +528,98 @@ def micro_batch_sizes(cluster: ClusterSpec, profiles: ProfileSet, global_batch: 
     return sorted({b for g in cluster.gpu_types for b in profiles[g].micro_batches("qkv") if b <= global_batch})
 
 
+@dataclass(frozen=True, slots=True)
+class _Sized:
+    """What the bound reads at one micro-batch size b, per composition or replica vector."""
+
+    rates: np.ndarray
+    """rho(c) (``stage_rates``)."""
+    edges: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """The embedding's, the head's and both edges' floors per micro-batch, ms (``edge_floors``)."""
+    layer_ms: np.ndarray
+    """b / rho(c): a layer's least time per micro-batch, ms; inf where no such stage exists."""
+    sample_layers: np.ndarray
+    """N + E(a): the layers a sample costs a replica of each vector (``edge_layers``)."""
+    chain: ChainPairs
+    """The pairs ``chain_floor`` tries."""
+
+
 def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
                      micro_batches: list[int], optimizer_ms: float, *, deadline_s: float = math.inf) -> ReplicaBound | None:
     """Eq. 12c over plans of 1F1B (one chunk) or layered replicas whose micro-batch sizes are among ``micro_batches``
     (``micro_batch_sizes`` gives the search's); None where the programme is too large (``MAX_PAIRS``, ``MAX_DEVICES``)
     or the deadline (or a stop) came first. ``optimizer_ms`` is eq. 12b's Adam step, which follows everything else in
-    every schedule."""
+    every schedule. The chain with whole layers (``chain_floor``) is priced after the bound without it, within
+    ``CHAIN_WORK`` and the time left; the higher of the two is returned."""
     t0 = time.perf_counter()
     classes = device_classes(cluster)
     if pair_count(classes) > MAX_PAIRS or len(cluster.devices) > MAX_DEVICES or stop.past(deadline_s):
         return None
-    G, N = global_batch, spec.num_layers
     grid = class_grid(classes)
-    size = len(grid)
     pairs = _pairs(classes, grid)
-    capacity: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, micro-batch count bucket) -> F per vector
-    work: dict[int, np.ndarray] = {}  # b -> the layers a sample costs a replica of each vector: N + E(a)
+    dims, totals = [c.count + 1 for c in classes], grid.sum(1)
+    sized = {}
     for b in micro_batches:
         if stop.past(deadline_s):
             return None
         rates = stage_rates(spec, profiles, classes, grid, b)
-        work[b] = N + edge_layers(rates, *edge_floors(spec, profiles, classes, grid, b), classes, b)
-        for bucket in _micro_batch_buckets(G // b):
-            F = pipeline_capacity(rates, pairs, size, 1.0 - 1.0 / bucket[1], deadline_s)
+        edges = edge_floors(spec, profiles, classes, grid, b)
+        layer_ms = np.where(rates > 0, b / np.where(rates > 0, rates, 1.0), math.inf)
+        sized[b] = _Sized(rates=rates, edges=edges, layer_ms=layer_ms,
+                          sample_layers=spec.num_layers + edge_layers(rates, *edges, classes, b),
+                          chain=chain_pairs(pairs, layer_ms, dims, totals))
+    found = _least_pipeline_ms(spec, classes, grid, pairs, sized, global_batch, 16, False, deadline_s)
+    if found is None:
+        return None
+    work = sum(len(_micro_batch_buckets(global_batch // b, CHAIN_EXACT_COUNTS)) * x.chain.work(spec.num_layers)
+               for b, x in sized.items())
+    whole_layers = False
+    if work <= CHAIN_WORK:
+        sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, global_batch, CHAIN_EXACT_COUNTS, True,
+                                     deadline_s)
+        if sharper is not None:  # past the deadline the bound without whole layers stands
+            whole_layers = True
+            found = max(found, sharper)
+    best, where = found
+    return ReplicaBound(bound_ms=best + optimizer_ms, pipeline_ms=best, optimizer_ms=optimizer_ms, replicas=where,
+                        whole_layers=whole_layers, seconds=time.perf_counter() - t0)
+
+
+def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, pairs: _Pairs,
+                       sized: dict[int, _Sized], global_batch: int, exact: int, whole_layers: bool,
+                       deadline_s: float) -> tuple[float, tuple[int, int]] | None:
+    """Steps 3-5 of the proof: the least T - T_opt at which the replicas could train the global batch, and the bucket
+    of replica counts where it was found; micro-batch counts up to ``exact`` one by one (``_micro_batch_buckets``),
+    with eq. 1's chain over whole layers where ``whole_layers``. None past the deadline."""
+    G, N, size = global_batch, spec.num_layers, len(grid)
+    dims = [c.count + 1 for c in classes]
+    capacity: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, micro-batch count bucket) -> F per vector
+    chain: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # the same -> Phi at the bucket's fewest micro-batches
+    for b, x in sized.items():
+        for bucket in _micro_batch_buckets(G // b, exact):
+            F = pipeline_capacity(x.rates, pairs, size, 1.0 - 1.0 / bucket[1], deadline_s)
             if F is None:
                 return None
             capacity[b, bucket] = F
+            if whole_layers:
+                phi = chain_floor(x.layer_ms, *x.edges, x.chain, dims, N, bucket[0], deadline_s)
+                if phi is None:
+                    return None
+                chain[b, bucket] = phi
 
     def samples(T: float, floor: np.ndarray) -> np.ndarray:
         """Per vector, the most samples a replica of it could train with its pipeline and sync within T: m b with
-        m b (N + E(a)) <= (T - sync) F(a) (F at the largest count of m's bucket, so never less than m's own)."""
+        m b (N + E(a)) <= (T - sync) F(a) (F at the largest count of m's bucket, so never less than m's own) and, with
+        whole layers, Phi_m(a) <= T - sync (Phi at the fewest count of m's bucket, so never more than m's own)."""
         best = np.zeros(size)
         room = np.maximum(T - floor, 0.0)
         for (b, (lo, hi)), F in capacity.items():
             with np.errstate(invalid="ignore"):
-                m = np.minimum(hi, np.nan_to_num(np.floor(room * F / (b * work[b]) * (1 + 1e-12) + 1e-9)))
-            best = np.maximum(best, np.where(m >= lo, b * m, 0.0))
+                m = np.minimum(hi, np.nan_to_num(np.floor(room * F / (b * sized[b].sample_layers) * (1 + 1e-12) + 1e-9)))
+            fits = m >= lo
+            if whole_layers:
+                fits &= chain[b, (lo, hi)] <= room * (1 + 1e-12) + 1e-9
+            best = np.maximum(best, np.where(fits, b * m, 0.0))
         return np.minimum(best, G)
 
     def least(feasible, start: float, cap: float = math.inf) -> float | None:
@@ -482,7 +647,8 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
         return None
     where = (1, 1)
     avail = np.array([c.count for c in classes], dtype=float)
-    for r_lo, r_hi in _replica_buckets(min(G, len(cluster.devices))):
+    n_devices = int(avail.sum())
+    for r_lo, r_hi in _replica_buckets(min(G, n_devices)):
         floor = sync_floor(spec, classes, grid, r_lo)
         value = least(lambda T: _replicas_lp(samples(T, floor), grid, avail, r_lo, r_hi) >= G * (1 - 1e-9), best / 2,
                       cap=best)
@@ -490,8 +656,7 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
             return None
         if value < best:
             best, where = value, (r_lo, r_hi)
-    return ReplicaBound(bound_ms=best + optimizer_ms, pipeline_ms=best, optimizer_ms=optimizer_ms, replicas=where,
-                        seconds=time.perf_counter() - t0)
+    return best, where
 
 
 def _replicas_lp(samples: np.ndarray, grid: np.ndarray, avail: np.ndarray, r_lo: int, r_hi: int) -> float:
