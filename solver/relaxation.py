@@ -390,10 +390,10 @@ class ChainPairs:
     """A first stage before the rest: compositions that exist, devices left after them."""
 
     def work(self, num_layers: int) -> int:
-        """Steps of one ``chain_floor``: each middle pair tries every layer count at every count it could hold, each
-        first pair every layer count."""
+        """Steps of one ``chain_floor``: each middle pair tries every layer count l at every count from l up (N (N + 1)
+        / 2), each first pair every layer count."""
         N = num_layers
-        return len(self.middle.a) * (N + 1) * (N + 2) // 2 + len(self.first.a) * (N + 1)
+        return len(self.middle.a) * N * (N + 1) // 2 + len(self.first.a) * (N + 1)
 
 
 def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np.ndarray) -> ChainPairs:
@@ -443,13 +443,13 @@ def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray,
                 np.minimum(best[:, l:], t + np.fmax((m - 1) * t, after[:, :N + 1 - l]), out=best[:, l:])
         S[targets] = np.minimum(S[targets], np.minimum.reduceat(best, starts, axis=0))
     phi = m * (held[:, N] + both_ms)
-    top = chain.first
-    if len(top.a):
-        t0 = held[top.c] + first_ms[top.c][:, None]  # by the first stage's layer count l
+    first = chain.first
+    if len(first.a):
+        t0 = held[first.c] + first_ms[first.c][:, None]  # by the first stage's layer count l
         with np.errstate(invalid="ignore"):
-            value = (t0 + np.fmax((m - 1) * t0, S[top.rest][:, ::-1])).min(axis=1)  # reversed S: column l is N - l
-        starts = np.r_[0, np.nonzero(np.diff(top.a))[0] + 1]
-        phi[top.a[starts]] = np.minimum(phi[top.a[starts]], np.minimum.reduceat(value, starts))
+            value = (t0 + np.fmax((m - 1) * t0, S[first.rest][:, ::-1])).min(axis=1)  # reversed S: column l is N - l
+        starts = np.r_[0, np.nonzero(np.diff(first.a))[0] + 1]
+        phi[first.a[starts]] = np.minimum(phi[first.a[starts]], np.minimum.reduceat(value, starts))
     phi[0] = math.inf
     return least_within(phi, dims)
 
@@ -498,7 +498,7 @@ def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, ho
 
 
 def _micro_batch_buckets(most: int, exact: int = 16) -> list[tuple[int, int]]:
-    """Micro-batch counts one by one up to ``exact``, then in buckets a quarter wide (17-20, 21-25, ...): a bucket is
+    """Micro-batch counts one by one up to ``exact``, then in buckets a quarter wide (past 16: 17-20, 21-25, ...): a bucket is
     priced at its largest count where F is largest (it grows with q = 1 - 1/m), and at its fewest by the chain with
     whole layers (``chain_floor`` grows with m)."""
     out, lo = [], 1
@@ -568,17 +568,22 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
         sized[b] = _Sized(rates=rates, edges=edges, layer_ms=layer_ms,
                           sample_layers=spec.num_layers + edge_layers(rates, *edges, classes, b),
                           chain=chain_pairs(pairs, layer_ms, dims, totals))
-    found = _least_pipeline_ms(spec, classes, grid, pairs, sized, global_batch, 16, False, deadline_s)
+    capacity: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # F per (b, bucket), shared by the two passes
+    found = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, 16, False, deadline_s)
     if found is None:
         return None
-    work = sum(len(_micro_batch_buckets(global_batch // b, CHAIN_EXACT_COUNTS)) * x.chain.work(spec.num_layers)
+    # Whole layers price counts up to CHAIN_EXACT_COUNTS one by one: a programme each, and an F sweep over every pair
+    # for each count the first pass had in a bucket.
+    work = sum(len(_micro_batch_buckets(global_batch // b, CHAIN_EXACT_COUNTS)) * (x.chain.work(spec.num_layers)
+                                                                                  + len(pairs.a))
                for b, x in sized.items())
     whole_layers = False
     if work <= CHAIN_WORK:
-        sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, global_batch, CHAIN_EXACT_COUNTS, True,
-                                     deadline_s)
+        sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, CHAIN_EXACT_COUNTS,
+                                     True, deadline_s)
         if sharper is not None:  # past the deadline the bound without whole layers stands
             whole_layers = True
+            # Never lower but for the bisection's tolerance: finer buckets of F and one more condition per replica.
             found = max(found, sharper)
     best, where = found
     return ReplicaBound(bound_ms=best + optimizer_ms, pipeline_ms=best, optimizer_ms=optimizer_ms, replicas=where,
@@ -586,26 +591,28 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
 
 
 def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, pairs: _Pairs,
-                       sized: dict[int, _Sized], global_batch: int, exact: int, whole_layers: bool,
+                       sized: dict[int, _Sized], capacity: dict, global_batch: int, exact: int, whole_layers: bool,
                        deadline_s: float) -> tuple[float, tuple[int, int]] | None:
     """Steps 3-5 of the proof: the least T - T_opt at which the replicas could train the global batch, and the bucket
     of replica counts where it was found; micro-batch counts up to ``exact`` one by one (``_micro_batch_buckets``),
-    with eq. 1's chain over whole layers where ``whole_layers``. None past the deadline."""
+    with eq. 1's chain over whole layers where ``whole_layers``. ``capacity`` keeps F per (b, bucket) between calls.
+    None past the deadline."""
     G, N, size = global_batch, spec.num_layers, len(grid)
     dims = [c.count + 1 for c in classes]
-    capacity: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, micro-batch count bucket) -> F per vector
-    chain: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # the same -> Phi at the bucket's fewest micro-batches
+    buckets = {b: _micro_batch_buckets(G // b, exact) for b in sized}
+    phi_of: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, bucket) -> Phi at the bucket's fewest count
     for b, x in sized.items():
-        for bucket in _micro_batch_buckets(G // b, exact):
-            F = pipeline_capacity(x.rates, pairs, size, 1.0 - 1.0 / bucket[1], deadline_s)
-            if F is None:
-                return None
-            capacity[b, bucket] = F
+        for bucket in buckets[b]:
+            if (b, bucket) not in capacity:
+                F = pipeline_capacity(x.rates, pairs, size, 1.0 - 1.0 / bucket[1], deadline_s)
+                if F is None:
+                    return None
+                capacity[b, bucket] = F
             if whole_layers:
                 phi = chain_floor(x.layer_ms, *x.edges, x.chain, dims, N, bucket[0], deadline_s)
                 if phi is None:
                     return None
-                chain[b, bucket] = phi
+                phi_of[b, bucket] = phi
 
     def samples(T: float, floor: np.ndarray) -> np.ndarray:
         """Per vector, the most samples a replica of it could train with its pipeline and sync within T: m b with
@@ -613,13 +620,15 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
         whole layers, Phi_m(a) <= T - sync (Phi at the fewest count of m's bucket, so never more than m's own)."""
         best = np.zeros(size)
         room = np.maximum(T - floor, 0.0)
-        for (b, (lo, hi)), F in capacity.items():
-            with np.errstate(invalid="ignore"):
-                m = np.minimum(hi, np.nan_to_num(np.floor(room * F / (b * sized[b].sample_layers) * (1 + 1e-12) + 1e-9)))
-            fits = m >= lo
-            if whole_layers:
-                fits &= chain[b, (lo, hi)] <= room * (1 + 1e-12) + 1e-9
-            best = np.maximum(best, np.where(fits, b * m, 0.0))
+        for b, bucket_list in buckets.items():
+            for lo, hi in bucket_list:
+                with np.errstate(invalid="ignore"):
+                    m = np.minimum(hi, np.nan_to_num(np.floor(room * capacity[b, (lo, hi)] / (b * sized[b].sample_layers)
+                                                              * (1 + 1e-12) + 1e-9)))
+                fits = m >= lo
+                if whole_layers:
+                    fits &= phi_of[b, (lo, hi)] <= room * (1 + 1e-12) + 1e-9
+                best = np.maximum(best, np.where(fits, b * m, 0.0))
         return np.minimum(best, G)
 
     def least(feasible, start: float, cap: float = math.inf) -> float | None:
