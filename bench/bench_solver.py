@@ -56,9 +56,6 @@ UNIFORM_LIMIT_S = 30
 """Time limit of the comparison solve with every replica on one batch at stage 0."""
 
 
-BOUND_SOURCES = {search_module.IDEAL: "12b", search_module.SHARPENED: "12c", search_module.EXACT_SEARCH: "exact",
-                 search_module.AFTER_STRUCTURED: "exact"}
-"""``SolveResult.space_bound_from`` as the table's column says it."""
 
 
 def _plan_summary(plan) -> dict:
@@ -169,7 +166,7 @@ def markdown(rows, meta) -> str:
             cells.append(f"{x['iteration_ms']:.0f} ({r['speedup_vs'][s]:.2f}x)" if "iteration_ms" in x else "no plan")
         whole = f"{b['space_gap']:.2%}" if "space_gap" in b else "-"
         if "space_bound_from" in b:
-            whole += f" ({BOUND_SOURCES.get(b['space_bound_from'], b['space_bound_from'])})"
+            whole += f" ({search_module.BOUND_SOURCE_SHORT.get(b['space_bound_from'], b['space_bound_from'])})"
         out.append(f"| {r['case']} | {b['iteration_ms']:.1f} | {b['status']} ({b['family']}) | {b['gap']:.2%} | {whole} | "
                    f"{b['build_s']:.2f} | {b['solve_s']:.2f} | {r['baton_efficiency_vs_ideal_all_devices']:.1%} | "
                    + " | ".join(cells) + f" | {_dp_cell(r)} |")

@@ -92,6 +92,8 @@ AFTER_STRUCTURED = "the exact family, searched after the structured one"
 """Rule 15's bound over every plan, as the status line names it."""
 SHARPENED = "eq. 12c"
 """... where the bound over every plan is ``solver.relaxation``'s (eq. 12c) and higher than the others."""
+BOUND_SOURCE_SHORT = {IDEAL: "12b", SHARPENED: "12c", EXACT_SEARCH: "exact", AFTER_STRUCTURED: "exact"}
+"""``SolveResult.space_bound_from`` as the benchmarks' tables name it."""
 PROOF_S_PER_SKELETON = 0.5e-3
 """Rule 15 starts only with this much time left per exact skeleton: bounding every skeleton (without which the pass
 proves nothing) took 0.17 ms each on poplar_a's 57,316 on this project's 2-core VM (10 s), and 0.08 ms on poplar_c's."""
