@@ -191,8 +191,8 @@ def markdown(rows, meta) -> str:
            "result's, over the family the search proves its optimum in; 'over every plan' is the gap against the highest "
            "bound it has on every plan whatever its layout, in brackets: eq. 12b (solver/README.md, 'The bound over every "
            "plan'), known from the first plan on, or eq. 12c (replicas, 'A sharper bound from replicas'), computed after "
-           "the search with the time left where the cluster's classes are few enough. Peak memory: the solver process's peak resident set size (`ru_maxrss`), with its size before the "
-           "search in brackets.", ""]
+           "the search with the time left where the cluster's classes are few enough. Peak memory: the solver "
+           "process's peak resident set size (`ru_maxrss`), with its size before the search in brackets.", ""]
     head = ("| GPUs | mix | model / batch | limit s | first plan s | first gap s | gap 60 s | gap at end | over every plan | "
             "Baton ms | Megatron ms (x) | peak MiB (before) | first plan | proven gap | gap target |")
     rule = "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"

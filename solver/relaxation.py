@@ -277,17 +277,15 @@ def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
     return out["first"], out["last"], out["both"]
 
 
-def edge_layers(rates: np.ndarray, emb_ms: np.ndarray, head_ms: np.ndarray, both_ms: np.ndarray,
-                classes: list[DeviceClass], micro_batch: int) -> np.ndarray:
+def edge_layers(layer_ms: np.ndarray, emb_ms: np.ndarray, head_ms: np.ndarray, both_ms: np.ndarray,
+                dims: list[int]) -> np.ndarray:
     """For every replica vector a: E(a), the least the edges can cost a replica of a, in layers of the stages that run
     them (solver/README.md, step 3): one stage runs both, e_both(a) rho(a) / b; two or more put the embedding and the
     head on two stages, each a composition c < a, so at least the least e(c) rho(c) / b over those of the embedding
-    plus the same of the head. A stage that cannot exist (rho = 0) carries no edge."""
-    dims = [c.count + 1 for c in classes]
-
+    plus the same of the head. ``layer_ms`` is b / rho(c); a stage that cannot exist (inf) carries no edge."""
     def layers(ms):
         with np.errstate(invalid="ignore"):
-            return np.where(rates > 0, ms * rates / micro_batch, math.inf)
+            return np.where(np.isfinite(layer_ms), ms / layer_ms, math.inf)
 
     apart = least_below(layers(emb_ms), dims) + least_below(layers(head_ms), dims)
     return np.minimum(apart, layers(both_ms))
@@ -529,19 +527,31 @@ def micro_batch_sizes(cluster: ClusterSpec, profiles: ProfileSet, global_batch: 
 
 
 @dataclass(frozen=True, slots=True)
-class _Sized:
+class SizeTerms:
     """What the bound reads at one micro-batch size b, per composition or replica vector."""
 
     rates: np.ndarray
     """rho(c) (``stage_rates``)."""
-    edges: tuple[np.ndarray, np.ndarray, np.ndarray]
-    """The embedding's, the head's and both edges' floors per micro-batch, ms (``edge_floors``)."""
     layer_ms: np.ndarray
     """b / rho(c): a layer's least time per micro-batch, ms; inf where no such stage exists."""
+    edges: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """The embedding's, the head's and both edges' floors per micro-batch, ms (``edge_floors``)."""
     sample_layers: np.ndarray
     """N + E(a): the layers a sample costs a replica of each vector (``edge_layers``)."""
     chain: ChainPairs
     """The pairs ``chain_floor`` tries."""
+
+
+def size_terms(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray, pairs: _Pairs,
+               micro_batch: int) -> SizeTerms:
+    """``SizeTerms`` at ``micro_batch``."""
+    rates = stage_rates(spec, profiles, classes, grid, micro_batch)
+    layer_ms = np.where(rates > 0, micro_batch / np.where(rates > 0, rates, 1.0), math.inf)
+    edges = edge_floors(spec, profiles, classes, grid, micro_batch)
+    dims = [c.count + 1 for c in classes]
+    return SizeTerms(rates=rates, layer_ms=layer_ms, edges=edges,
+                     sample_layers=spec.num_layers + edge_layers(layer_ms, *edges, dims),
+                     chain=chain_pairs(pairs, layer_ms, dims, grid.sum(1)))
 
 
 def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
@@ -557,19 +567,13 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
         return None
     grid = class_grid(classes)
     pairs = _pairs(classes, grid)
-    dims, totals = [c.count + 1 for c in classes], grid.sum(1)
     sized = {}
     for b in micro_batches:
         if stop.past(deadline_s):
             return None
-        rates = stage_rates(spec, profiles, classes, grid, b)
-        edges = edge_floors(spec, profiles, classes, grid, b)
-        layer_ms = np.where(rates > 0, b / np.where(rates > 0, rates, 1.0), math.inf)
-        sized[b] = _Sized(rates=rates, edges=edges, layer_ms=layer_ms,
-                          sample_layers=spec.num_layers + edge_layers(rates, *edges, classes, b),
-                          chain=chain_pairs(pairs, layer_ms, dims, totals))
+        sized[b] = size_terms(spec, profiles, classes, grid, pairs, b)
     capacity: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # F per (b, bucket), shared by the two passes
-    found = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, 16, False, deadline_s)
+    found = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, False, deadline_s)
     if found is None:
         return None
     # Whole layers price counts up to CHAIN_EXACT_COUNTS one by one: a programme each, and an F sweep over every pair
@@ -579,8 +583,7 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
                for b, x in sized.items())
     whole_layers = False
     if work <= CHAIN_WORK:
-        sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, CHAIN_EXACT_COUNTS,
-                                     True, deadline_s)
+        sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, True, deadline_s)
         if sharper is not None:  # past the deadline the bound without whole layers stands
             whole_layers = True
             # Never lower but for the bisection's tolerance: finer buckets of F and one more condition per replica.
@@ -591,13 +594,14 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
 
 
 def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, pairs: _Pairs,
-                       sized: dict[int, _Sized], capacity: dict, global_batch: int, exact: int, whole_layers: bool,
+                       sized: dict[int, SizeTerms], capacity: dict, global_batch: int, whole_layers: bool,
                        deadline_s: float) -> tuple[float, tuple[int, int]] | None:
     """Steps 3-5 of the proof: the least T - T_opt at which the replicas could train the global batch, and the bucket
-    of replica counts where it was found; micro-batch counts up to ``exact`` one by one (``_micro_batch_buckets``),
-    with eq. 1's chain over whole layers where ``whole_layers``. ``capacity`` keeps F per (b, bucket) between calls.
-    None past the deadline."""
+    of replica counts where it was found; with eq. 1's chain over whole layers where ``whole_layers``, and then
+    micro-batch counts up to ``CHAIN_EXACT_COUNTS`` one by one (else 16, ``_micro_batch_buckets``). ``capacity``
+    keeps F per (b, bucket) between calls. None past the deadline."""
     G, N, size = global_batch, spec.num_layers, len(grid)
+    exact = CHAIN_EXACT_COUNTS if whole_layers else 16
     dims = [c.count + 1 for c in classes]
     buckets = {b: _micro_batch_buckets(G // b, exact) for b in sized}
     phi_of: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, bucket) -> Phi at the bucket's fewest count

@@ -38,7 +38,8 @@ from solver.ideal import ideal_bound
 from solver.moves import neighbours
 from solver.options import valid_unit_counts
 from solver.relaxation import (DeviceClass, _pairs, chain_floor, chain_pairs, class_grid, device_classes, edge_floors,
-                               micro_batch_sizes, pipeline_capacity, relaxation_bound, stage_rates, sync_floor)
+                               micro_batch_sizes, pipeline_capacity, relaxation_bound, size_terms, stage_rates,
+                               sync_floor)
 from tests.conftest import ROOT
 from tests.test_solver_helpers import CROSSED_EDGES, crossed_instance, random_instance
 
@@ -403,10 +404,8 @@ def test_every_replica_takes_at_least_its_chain_with_whole_layers(seed, layered)
         for r, pipe in enumerate(plan.pipelines):
             b, m = plan.batch(r)
             if (b, m) not in phi:
-                rates = stage_rates(inst.spec, inst.profiles, classes, grid, b)
-                layer_ms = np.where(rates > 0, b / np.where(rates > 0, rates, 1.0), math.inf)
-                phi[b, m] = chain_floor(layer_ms, *edge_floors(inst.spec, inst.profiles, classes, grid, b),
-                                        chain_pairs(pairs, layer_ms, dims, grid.sum(1)), dims, inst.spec.num_layers, m)
+                terms = size_terms(inst.spec, inst.profiles, classes, grid, pairs, b)
+                phi[b, m] = chain_floor(terms.layer_ms, *terms.edges, terms.chain, dims, inst.spec.num_layers, m)
             vector = [0] * len(classes)
             for stage in pipe.stages:
                 for d in stage.device_ids:
@@ -418,7 +417,7 @@ def test_every_replica_takes_at_least_its_chain_with_whole_layers(seed, layered)
     assert (layered_checked > 0) == layered
 
 
-def test_whole_layers_lift_the_bound_where_the_chain_fits():
+def test_whole_layers_lift_the_bound_where_the_chain_fits(monkeypatch):
     """On cephalo_8gpu / gpt3-1.3b at batch 64 (about eight samples per GPU, a plan of five stages) the chain with
     whole layers lifts eq. 12c above its value without them and above eq. 12b, and it stays under a plan the search
     finds; with no work allowed for the chain the bound is the one without it. Fails if whole layers are not priced
@@ -428,11 +427,8 @@ def test_whole_layers_lift_the_bound_where_the_chain_fits():
     spec, cluster = PRESETS["gpt3-1.3b"], load_cluster(ROOT / "clusters" / "cephalo_8gpu.yaml")
     profiles = ProfileSet(spec)
     sharper = _bound(spec, cluster, profiles, 64)
-    saved, R.CHAIN_WORK = R.CHAIN_WORK, 0
-    try:
-        plain = _bound(spec, cluster, profiles, 64)
-    finally:
-        R.CHAIN_WORK = saved
+    monkeypatch.setattr(R, "CHAIN_WORK", 0)
+    plain = _bound(spec, cluster, profiles, 64)
     plan = S.search(spec, cluster, profiles, global_batch=64, time_limit=30)
     assert sharper.whole_layers and not plain.whole_layers
     assert max(plain.bound_ms, ideal_bound(spec, cluster, profiles, 64).bound_ms) * 1.03 < sharper.bound_ms
