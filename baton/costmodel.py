@@ -805,11 +805,13 @@ def layer_limits(num_layers: int, num_stages: int) -> tuple[list[int], list[int]
 
 def embedding_sync_ms(cluster: ClusterSpec, spec: ModelSpec, pipelines: Sequence[Sequence[Sequence[str]]]) -> float:
     """Eq. 11's T_emb: the tied embedding's gradient is all-reduced between the first and last stage of
-    every replica once per iteration (nothing when the stages are one, or the head is untied)."""
-    if len(pipelines[0]) <= 1 or not spec.tie_embeddings:
+    every replica of more than one stage once per iteration (``runtime.parallel.topology``'s tied groups;
+    nothing for a replica of one stage, or when the head is untied)."""
+    if not spec.tie_embeddings:
         return 0.0
-    return max(allreduce_ms(tied_embedding_bytes(spec), len(pipe[0]) + len(pipe[-1]),
-                            cluster.slowest_link(list(pipe[0]) + list(pipe[-1]))) for pipe in pipelines)
+    return max((allreduce_ms(tied_embedding_bytes(spec), len(pipe[0]) + len(pipe[-1]),
+                             cluster.slowest_link(list(pipe[0]) + list(pipe[-1]))) for pipe in pipelines if len(pipe) > 1),
+               default=0.0)
 
 
 # -- data parallelism over peer groups (eq. 13-15) ---------------------------------------------------

@@ -62,6 +62,22 @@ def test_stage_times_follow_the_equations(cluster, profiles):
     assert rep.embedding_sync_ms == pytest.approx(allreduce_ms(tied, 4, cluster.slowest_link(["a100:0", "a100:1", "t4:0", "t4:1"])))
 
 
+def test_the_tied_sync_is_every_replica_of_more_than_one_stage(cluster):
+    """Eq. 11's T_emb is the slowest tied all-reduce over the replicas of more than one stage: a replica of one stage
+    holds one copy and joins no such group (``runtime.parallel.topology.tied_rank_lists``), whichever replica comes
+    first in the plan. Fails if the first replica's stage count decides for all of them (it did: a plan whose first
+    replica had one stage was charged nothing, and one stage was charged an all-reduce with itself)."""
+    from baton.costmodel import embedding_sync_ms
+
+    tied = padded_vocab(SPEC) * SPEC.hidden_dim * 2
+    two = [["a100:1"], ["t4:0", "t4:1"]]
+    alone = [["a100:0"]]
+    expected = allreduce_ms(tied, 3, cluster.slowest_link(["a100:1", "t4:0", "t4:1"]))
+    assert embedding_sync_ms(cluster, SPEC, [alone, two]) == pytest.approx(expected, rel=1e-12)
+    assert embedding_sync_ms(cluster, SPEC, [two, alone]) == pytest.approx(expected, rel=1e-12)
+    assert embedding_sync_ms(cluster, SPEC, [alone, [["a100:1"]]]) == 0.0
+
+
 def test_recomputation_trades_time_for_memory_on_the_t4s(cluster, profiles):
     plain = evaluate(two_stage_plan(), cluster, profiles)
     rec = evaluate(two_stage_plan(t4_recompute=ATTN), cluster, profiles)
