@@ -44,14 +44,11 @@ from solver.options import plan_shares, valid_unit_counts
 MAX_PAIRS = 16_000_000
 """Pairs (replica vector, stage composition) the programme may visit: 13.1M on cephalo_64gpu's three classes of 16,
 16 and 32 GPUs (8 s, about 700 MB at the peak); beyond it the bound is not computed and eq. 12b stands alone."""
-CHAIN_WORK = 1_500_000_000
-"""Steps (``ChainPairs.work``, one ``chain_floor`` per micro-batch size and count) eq. 1's chain with whole layers may
-take, about 10 s on this 2-core machine (1.5e8 a second); beyond it eq. 12c stands without it. HAP's 64 GPUs at batch 64
-take 0.65e9, scale_64 1.0e9, hethub_nv_gpua 0.05e9; cephalo_64gpu (6e10) and a generated 64-GPU cluster at batch 512
-(5e9) are beyond it."""
-CHAIN_EXACT_COUNTS = 64
-"""With whole layers, micro-batch counts up to this are priced one by one (a bucket is priced by the chain at its
-fewest micro-batches, where eq. 1 allows most, so wide buckets lose what whole layers gain)."""
+CHAIN_WORK = 2_500_000_000
+"""Steps (``ChainPairs.work``, one ``chain_floor`` per micro-batch size and count bucket) eq. 1's chain with whole layers
+may take, about 17 s on this 2-core machine (1.5e8 a second); beyond it eq. 12c stands without it. HAP's 64 GPUs at
+batch 64 take 0.34e9, the generated 64-GPU clusters of two types at batch 512 1.1-2.0e9, hethub_nv_gpua 0.03e9;
+cephalo_64gpu (6e10 at batch 64) and the generated 64-GPU cluster of three types (5e10) are beyond it."""
 MAX_DEVICES = 128
 """The programme runs one step per device count (its levels), per micro-batch size and count bucket: a cluster of more
 devices is not bounded so, however few its classes."""
@@ -497,8 +494,8 @@ def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, ho
 
 def _micro_batch_buckets(most: int, exact: int = 16) -> list[tuple[int, int]]:
     """Micro-batch counts one by one up to ``exact``, then in buckets a quarter wide (past 16: 17-20, 21-25, ...): a bucket is
-    priced at its largest count where F is largest (it grows with q = 1 - 1/m), and at its fewest by the chain with
-    whole layers (``chain_floor`` grows with m)."""
+    priced at its largest count, where F is largest (it grows with q = 1 - 1/m); with whole layers, the chain at that
+    count is scaled down to each count of the bucket (``chain_floor`` grows no faster than m)."""
     out, lo = [], 1
     while lo <= most:
         hi = min(most, lo if lo <= exact else max(lo, (lo * 5) // 4))
@@ -576,17 +573,14 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
     found = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, False, deadline_s)
     if found is None:
         return None
-    # Whole layers price counts up to CHAIN_EXACT_COUNTS one by one: a programme each, and an F sweep over every pair
-    # for each count the first pass had in a bucket.
-    work = sum(len(_micro_batch_buckets(global_batch // b, CHAIN_EXACT_COUNTS)) * (x.chain.work(spec.num_layers)
-                                                                                  + len(pairs.a))
-               for b, x in sized.items())
+    # Whole layers take one programme per micro-batch size and count bucket; F is the first pass's.
+    work = sum(len(_micro_batch_buckets(global_batch // b)) * x.chain.work(spec.num_layers) for b, x in sized.items())
     whole_layers = False
     if work <= CHAIN_WORK:
         sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, True, deadline_s)
         if sharper is not None:  # past the deadline the bound without whole layers stands
             whole_layers = True
-            # Never lower but for the bisection's tolerance: finer buckets of F and one more condition per replica.
+            # Never lower but for the bisection's tolerance: one more condition per replica.
             found = max(found, sharper)
     best, where = found
     return ReplicaBound(bound_ms=best + optimizer_ms, pipeline_ms=best, optimizer_ms=optimizer_ms, replicas=where,
@@ -597,14 +591,12 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
                        sized: dict[int, SizeTerms], capacity: dict, global_batch: int, whole_layers: bool,
                        deadline_s: float) -> tuple[float, tuple[int, int]] | None:
     """Steps 3-5 of the proof: the least T - T_opt at which the replicas could train the global batch, and the bucket
-    of replica counts where it was found; with eq. 1's chain over whole layers where ``whole_layers``, and then
-    micro-batch counts up to ``CHAIN_EXACT_COUNTS`` one by one (else 16, ``_micro_batch_buckets``). ``capacity``
+    of replica counts where it was found; with eq. 1's chain over whole layers where ``whole_layers``. ``capacity``
     keeps F per (b, bucket) between calls. None past the deadline."""
     G, N, size = global_batch, spec.num_layers, len(grid)
-    exact = CHAIN_EXACT_COUNTS if whole_layers else 16
     dims = [c.count + 1 for c in classes]
-    buckets = {b: _micro_batch_buckets(G // b, exact) for b in sized}
-    phi_of: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, bucket) -> Phi at the bucket's fewest count
+    buckets = {b: _micro_batch_buckets(G // b) for b in sized}
+    phi_of: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, bucket) -> Phi at the bucket's largest count
     for b, x in sized.items():
         for bucket in buckets[b]:
             if (b, bucket) not in capacity:
@@ -613,7 +605,7 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
                     return None
                 capacity[b, bucket] = F
             if whole_layers:
-                phi = chain_floor(x.layer_ms, *x.edges, x.chain, dims, N, bucket[0], deadline_s)
+                phi = chain_floor(x.layer_ms, *x.edges, x.chain, dims, N, bucket[1], deadline_s)
                 if phi is None:
                     return None
                 phi_of[b, bucket] = phi
@@ -621,17 +613,19 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
     def samples(T: float, floor: np.ndarray) -> np.ndarray:
         """Per vector, the most samples a replica of it could train with its pipeline and sync within T: m b with
         m b (N + E(a)) <= (T - sync) F(a) (F at the largest count of m's bucket, so never less than m's own) and, with
-        whole layers, Phi_m(a) <= T - sync (Phi at the fewest count of m's bucket, so never more than m's own)."""
+        whole layers, Phi_m(a) <= T - sync, where Phi_m >= (m / hi) Phi_hi (the chain at the bucket's largest count;
+        solver/README.md, step 3, "Whole layers")."""
         best = np.zeros(size)
         room = np.maximum(T - floor, 0.0)
+        slack = room * (1 + 1e-12) + 1e-9
         for b, bucket_list in buckets.items():
             for lo, hi in bucket_list:
-                with np.errstate(invalid="ignore"):
+                with np.errstate(invalid="ignore", divide="ignore"):
                     m = np.minimum(hi, np.nan_to_num(np.floor(room * capacity[b, (lo, hi)] / (b * sized[b].sample_layers)
                                                               * (1 + 1e-12) + 1e-9)))
+                    if whole_layers:
+                        m = np.minimum(m, np.nan_to_num(np.floor(hi * slack / phi_of[b, (lo, hi)]), posinf=hi))
                 fits = m >= lo
-                if whole_layers:
-                    fits &= phi_of[b, (lo, hi)] <= room * (1 + 1e-12) + 1e-9
                 best = np.maximum(best, np.where(fits, b * m, 0.0))
         return np.minimum(best, G)
 

@@ -435,11 +435,12 @@ def test_whole_layers_lift_the_bound_where_the_chain_fits(monkeypatch):
     assert sharper.bound_ms <= plan.objective_ms
 
 
-def test_a_bucket_of_micro_batch_counts_takes_the_chain_at_its_fewest():
-    """Beyond ``CHAIN_EXACT_COUNTS`` micro-batch counts come in buckets, and the chain must be taken at a bucket's fewest
-    count (Phi grows with m). Two devices of one type at batch 140 and micro-batch 1: the optimum runs two replicas of
-    70 micro-batches, inside the bucket 65-81, and the bound lies under it, within 1%. Fails if a bucket is priced at
-    its largest count (the bound then lies about 16% above the optimum)."""
+def test_a_bucket_of_micro_batch_counts_scales_the_chain_down_from_its_largest():
+    """Beyond 16, micro-batch counts come in buckets, and the chain is taken at a bucket's largest count M, scaled to
+    each count m of it as (m / M) Phi_M (Phi grows with m, never faster than in proportion). Two devices of one type at
+    batch 140 and micro-batch 1: the optimum runs two replicas of 70 micro-batches, inside the bucket 58-72, and the
+    bound lies under it, within 1%. Fails if a bucket's counts are held to Phi_M unscaled, or scaled from the
+    bucket's fewest count (the bound then lies above the optimum)."""
     spec = PRESETS["tiny"]
     cluster = from_mapping({"name": "two", "nodes": [{"name": "n", "gpus": [{"type": "a100-80gb", "count": 2}],
                                                       "intra_node_link": {"bandwidth_gb_per_s": 100.0, "latency_us": 5.0}}]},
@@ -489,6 +490,29 @@ def test_replicas_may_run_sizes_that_do_not_divide_the_batch(seed, global_batch,
                     family="exact", shard_grid=2)
     assert (len({best.plan.batch(i)[0] for i in range(len(best.plan.pipelines))}) > 1) == mixed
     assert best.objective_ms >= found.bound_ms * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("counts", [(3,), (2, 1), (2, 2)])
+def test_the_chain_grows_no_faster_than_the_micro_batch_count(counts):
+    """Phi_m(a) >= (m / M) Phi_M(a) for m <= M: every term of eq. 1's chain, sum_{s' < s} t_s' + m t_s, is at least m / M
+    of its value at M, so the least over sequences is too; and Phi grows with m. What lets a bucket of counts read the
+    chain at its largest count. On random stage times; fails if the programme charged a stage something that does not
+    grow with m apart from the sums before it (an edge counted once, not per micro-batch)."""
+    classes = _toy_classes(counts)
+    grid = class_grid(classes)
+    pairs = _pairs(classes, grid)
+    dims = [n + 1 for n in counts]
+    rng = random.Random(sum(counts) * 7 + len(counts))
+    for _ in range(6):
+        layer = np.array([math.inf if not any(v) or rng.random() < 0.15 else rng.uniform(0.5, 3.0) for v in grid.tolist()])
+        first, last = (np.array([rng.uniform(0.0, 2.0) for _ in grid]) for _ in range(2))
+        both = np.maximum(first, last) + np.array([rng.uniform(0.0, 1.0) for _ in grid])
+        N = rng.choice([1, 3, 5])
+        chain = chain_pairs(pairs, layer, dims, grid.sum(1))
+        phi = {m: chain_floor(layer, first, last, both, chain, dims, N, m)[1:] for m in (1, 2, 5, 9, 17, 21)}
+        for m, M in itertools.combinations(sorted(phi), 2):
+            assert np.all(phi[m] >= m / M * phi[M] * (1 - 1e-12)), (m, M)
+            assert np.all(phi[m] <= phi[M] * (1 + 1e-12)), (m, M)
 
 
 def test_the_replicas_lp_and_the_buckets():
