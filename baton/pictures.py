@@ -150,7 +150,8 @@ def predicted_timeline(report: PlanReport, num_microbatches: int) -> Timeline:
                 if prev is not None and prev.send_bwd_ms > 0:
                     blocks.append(Block(y, "send gradients", b, b + prev.send_bwd_ms))
         t = report.pipeline_ms
-        for name, dur, on in (("embedding sync", report.embedding_sync_ms, st.index == 0 or last),
+        tied = len(schedules[st.pipeline]) > 1  # a replica of one stage joins no tied all-reduce (eq. 11)
+        for name, dur, on in (("embedding sync", report.embedding_sync_ms, tied and (st.index == 0 or last)),
                               ("data-parallel sync", report.dp_sync_ms, True)):
             if dur > 0 and on:
                 blocks.append(Block(y, name, t, t + dur))

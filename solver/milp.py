@@ -55,10 +55,11 @@ _SCHEDULER_THREADS: list[int] = []
 def highs_solve(model, *, threads: int, **opts):
     """Solve with HiGHS through Pyomo. HiGHS keeps one global thread scheduler per process and refuses
     (returning 'unknown' with no solution) a later solve that asks for another thread count, so the
-    scheduler is reset whenever the count changes."""
+    scheduler is reset whenever the count changes, and before this function's first solve: a direct
+    ``highspy`` run (eq. 12c's LPs, ``solver.relaxation``) may have started it at its default count."""
     import highspy
 
-    if _SCHEDULER_THREADS and _SCHEDULER_THREADS[-1] != threads:
+    if not _SCHEDULER_THREADS or _SCHEDULER_THREADS[-1] != threads:
         highspy.Highs.resetGlobalScheduler(True)
     _SCHEDULER_THREADS[:] = [threads]
     solver = SolverFactory("highs")

@@ -493,7 +493,7 @@ def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, ho
 
 
 def _micro_batch_buckets(most: int, exact: int = 16) -> list[tuple[int, int]]:
-    """Micro-batch counts one by one up to ``exact``, then in buckets a quarter wide (past 16: 17-20, 21-25, ...): a bucket is
+    """Micro-batch counts one by one up to ``exact``, then in buckets a quarter wide (past 16: 17-21, 22-27, ...): a bucket is
     priced at its largest count, where F is largest (it grows with q = 1 - 1/m); with whole layers, the chain at that
     count is scaled down to each count of the bucket (``chain_floor`` grows no faster than m)."""
     out, lo = [], 1

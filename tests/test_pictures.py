@@ -120,6 +120,27 @@ def test_predicted_timeline_data_follows_the_schedule_on_every_device_row(tmp_pa
                                    measured_title="")
 
 
+def test_the_tied_sync_is_drawn_only_on_replicas_of_more_than_one_stage():
+    """A replica of one stage beside a replica of two: the evaluator charges the tied embedding's all-reduce (eq. 11)
+    for the second only, and the timeline draws it on that replica's first and last stage, not on the lone stage."""
+    from dataclasses import replace
+
+    from baton import pictures
+    from baton.plan import validate
+
+    spec = PRESETS["small"]
+    alone = simple_plan(spec, cluster="cpu4", stages=[[("local:0", 1)]], layers=[6], units_per_layer=1,
+                        micro_batch_size=2, num_microbatches=4)
+    two = simple_plan(spec, cluster="cpu4", stages=[[("local:1", 1)], [("local:2", 1)]], layers=[4, 2], units_per_layer=1,
+                      micro_batch_size=2, num_microbatches=4)
+    plan = validate(replace(alone, pipelines=alone.pipelines + two.pipelines))
+    report = evaluate(plan, load_cluster(CPU4), ProfileSet(plan.model))
+    assert report.embedding_sync_ms > 0
+    timeline = pictures.predicted_timeline(report, plan.num_microbatches)
+    drawn = {report.devices[b.row].id for b in timeline.blocks if b.kind == "embedding sync"}
+    assert drawn == {"local:1", "local:2"}
+
+
 def test_timeline_of_a_1024_device_plan_shows_one_device_per_stage_and_says_so():
     """A 1024-GPU plan (32 replicas of 4 stages, 8-way tensor parallel) would need 1024 rows, over 400
     inches of picture: it is drawn as one row per stage of replica 0, with a note, in a picture of
