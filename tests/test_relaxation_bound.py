@@ -177,6 +177,31 @@ def test_eq1_chain_and_the_capacity_of_every_stage_order():
         assert _lp_layers(sorted(theta), m, 1.0) == pytest.approx(priced, rel=1e-7)
 
 
+def test_eq1_waits_for_micro_batch_0s_round_trip():
+    """What eq. 12c leaves out so far (solver/README.md, "Left out"), checked so that a bound may read it: under 1F1B
+    stage s runs k + 1 forwards, k = min(p - s - 1, m - 1), before its first backward, which waits for micro-batch 0
+    to go forward and back through every later stage; then it runs its m backwards and the other m - k - 1 forwards,
+    and the stages before it drain. So T >= sum_{s' != s} (F + B)_s' + m B_s + (m - k) F_s, on random pipelines with
+    sends (the write-up's next step for eq. 12c, bench/results/replica_bound-2026-11-29.md, reads it). Tight on some
+    (the least slack is 0 to rounding), and no stronger of its form: with k one smaller it is broken, by up to 2.7 ms
+    on these pipelines, which the second assertion checks."""
+    rng = random.Random(3)
+    least, broken = math.inf, math.inf
+    for _ in range(3000):
+        p, m = rng.randint(1, 6), rng.randint(1, 10)
+        fwd = [rng.uniform(0.1, 3.0) for _ in range(p)]
+        bwd = [rng.uniform(0.1, 5.0) for _ in range(p)]
+        sends = tuple(rng.uniform(0.0, 0.5) for _ in range(p - 1))
+        T = iteration_time_1f1b(PipelineTiming(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), send_fwd_ms=sends, send_bwd_ms=sends), m)
+        t = [f + b for f, b in zip(fwd, bwd)]
+        for s in range(p):
+            others = sum(t) - t[s] + m * bwd[s]
+            least = min(least, T - (others + (m - min(p - s - 1, m - 1)) * fwd[s]))
+            broken = min(broken, T - (others + (m - max(min(p - s - 1, m - 1) - 1, 0)) * fwd[s]))
+    assert least >= -1e-9 and least < 1e-9
+    assert broken < -1.0
+
+
 def _clusters():
     yield ROOT / "clusters" / "cephalo_8gpu.yaml", PRESETS["gpt3-1.3b"], None
     for seed in (1, 4, 11):
