@@ -56,8 +56,6 @@ UNIFORM_LIMIT_S = 30
 """Time limit of the comparison solve with every replica on one batch at stage 0."""
 
 
-
-
 def _plan_summary(plan) -> dict:
     batches = [plan.batch(i) for i in range(len(plan.pipelines))]
     ratios = [d.shard_ratio for p in plan.pipelines for s in p.stages for d in s.devices]

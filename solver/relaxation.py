@@ -617,16 +617,20 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
         solver/README.md, step 3, "Whole layers")."""
         best = np.zeros(size)
         room = np.maximum(T - floor, 0.0)
-        slack = room * (1 + 1e-12) + 1e-9
+
+        def most(count):
+            """The whole counts up to ``count``, rounded generously (a bound from below must not lose one to
+            rounding); nan (0 / 0) as none, inf as no limit."""
+            with np.errstate(invalid="ignore"):
+                return np.nan_to_num(np.floor(count * (1 + 1e-12) + 1e-9), posinf=math.inf)
+
         for b, bucket_list in buckets.items():
             for lo, hi in bucket_list:
                 with np.errstate(invalid="ignore", divide="ignore"):
-                    m = np.minimum(hi, np.nan_to_num(np.floor(room * capacity[b, (lo, hi)] / (b * sized[b].sample_layers)
-                                                              * (1 + 1e-12) + 1e-9)))
+                    m = np.minimum(hi, most(room * capacity[b, (lo, hi)] / (b * sized[b].sample_layers)))
                     if whole_layers:
-                        m = np.minimum(m, np.nan_to_num(np.floor(hi * slack / phi_of[b, (lo, hi)]), posinf=hi))
-                fits = m >= lo
-                best = np.maximum(best, np.where(fits, b * m, 0.0))
+                        m = np.minimum(m, most(hi * room / phi_of[b, (lo, hi)]))
+                best = np.maximum(best, np.where(m >= lo, b * m, 0.0))
         return np.minimum(best, G)
 
     def least(feasible, start: float, cap: float = math.inf) -> float | None:

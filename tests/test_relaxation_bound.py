@@ -67,15 +67,27 @@ def _bound(spec, cluster, profiles, global_batch):
     return found
 
 
+def _toy_classes(counts) -> list[DeviceClass]:
+    """Classes of the given device counts, on no particular cluster (the programmes read only the counts)."""
+    return [DeviceClass(gpu="x", count=n, per_node=n, node_devices=n, node_kind=(k,), intra=None, nic=None,
+                        members=tuple(f"{k}:{i}" for i in range(n))) for k, n in enumerate(counts)]
+
+
+def _random_stage_times(grid: np.ndarray, rng: random.Random):
+    """Per composition of ``grid``: a layer's time (inf for some, a stage that cannot exist), the embedding's, the
+    head's and both edges' floors (both at least the larger of the two)."""
+    layer = np.array([math.inf if not any(v) or rng.random() < 0.15 else rng.uniform(0.5, 3.0) for v in grid.tolist()])
+    first, last = (np.array([rng.uniform(0.0, 2.0) for _ in grid]) for _ in range(2))
+    both = np.maximum(first, last) + np.array([rng.uniform(0.0, 1.0) for _ in grid])
+    return layer, first, last, both
+
+
 @pytest.mark.parametrize("counts", [(2, 2), (1, 2, 1), (3,)])
 def test_the_programme_is_the_best_sequence_of_stages(counts):
     """F(a) = max over every ordered sequence of stage compositions using exactly a of sum_s q^s rho(c_s), checked by
     enumerating the sequences. Fails if the recursion discounts the wrong part, skips compositions or reads a - c
     at the wrong index."""
-    from solver.relaxation import DeviceClass
-
-    classes = [DeviceClass(gpu="x", count=n, per_node=n, node_devices=n, node_kind=(k,), intra=None, nic=None,
-                           members=tuple(f"{k}:{i}" for i in range(n))) for k, n in enumerate(counts)]
+    classes = _toy_classes(counts)
     grid = class_grid(classes)
     pairs = _pairs(classes, grid)
     rng = random.Random(sum(counts))
@@ -87,12 +99,6 @@ def test_the_programme_is_the_best_sequence_of_stages(counts):
         for v in grid.tolist():
             best = max(sum(q ** s * rates[index[c]] for s, c in enumerate(seq)) for seq in _sequences(tuple(v)))
             assert F[index[tuple(v)]] == pytest.approx(best, rel=1e-12, abs=1e-12), (v, q)
-
-
-def _toy_classes(counts) -> list[DeviceClass]:
-    """Classes of the given device counts, on no particular cluster (the programmes read only the counts)."""
-    return [DeviceClass(gpu="x", count=n, per_node=n, node_devices=n, node_kind=(k,), intra=None, nic=None,
-                        members=tuple(f"{k}:{i}" for i in range(n))) for k, n in enumerate(counts)]
 
 
 def _layer_splits(num_layers: int, stages: int):
@@ -119,9 +125,7 @@ def test_the_chain_with_whole_layers_is_the_best_sequence_of_stages(counts):
     dims, index = [n + 1 for n in counts], {tuple(v): i for i, v in enumerate(grid.tolist())}
     rng = random.Random(sum(counts) * 31 + len(counts))
     for _ in range(6):
-        layer = np.array([math.inf if not any(v) or rng.random() < 0.15 else rng.uniform(0.5, 3.0) for v in grid.tolist()])
-        first, last = (np.array([rng.uniform(0.0, 2.0) for _ in grid]) for _ in range(2))
-        both = np.maximum(first, last) + np.array([rng.uniform(0.0, 1.0) for _ in grid])
+        layer, first, last, both = _random_stage_times(grid, rng)
         N, m = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 5])
         phi = chain_floor(layer, first, last, both, chain_pairs(pairs, layer, dims, grid.sum(1)), dims, N, m)
         for v in grid.tolist()[1:]:
@@ -552,9 +556,7 @@ def test_the_chain_grows_no_faster_than_the_micro_batch_count(counts):
     dims = [n + 1 for n in counts]
     rng = random.Random(sum(counts) * 7 + len(counts))
     for _ in range(6):
-        layer = np.array([math.inf if not any(v) or rng.random() < 0.15 else rng.uniform(0.5, 3.0) for v in grid.tolist()])
-        first, last = (np.array([rng.uniform(0.0, 2.0) for _ in grid]) for _ in range(2))
-        both = np.maximum(first, last) + np.array([rng.uniform(0.0, 1.0) for _ in grid])
+        layer, first, last, both = _random_stage_times(grid, rng)
         N = rng.choice([1, 3, 5])
         chain = chain_pairs(pairs, layer, dims, grid.sum(1))
         phi = {m: chain_floor(layer, first, last, both, chain, dims, N, m)[1:] for m in (1, 2, 5, 9, 17, 21)}
