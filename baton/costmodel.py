@@ -278,6 +278,11 @@ def layer_train_ms(profile: Profile, spec: ModelSpec, micro_batch: int, share: f
     return sum(lc.fwd_ms.values()) + sum(lc.bwd_ms.values())
 
 
+def layer_backward_ms(profile: Profile, spec: ModelSpec, micro_batch: int, share: float) -> float:
+    """The backward of one layer at ``share`` with nothing recomputed (eq. 12c's round trip)."""
+    return sum(layer_cost(profile, spec, micro_batch, share).bwd_ms.values())
+
+
 # -- collectives and transfers (eq. 5, 6) ------------------------------------------------------------
 
 

@@ -11,7 +11,8 @@ which enter every equation alike), so it needs no layout:
   some order. ``stage_rates`` bounds what a stage of composition ``c`` can do per ms (eq. 2, 5, 9);
   ``pipeline_capacity`` the most a replica of ``a`` can do within its pipeline time with ``m`` micro-batches
   (eq. 1's fill and drain), by a dynamic programme over the stage sequences; ``chain_floor`` the least pipeline
-  time eq. 1's chain allows when every stage holds whole layers and the first and last stages run the edges, by a
+  time eq. 1's chain allows when every stage holds whole layers and the first and last stages run the edges, with
+  each stage's wait for micro-batch 0's round trip through the later ones (eq. 1r, ``suffix_totals``), by a
   second programme, where it fits ``CHAIN_WORK``;
 * ``sync_floor`` bounds a replica's data-parallel sync (eq. 13, 15-17) when the plan has ``r`` or more replicas;
 * an LP over replicas (how many of each vector, fractions allowed) finds the least time at which the replicas,
@@ -32,8 +33,8 @@ import highspy
 import numpy as np
 
 from baton.cluster import ClusterSpec, Link, slower_end
-from baton.costmodel import (edge_comm_passes_on_ms, edge_train_ms, layer_allreduce_on_ms, layer_param_count,
-                             layer_train_ms)
+from baton.costmodel import (edge_comm_passes_on_ms, edge_train_ms, layer_allreduce_on_ms, layer_backward_ms,
+                             layer_param_count, layer_train_ms)
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
 
@@ -46,9 +47,13 @@ MAX_PAIRS = 16_000_000
 16 and 32 GPUs (8 s, about 700 MB at the peak); beyond it the bound is not computed and eq. 12b stands alone."""
 CHAIN_WORK = 2_500_000_000
 """Steps (``ChainPairs.work``, one ``chain_floor`` per micro-batch size and count bucket) eq. 1's chain with whole layers
-may take, about 17 s on this 2-core machine (1.5e8 a second); beyond it eq. 12c stands without it. HAP's 64 GPUs at
+may take, about 17 s on this 2-core machine (1.5e8 a second), the round trip's included (``_round_trip_choice``);
+beyond it eq. 12c stands without it. HAP's 64 GPUs at
 batch 64 take 0.34e9, the generated 64-GPU clusters of two types at batch 512 1.1-2.0e9, hethub_nv_gpua 0.03e9;
 cephalo_64gpu (6e10 at batch 64) and the generated 64-GPU cluster of three types (5e10) are beyond it."""
+ROUND_TRIP_STAGES = 8
+"""K of ``suffix_totals``: the round trip through the stages after the first is charged at their exact count up to K - 1
+and at k = m - 1 beyond (K is also at most the largest micro-batch count, past which k no longer grows)."""
 MAX_DEVICES = 128
 """The programme runs one step per device count (its levels), per micro-batch size and count bucket: a cluster of more
 devices is not bounded so, however few its classes."""
@@ -90,6 +95,9 @@ class ReplicaBound:
     """The range of replica counts where the least was found."""
     whole_layers: bool
     """Whether eq. 1's chain was priced with whole layers per stage (``chain_floor``, within ``CHAIN_WORK``)."""
+    round_trip: bool
+    """Whether the chain also charged micro-batch 0's round trip (eq. 1r, within ``CHAIN_WORK``): the first stage's, or
+    every stage's but the last where that fits."""
     seconds: float
     """Time it took."""
 
@@ -119,6 +127,12 @@ def share_lines(profile, spec: ModelSpec, micro_batch: int) -> list[tuple[float,
     intercept at every share (a device's forward and backward with nothing recomputed, as eq. 12b reads them)."""
     us = plan_shares(spec)
     return _lower_hull(us, [layer_train_ms(profile, spec, micro_batch, u) for u in us])
+
+
+def backward_lines(profile, spec: ModelSpec, micro_batch: int) -> list[tuple[float, float, float]]:
+    """``share_lines`` of a layer's backward alone (eq. 12c's round trip)."""
+    us = plan_shares(spec)
+    return _lower_hull(us, [layer_backward_ms(profile, spec, micro_batch, u) for u in us])
 
 
 def edge_lines(profile, spec: ModelSpec, micro_batch: int, *, first: bool, last: bool) -> list[tuple[float, float, float]]:
@@ -249,6 +263,24 @@ def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
     return out
 
 
+def backward_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray,
+                    micro_batch: int, layer_ms: np.ndarray) -> np.ndarray:
+    """For every composition c: the least time per layer and micro-batch a stage of those devices spends in the
+    backward, ms: the slowest rank's backward with nothing recomputed under ``backward_lines`` at shares adding up to
+    one (``stage_rates``' tau) plus the two in-layer all-reduces of the backward over the fastest link such a group can
+    have (eq. 9 for one direction); inf where no such stage exists (``layer_ms`` inf)."""
+    holds = _holds(profiles, classes, micro_batch)
+    lines = [backward_lines(profiles[c.gpu], spec, micro_batch) if holds[k] else None for k, c in enumerate(classes)]
+    out = np.full(len(grid), math.inf)
+    for i, c in enumerate(grid):
+        if not math.isfinite(layer_ms[i]):
+            continue
+        R, R_tau = _slowest_rank_ms(lines, c)
+        out[i] = R_tau / R + on_fastest_link(classes, c,
+                                             lambda n, link: layer_allreduce_on_ms(spec, micro_batch, n, link))
+    return out
+
+
 def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray,
                 micro_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every composition c: the least time per micro-batch a stage of those devices spends on the embedding (as a
@@ -289,11 +321,12 @@ def edge_layers(layer_ms: np.ndarray, emb_ms: np.ndarray, head_ms: np.ndarray, b
 
 
 def least_within(values: np.ndarray, dims: list[int]) -> np.ndarray:
-    """For every vector a of the grid: the least value over every vector c <= a (running minima along each class)."""
-    box = values.reshape(dims)
+    """For every vector a of the grid: the least value over every vector c <= a (running minima along each class);
+    ``values`` is indexed by vector first, and may have further axes (taken one by one)."""
+    box = values.reshape(list(dims) + list(values.shape[1:]))
     for axis in range(len(dims)):
         box = np.minimum.accumulate(box, axis=axis)
-    return box.reshape(-1)
+    return box.reshape(values.shape)
 
 
 def least_below(values: np.ndarray, dims: list[int]) -> np.ndarray:
@@ -383,6 +416,10 @@ class ChainPairs:
     """A middle stage before the rest: compositions that exist and that no smaller one runs as fast, devices left."""
     first: _Pairs
     """A first stage before the rest: compositions that exist, devices left after them."""
+    trip_middle: _Pairs
+    """A middle stage that pays its round trip (eq. 1r) before the rest: compositions that exist and that no
+    composition one device smaller beats at both its layer time and its backward (the term grows with either, so a
+    composition only as fast per layer may still charge less), devices left."""
 
     def work(self, num_layers: int) -> int:
         """Steps of one ``chain_floor``: each middle pair tries every layer count l at every count from l up (N (N + 1)
@@ -391,18 +428,134 @@ class ChainPairs:
         return len(self.middle.a) * N * (N + 1) // 2 + len(self.first.a) * (N + 1)
 
 
-def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np.ndarray) -> ChainPairs:
-    """``ChainPairs`` of ``layer_ms`` (per composition; inf where no such stage exists)."""
+def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np.ndarray,
+                backward_ms: np.ndarray) -> ChainPairs:
+    """``ChainPairs`` of ``layer_ms`` and ``backward_ms`` (per composition; inf where no such stage exists)."""
     exists = np.isfinite(layer_ms)
     quicker = layer_ms < least_below(layer_ms, dims)
     left = pairs.rest != 0
     return ChainPairs(middle=_subset(pairs, quicker[pairs.c] & left, totals),
-                      first=_subset(pairs, exists[pairs.c] & left, totals))
+                      first=_subset(pairs, exists[pairs.c] & left, totals),
+                      trip_middle=_subset(pairs, (exists & ~_beaten_one_smaller(layer_ms, backward_ms, dims))[pairs.c]
+                                          & left, totals))
+
+
+def _beaten_one_smaller(layer_ms: np.ndarray, backward_ms: np.ndarray, dims: list[int]) -> np.ndarray:
+    """Per composition: whether one with a device fewer (not none) has a layer time and a backward (taken at most the
+    layer time, as eq. 1r's term reads it) no greater."""
+    size = len(layer_ms)
+    back = np.minimum(backward_ms, layer_ms)
+    counts = np.unravel_index(np.arange(size), dims)
+    strides = [int(np.prod(dims[k + 1:])) for k in range(len(dims))]
+    beaten = np.zeros(size, dtype=bool)
+    for k, stride in enumerate(strides):
+        at = np.nonzero(counts[k] > 0)[0]
+        smaller = at - stride
+        keep = smaller > 0  # index 0 is no device
+        at, smaller = at[keep], smaller[keep]
+        beaten[at] |= (layer_ms[smaller] <= layer_ms[at]) & (back[smaller] <= back[at])
+    return beaten
+
+
+def _front_stage(per: np.ndarray, after: np.ndarray, num_layers: int, join) -> np.ndarray:
+    """For pairs whose front stage takes ``per`` ms a layer and holds l >= 1 layers before a rest whose value at L - l
+    layers is ``after``: per pair and L, the least over l of ``join(t, after)``, t = l per (inf where no l fits)."""
+    N = num_layers
+    best = np.full((len(per), N + 1), math.inf)
+    per = per[:, None]
+    with np.errstate(invalid="ignore"):
+        for l in range(1, N + 1):
+            np.minimum(best[:, l:], join(per * l, after[:, :N + 1 - l]), out=best[:, l:])
+    return best
+
+
+def _over_middles(values: np.ndarray, layer_ms: np.ndarray, middle: _Pairs, num_layers: int, join, *,
+                  rest: np.ndarray | None = None, deadline_s: float) -> np.ndarray | None:
+    """``values`` with, at every vector a, the least of its own and of ``_front_stage`` over the middle pairs (c, a - c)
+    with the rest read at a - c from ``rest`` (one more stage), or where it is None from the result itself, level by
+    level, each reading the levels before it updated (a programme over any number of stages). None past the
+    deadline."""
+    out = values.copy()
+    source = out if rest is None else rest
+    for sl, targets, starts in middle.levels:
+        if stop.past(deadline_s):
+            return None
+        best = _front_stage(layer_ms[middle.c[sl]], source[middle.rest[sl]], num_layers, join)
+        out[targets] = np.minimum(out[targets], np.minimum.reduceat(best, starts, axis=0))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixTotals:
+    """Least sums of stage times of the stages after a first one, which micro-batch 0 goes forward and back through
+    before the first stage's first backward (eq. 12c's round trip, ``suffix_totals``)."""
+
+    exact: tuple[np.ndarray, ...]
+    """``exact[j - 1][a, L]``: the least sum over j stages on some of a's devices holding L layers, the last running the
+    head (j = 1 .. K - 1), ms."""
+    beyond: np.ndarray
+    """The same over K or more stages, ms."""
+
+
+def suffix_totals(layer_ms: np.ndarray, last_ms: np.ndarray, chain: ChainPairs, dims: list[int], num_layers: int,
+                  stages: int, deadline_s: float = math.inf) -> SuffixTotals | None:
+    """``SuffixTotals`` with K = ``stages``, the stages holding whole layers at ``layer_ms`` each (the last also the
+    head's floor ``last_ms``, and it may hold none; the others one or more). By the same programme as ``chain_floor``'s
+    S with sums for maxima: one stage alone is L l(a) + e_head(a); j stages put a middle one (c, l >= 1) before j - 1,
+    and K or more put K - 1 middle ones before a programme over any number. Middle compositions some smaller one runs
+    no slower are skipped and the least over sub-vectors taken, as in ``chain_floor``: the swap keeps the stage count.
+    None past the deadline."""
+    N = num_layers
+    exists = np.isfinite(layer_ms)
+    counts = np.arange(N + 1)
+    with np.errstate(invalid="ignore"):
+        alone = np.where(exists[:, None], layer_ms[:, None] * counts[None, :] + last_ms[:, None], math.inf)
+    alone[0, :] = math.inf
+
+    def more(values):
+        """One middle stage (c, l >= 1) of some of a's devices before ``values`` at a - c and L - l."""
+        found = _over_middles(np.full_like(values, math.inf), layer_ms, chain.middle, N, np.add, rest=values,
+                              deadline_s=deadline_s)
+        return None if found is None else least_within(found, dims)
+
+    exact = [least_within(alone, dims)]
+    while len(exact) < stages - 1:
+        found = more(exact[-1])
+        if found is None:
+            return None
+        exact.append(found)
+    beyond = _over_middles(alone, layer_ms, chain.middle, N, np.add, deadline_s=deadline_s)
+    if beyond is None:
+        return None
+    beyond = least_within(beyond, dims)
+    for _ in range(stages - 1):
+        beyond = more(beyond)
+        if beyond is None:
+            return None
+    return SuffixTotals(exact=tuple(exact[:stages - 1]), beyond=beyond)
+
+
+def suffix_work(chain: ChainPairs, num_layers: int, stages: int) -> int:
+    """Steps of one ``suffix_totals``: 2 K - 2 passes over the middle pairs (one where K = 1) at N (N + 1) / 2 each."""
+    N = num_layers
+    return max(1, 2 * stages - 2) * len(chain.middle.a) * N * (N + 1) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrip:
+    """What ``chain_floor`` reads to charge a stage for micro-batch 0's round trip through the stages after it."""
+
+    backward_ms: np.ndarray
+    """Per composition, a layer's least backward per micro-batch (``backward_floors``), ms."""
+    totals: SuffixTotals
+    """Least sums of the later stages' times (``suffix_totals``)."""
+    middles: bool
+    """Whether every stage but the last pays its round trip, not only the first (K times the chain's work)."""
 
 
 def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray, both_ms: np.ndarray,
                 chain: ChainPairs, dims: list[int], num_layers: int, m: int,
-                deadline_s: float = math.inf) -> np.ndarray | None:
+                deadline_s: float = math.inf, round_trip: RoundTrip | None = None) -> np.ndarray | None:
     """Phi_m(a) for every replica vector a: the least T_pipe eq. 1's chain allows a replica of (some of) a's devices with
     m micro-batches when every stage holds whole layers (solver/README.md, step 3, "Whole layers"): the least over
     sequences of stages c_0, c_1, ... and layer counts L_s adding up to N of max_s sum_{s' < s} t_s' + m t_s, with
@@ -410,12 +563,21 @@ def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray,
     on the first stage, the head's on the last, both on an only stage. First and last stages may hold no layer; the
     others hold one or more (a stage of none only delays the later ones and uses devices).
 
+    With ``round_trip``, the first stage of p >= 2 (and with ``middles`` every stage but the last) also pays for
+    micro-batch 0's round trip (eq. 1r): T_pipe >= (m - k) t_s + k B_s + sum_{s' != s} t_s', k = min(p - s - 1, m - 1),
+    B_s >= L_s ``backward_ms`` (the embedding's backward taken as none), the later stages' sum at least ``totals`` at
+    their count; counts of K or more stages are charged k = m - 1, the least (B_s is taken at most t_s where the floors
+    cross, so the term falls as k grows).
+
     By dynamic programming from the back: S(a, L), the least over suffixes using exactly a and holding L layers whose
     last stage runs the head, of the chain's largest term measured from the suffix's start, is m t for a last stage
     alone, else min over its first stage (c, l >= 1) of t + max((m - 1) t, S(a - c, L - l)); Phi puts a first stage
-    before a suffix the same way, or runs an only stage. A middle composition some smaller one runs no slower is
-    skipped: swapping it for the smaller one leaves a faster sequence on fewer devices, which the least over every
-    sub-vector at the end takes. None past the deadline."""
+    before a suffix the same way (and its round-trip term, each part at its own least over the suffixes), or runs an
+    only stage. A middle composition some smaller one runs no slower is skipped: swapping it for the smaller one leaves
+    a faster sequence on fewer devices, which the least over every sub-vector at the end takes. Where the middles pay
+    their round trip, only one that a composition a device smaller beats at both its layer time and its backward is
+    skipped (``ChainPairs.trip_middle``): one only as fast per layer may have the smaller backward, and so the smaller
+    term. None past the deadline."""
     N = num_layers
     exists = np.isfinite(layer_ms)
     first_ms, last_ms, both_ms = (np.where(exists, e, math.inf) for e in (first_ms, last_ms, both_ms))
@@ -424,29 +586,74 @@ def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray,
         held = np.where(counts[None, :] > 0, layer_ms[:, None] * counts[None, :], 0.0)  # l layers of each composition
     S = m * (held + last_ms[:, None])
     S[0, :] = math.inf
-    middle = chain.middle
-    for sl, targets, starts in middle.levels:
-        if stop.past(deadline_s):
-            return None
-        c, after = middle.c[sl], S[middle.rest[sl]]
-        per = layer_ms[c][:, None]
-        best = np.full((len(c), N + 1), math.inf)
-        with np.errstate(invalid="ignore"):
-            for l in range(1, N + 1):
-                t = per * l
-                # fmax: (m - 1) t is nan where t is inf and m = 1; such a stage is out of play anyway (t + ... = inf)
-                np.minimum(best[:, l:], t + np.fmax((m - 1) * t, after[:, :N + 1 - l]), out=best[:, l:])
-        S[targets] = np.minimum(S[targets], np.minimum.reduceat(best, starts, axis=0))
+
+    def chained(t, after):
+        # fmax: (m - 1) t is nan where t is inf and m = 1; such a stage is out of play anyway (t + ... = inf)
+        return t + np.fmax((m - 1) * t, after)
+
+    if round_trip is not None and round_trip.middles:
+        S = _middles_with_trip(S, layer_ms, chain.trip_middle, N, m, round_trip, deadline_s)
+    else:
+        S = _over_middles(S, layer_ms, chain.middle, N, chained, deadline_s=deadline_s)
+    if S is None:
+        return None
     phi = m * (held[:, N] + both_ms)
     first = chain.first
     if len(first.a):
         t0 = held[first.c] + first_ms[first.c][:, None]  # by the first stage's layer count l
         with np.errstate(invalid="ignore"):
-            value = (t0 + np.fmax((m - 1) * t0, S[first.rest][:, ::-1])).min(axis=1)  # reversed S: column l is N - l
+            value = chained(t0, S[first.rest][:, ::-1])  # reversed S: column l is N - l
+            if round_trip is not None:
+                back = np.minimum(round_trip.backward_ms[first.c][:, None] * counts[None, :], t0)
+                tot = round_trip.totals
+                value = np.maximum(value, _trip(t0, back, m, tot.beyond[first.rest][:, ::-1],
+                                                [e[first.rest][:, ::-1] for e in tot.exact]))
+            value = value.min(axis=1)
         starts = np.r_[0, np.nonzero(np.diff(first.a))[0] + 1]
         phi[first.a[starts]] = np.minimum(phi[first.a[starts]], np.minimum.reduceat(value, starts))
     phi[0] = math.inf
     return least_within(phi, dims)
+
+
+def _trip(t: np.ndarray, back: np.ndarray, m: int, beyond: np.ndarray, exact: list) -> np.ndarray:
+    """Eq. 1r's term of a stage of time ``t`` and backward ``back`` (at most t) before suffixes whose least sums of j
+    stages are ``exact[j - 1]`` and of K or more ``beyond``: the least over j of (m - k) t + k B + that sum,
+    k = min(j, m - 1), and m - 1 for K or more."""
+    trip = t + (m - 1) * back + beyond
+    for j, e in enumerate(exact, start=1):
+        k = min(j, m - 1)
+        trip = np.minimum(trip, (m - k) * t + k * back + e)
+    return trip
+
+
+def _middles_with_trip(S: np.ndarray, layer_ms: np.ndarray, middle: _Pairs, num_layers: int, m: int,
+                       round_trip: RoundTrip, deadline_s: float) -> np.ndarray | None:
+    """``chain_floor``'s S where a middle stage also pays its round-trip term (eq. 1r, the first stage's form counted
+    from the suffix's start): the same programme, each front stage (c, l) charged the larger of t + max((m - 1) t, S)
+    and the least over the suffix's stage counts j of (m - k) t + k B + the least sum of j stages, k = min(j, m - 1).
+    None past the deadline."""
+    N = num_layers
+    out = S.copy()
+    tot = round_trip.totals
+    for sl, targets, starts in middle.levels:
+        if stop.past(deadline_s):
+            return None
+        c, rest = middle.c[sl], middle.rest[sl]
+        per, bper = layer_ms[c][:, None], round_trip.backward_ms[c][:, None]
+        after = out[rest]
+        exact = [e[rest] for e in tot.exact]
+        beyond = tot.beyond[rest]
+        best = np.full((len(c), N + 1), math.inf)
+        with np.errstate(invalid="ignore"):
+            for l in range(1, N + 1):
+                t = per * l
+                b = np.minimum(bper * l, t)
+                w = N + 1 - l
+                value = t + np.fmax((m - 1) * t, after[:, :w])
+                trip = _trip(t, b, m, beyond[:, :w], [e[:, :w] for e in exact])
+                np.minimum(best[:, l:], np.maximum(value, trip), out=best[:, l:])
+        out[targets] = np.minimum(out[targets], np.minimum.reduceat(best, starts, axis=0))
+    return out
 
 
 def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, holders: int) -> np.ndarray:
@@ -537,6 +744,8 @@ class SizeTerms:
     """N + E(a): the layers a sample costs a replica of each vector (``edge_layers``)."""
     chain: ChainPairs
     """The pairs ``chain_floor`` tries."""
+    backward_ms: np.ndarray
+    """A layer's least backward per micro-batch, ms (``backward_floors``)."""
 
 
 def size_terms(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray, pairs: _Pairs,
@@ -546,9 +755,10 @@ def size_terms(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass]
     layer_ms = np.where(rates > 0, micro_batch / np.where(rates > 0, rates, 1.0), math.inf)
     edges = edge_floors(spec, profiles, classes, grid, micro_batch)
     dims = [c.count + 1 for c in classes]
+    backward_ms = backward_floors(spec, profiles, classes, grid, micro_batch, layer_ms)
     return SizeTerms(rates=rates, layer_ms=layer_ms, edges=edges,
                      sample_layers=spec.num_layers + edge_layers(layer_ms, *edges, dims),
-                     chain=chain_pairs(pairs, layer_ms, dims, grid.sum(1)))
+                     chain=chain_pairs(pairs, layer_ms, dims, grid.sum(1), backward_ms), backward_ms=backward_ms)
 
 
 def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
@@ -573,31 +783,76 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
     found = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, False, deadline_s)
     if found is None:
         return None
-    # Whole layers take one programme per micro-batch size and count bucket; F is the first pass's.
-    work = sum(len(_micro_batch_buckets(global_batch // b)) * x.chain.work(spec.num_layers) for b, x in sized.items())
-    whole_layers = False
-    if work <= CHAIN_WORK:
-        sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, True, deadline_s)
+    trip = _round_trip_choice(sized, spec.num_layers, global_batch)
+    whole_layers = round_trip = False
+    if trip is not None:
+        sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, True, deadline_s, trip)
         if sharper is not None:  # past the deadline the bound without whole layers stands
-            whole_layers = True
+            whole_layers, round_trip = True, bool(trip.stages)
             # Never lower but for the bisection's tolerance: one more condition per replica.
             found = max(found, sharper)
     best, where = found
     return ReplicaBound(bound_ms=best + optimizer_ms, pipeline_ms=best, optimizer_ms=optimizer_ms, replicas=where,
-                        whole_layers=whole_layers, seconds=time.perf_counter() - t0)
+                        whole_layers=whole_layers, round_trip=round_trip, seconds=time.perf_counter() - t0)
+
+
+@dataclass(frozen=True, slots=True)
+class _TripChoice:
+    """How much of the round trip (eq. 1r) whole layers price, within ``CHAIN_WORK``."""
+
+    stages: dict[int, int]
+    """Per micro-batch size, K of its ``suffix_totals``; empty: no round trip."""
+    middles: bool
+    """Whether every stage but the last pays it, or only the first."""
+    work: int
+    """Steps of whole layers with it (``ChainPairs.work``, ``suffix_work``)."""
+
+
+def _round_trip_choice(sized: dict[int, "SizeTerms"], num_layers: int, global_batch: int) -> _TripChoice | None:
+    """The most of the round trip whole layers can price within ``CHAIN_WORK``: every stage's at K =
+    ``ROUND_TRIP_STAGES`` (or the largest micro-batch count, if fewer), halved until it fits, else the first stage's
+    the same way, else none; None where whole layers alone do not fit. Whole layers take one ``chain_floor`` per size
+    and count bucket (F is the first pass's); the round trip one ``suffix_totals`` per size, K terms per first pair,
+    count bucket and layer count, and with the middles K terms per step of the chain."""
+    N = num_layers
+    buckets = {b: len(_micro_batch_buckets(global_batch // b)) for b in sized}
+    work = sum(buckets[b] * x.chain.work(N) for b, x in sized.items())
+    if work > CHAIN_WORK:
+        return None
+    for middles in (True, False):
+        K = ROUND_TRIP_STAGES
+        while K >= 1:
+            per = {b: max(1, min(K, global_batch // b)) for b in sized}
+            # With the middles' round trip the chain runs over their own pairs, K + 1 terms a step.
+            trip = sum(suffix_work(x.chain, N, per[b])
+                       + buckets[b] * per[b] * len(x.chain.first.a) * (N + 1)
+                       + middles * buckets[b] * ((per[b] + 1) * len(x.chain.trip_middle.a)
+                                                 - len(x.chain.middle.a)) * N * (N + 1) // 2
+                       for b, x in sized.items())
+            if work + trip <= CHAIN_WORK:
+                return _TripChoice(stages=per, middles=middles, work=work + trip)
+            K //= 2
+    return _TripChoice(stages={}, middles=False, work=work)
 
 
 def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, pairs: _Pairs,
                        sized: dict[int, SizeTerms], capacity: dict, global_batch: int, whole_layers: bool,
-                       deadline_s: float) -> tuple[float, tuple[int, int]] | None:
+                       deadline_s: float, trip_choice: _TripChoice | None = None
+                       ) -> tuple[float, tuple[int, int]] | None:
     """Steps 3-5 of the proof: the least T - T_opt at which the replicas could train the global batch, and the bucket
-    of replica counts where it was found; with eq. 1's chain over whole layers where ``whole_layers``. ``capacity``
-    keeps F per (b, bucket) between calls. None past the deadline."""
+    of replica counts where it was found; with eq. 1's chain over whole layers where ``whole_layers``, and with the
+    round trip as ``trip_choice`` says. ``capacity`` keeps F per (b, bucket) between calls. None past the deadline."""
     G, N, size = global_batch, spec.num_layers, len(grid)
     dims = [c.count + 1 for c in classes]
     buckets = {b: _micro_batch_buckets(G // b) for b in sized}
     phi_of: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (b, bucket) -> Phi at the bucket's largest count
     for b, x in sized.items():
+        trip = None
+        if whole_layers and trip_choice is not None and trip_choice.stages:
+            totals = suffix_totals(x.layer_ms, x.edges[1], x.chain, dims, N, trip_choice.stages[b], deadline_s)
+            if totals is None:
+                return None
+            trip = RoundTrip(backward_ms=x.backward_ms, totals=totals, middles=trip_choice.middles)
         for bucket in buckets[b]:
             if (b, bucket) not in capacity:
                 F = pipeline_capacity(x.rates, pairs, size, 1.0 - 1.0 / bucket[1], deadline_s)
@@ -605,7 +860,7 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
                     return None
                 capacity[b, bucket] = F
             if whole_layers:
-                phi = chain_floor(x.layer_ms, *x.edges, x.chain, dims, N, bucket[1], deadline_s)
+                phi = chain_floor(x.layer_ms, *x.edges, x.chain, dims, N, bucket[1], deadline_s, trip)
                 if phi is None:
                     return None
                 phi_of[b, bucket] = phi

@@ -692,7 +692,8 @@ def _sharpen_space_bound(inputs: _Inputs, result: SolveResult, optimizer_ms: flo
     result.raise_space_bound(found.bound_ms, SHARPENED)
     if log:
         log(f"{time.perf_counter() - t_start:7.1f}s  over every plan: bound {found.bound_ms:.1f} ms from replicas "
-            f"(eq. 12c{', whole layers' if found.whole_layers else ''}, {found.seconds:.1f} s), gap {result.space_gap:.2%}")
+            f"(eq. 12c{', whole layers' if found.whole_layers else ''}{', round trip' if found.round_trip else ''}, "
+            f"{found.seconds:.1f} s), gap {result.space_gap:.2%}")
 
 
 def _seed_all(inputs: _Inputs, frontier: _Frontier, skeletons, *, zero_stages, dominated: bool, splits: str) -> None:

@@ -29,7 +29,7 @@ import pytest
 
 import solver.search as S
 from baton.cluster import from_mapping, load_cluster
-from baton.costmodel import layer_allreduce_ms, layer_train_ms
+from baton.costmodel import layer_allreduce_ms, layer_backward_ms, layer_train_ms
 from baton.errors import BatonError
 from baton.evaluate import evaluate
 from baton.model_spec import PRESETS
@@ -39,9 +39,9 @@ from baton.profile import ProfileSet
 from solver.ideal import ideal_bound
 from solver.moves import neighbours
 from solver.options import valid_unit_counts
-from solver.relaxation import (DeviceClass, _pairs, chain_floor, chain_pairs, class_grid, device_classes, edge_floors,
-                               micro_batch_sizes, pipeline_capacity, relaxation_bound, size_terms, stage_rates,
-                               sync_floor)
+from solver.relaxation import (DeviceClass, RoundTrip, _pairs, chain_floor, chain_pairs, class_grid, device_classes,
+                               edge_floors, micro_batch_sizes, pipeline_capacity, relaxation_bound, size_terms,
+                               stage_rates, suffix_totals, sync_floor)
 from tests.conftest import ROOT
 from tests.test_solver_helpers import CROSSED_EDGES, crossed_instance, random_instance
 
@@ -127,7 +127,7 @@ def test_the_chain_with_whole_layers_is_the_best_sequence_of_stages(counts):
     for _ in range(6):
         layer, first, last, both = _random_stage_times(grid, rng)
         N, m = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 5])
-        phi = chain_floor(layer, first, last, both, chain_pairs(pairs, layer, dims, grid.sum(1)), dims, N, m)
+        phi = chain_floor(layer, first, last, both, chain_pairs(pairs, layer, dims, grid.sum(1), layer), dims, N, m)
         for v in grid.tolist()[1:]:
             best = math.inf
             for sub in itertools.product(*[range(x + 1) for x in v]):
@@ -140,6 +140,141 @@ def test_the_chain_with_whole_layers_is_the_best_sequence_of_stages(counts):
                              for s, (c, l) in enumerate(zip(seq, split))]
                         best = min(best, max(sum(t[:s]) + m * t[s] for s in range(len(t))))
             assert phi[index[tuple(v)]] == pytest.approx(best, rel=1e-12), (v, N, m)
+
+
+def _random_backward(layer: np.ndarray, rng: random.Random) -> np.ndarray:
+    """A layer's backward floor per composition: most under its layer time, some above (floors from two hulls may
+    cross, which ``chain_floor`` must survive)."""
+    return np.array([x * rng.uniform(0.2, 1.1) for x in layer])
+
+
+def _suffix_splits(num_layers: int, stages: int):
+    """Every split of the layers over the stages after a first one: each holds one or more but the last."""
+    for split in itertools.product(range(num_layers + 1), repeat=stages):
+        if sum(split) == num_layers and all(x >= 1 for x in split[:-1]):
+            yield split
+
+
+@pytest.mark.parametrize("counts", [(3,), (2, 1), (1, 1, 1)])
+def test_suffix_totals_are_the_least_sums_of_so_many_stages(counts):
+    """``suffix_totals``: for every vector a, layer count L and j < K, the least sum of stage times over every sequence
+    of exactly j stages on some of a's devices holding L whole layers (the last may hold none and runs the head), and
+    for K or more stages the least over them all; checked by enumerating. Fails if a stage count is off by one, the
+    head is left out, a middle stage may hold no layer, or the least over sub-vectors is not taken."""
+    classes = _toy_classes(counts)
+    grid = class_grid(classes)
+    pairs = _pairs(classes, grid)
+    dims, index = [n + 1 for n in counts], {tuple(v): i for i, v in enumerate(grid.tolist())}
+    rng = random.Random(sum(counts) * 13 + len(counts))
+    for _ in range(4):
+        layer, _, last, _ = _random_stage_times(grid, rng)
+        N = rng.choice([1, 2, 3])
+        chain = chain_pairs(pairs, layer, dims, grid.sum(1), layer)
+        for K in (1, 2, 3):
+            tot = suffix_totals(layer, last, chain, dims, N, K)
+            assert len(tot.exact) == K - 1
+            for v in grid.tolist()[1:]:
+                for L in range(N + 1):
+                    least = {}
+                    for sub in itertools.product(*[range(x + 1) for x in v]):
+                        for seq in _sequences(sub):
+                            if not seq or any(math.isinf(layer[index[c]]) for c in seq):
+                                continue
+                            for split in _suffix_splits(L, len(seq)):
+                                total = sum(l * layer[index[c]] for c, l in zip(seq, split)) + last[index[seq[-1]]]
+                                least[len(seq)] = min(least.get(len(seq), math.inf), total)
+                    i = index[tuple(v)]
+                    for j in range(1, K):
+                        assert tot.exact[j - 1][i, L] == pytest.approx(least.get(j, math.inf), rel=1e-12), (v, L, j)
+                    beyond = min([x for j, x in least.items() if j >= K], default=math.inf)
+                    assert tot.beyond[i, L] == pytest.approx(beyond, rel=1e-12), (v, L, K)
+
+
+def _with_round_trip(t, back, m: int, middles: bool) -> float:
+    """Eq. 1's chain and eq. 1r on stage times ``t`` and backward floors ``back`` (each at most its t): the largest of
+    sum_{s' < s} t_s' + m t_s over every stage and of (m - k) t_s + k B_s + the other stages' times, k = min(p - s - 1,
+    m - 1), over the first stage or every stage but the last."""
+    p = len(t)
+    terms = [sum(t[:s]) + m * t[s] for s in range(p)]
+    for s in range(p - 1 if middles else min(1, p - 1)):
+        k = min(p - s - 1, m - 1)
+        terms.append(sum(t) - t[s] + (m - k) * t[s] + k * back[s])
+    return max(terms)
+
+
+@pytest.mark.parametrize("counts", [(3,), (2, 1), (1, 1, 1), (2, 2)])
+def test_the_round_trip_lies_under_every_sequence_and_lifts_the_chain(counts):
+    """``chain_floor`` with the round trip (the first stage's, or every stage's but the last) lies between the chain
+    without it and the least over every sequence of stages on some of a's devices and every split of whole layers of
+    the largest of eq. 1's terms and eq. 1r's (enumerated, each stage's B its layers at the backward floor, at most its
+    time), suffixes of K or more stages charged k = m - 1; on vectors of one or two devices, where a first stage has
+    one possible suffix of one stage, it equals that least where K >= 2; and it lifts the chain on some. Fails if eq.
+    1r's k is one too small (the term would lie above the least), the round trip is not charged, or the suffix's total
+    is read at the wrong layer count."""
+    classes = _toy_classes(counts)
+    grid = class_grid(classes)
+    pairs = _pairs(classes, grid)
+    dims, index = [n + 1 for n in counts], {tuple(v): i for i, v in enumerate(grid.tolist())}
+    rng = random.Random(sum(counts) * 17 + len(counts))
+    lifted = exact = 0
+    for trial in range(12):
+        layer, first, last, both = _random_stage_times(grid, rng)
+        back = _random_backward(layer, rng)
+        if trial % 3 == 2:  # few distinct times: a smaller composition as fast per layer but slower backward
+            layer = np.array([x if math.isinf(x) else rng.choice([1.0, 1.5]) for x in layer])
+            back = layer * np.array([rng.choice([0.1, 0.5, 1.0]) for _ in layer])
+        N, m = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 5])
+        chain = chain_pairs(pairs, layer, dims, grid.sum(1), back)
+        plain = chain_floor(layer, first, last, both, chain, dims, N, m)
+        for middles, K in itertools.product((False, True), (1, 2, 8)):
+            trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, N, K), middles=middles)
+            phi = chain_floor(layer, first, last, both, chain, dims, N, m, round_trip=trip)
+            for v in grid.tolist()[1:]:
+                best = math.inf
+                for sub in itertools.product(*[range(x + 1) for x in v]):
+                    for seq in _sequences(sub):
+                        if not seq or any(math.isinf(layer[index[c]]) for c in seq):
+                            continue
+                        for split in _layer_splits(N, len(seq)):
+                            t = [l * layer[index[c]] + (both if len(seq) == 1 else first if s == 0 else
+                                                        last if s == len(seq) - 1 else np.zeros(len(grid)))[index[c]]
+                                 for s, (c, l) in enumerate(zip(seq, split))]
+                            b = [min(l * back[index[c]], ts) for c, l, ts in zip(seq, split, t)]
+                            best = min(best, _with_round_trip(t, b, m, middles))
+                i = index[tuple(v)]
+                assert plain[i] * (1 - 1e-12) <= phi[i] <= best * (1 + 1e-12), (v, N, m, middles)
+                if sum(v) <= 2 and K >= 2:
+                    assert phi[i] == pytest.approx(best, rel=1e-12), (v, N, m, middles)
+                    exact += 1
+                lifted += phi[i] > plain[i] * (1 + 1e-9)
+    assert lifted >= 3 and exact >= 10
+
+
+def test_a_middle_stage_as_fast_per_layer_may_charge_less_round_trip():
+    """A review's counterexample: composition (2, 0) runs a layer no faster than (1, 0) (1.5 ms) but its backward
+    floor is far smaller (0.15 against 1.5 ms), so eq. 1r's term (m - k) t + k B of a middle stage is smaller on the
+    larger group. The sequence (0, 1) -> (2, 0) -> (0, 1) with 2, 1, 1 layers has 6.5 ms as its largest term of eq. 1
+    and 1r at m = 3; skipping (2, 0) as a middle stage because (1, 0) is as fast per layer (as eq. 1's chain alone may)
+    gave 7.5, above a sequence's own terms. Fails if the middles that pay their round trip are pruned by the layer time
+    alone."""
+    classes = _toy_classes((2, 2))
+    grid = class_grid(classes)  # (0,0) (0,1) (0,2) (1,0) (1,1) (1,2) (2,0) (2,1) (2,2)
+    index = {tuple(v): i for i, v in enumerate(grid.tolist())}
+    layer = np.array([math.inf, 1.0, 1.0, 1.5, 1.5, 1.0, 1.5, 1.5, 1.5])
+    back = np.array([math.inf, 0.5, 0.5, 1.5, 0.75, 0.1, 0.15, 0.15, 0.75])
+    first = np.array([0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.5, 0.5])
+    last = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5])
+    both = np.array([0.1, 0.1, 0.1, 0.1, 0.6, 0.1, 0.6, 0.6, 0.6])
+    N, m, dims = 4, 3, [3, 3]
+    chain = chain_pairs(_pairs(classes, grid), layer, dims, grid.sum(1), back)
+    trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, N, 8), middles=True)
+    phi = chain_floor(layer, first, last, both, chain, dims, N, m, round_trip=trip)
+    seq, split = [(0, 1), (2, 0), (0, 1)], [2, 1, 1]
+    t = [l * layer[index[c]] + (first if s == 0 else last if s == 2 else np.zeros(9))[index[c]]
+         for s, (c, l) in enumerate(zip(seq, split))]
+    b = [min(l * back[index[c]], ts) for c, l, ts in zip(seq, split, t)]
+    assert _with_round_trip(t, b, m, True) == pytest.approx(6.5)
+    assert phi[index[(2, 2)]] <= 6.5 + 1e-12
 
 
 def _lp_layers(theta, m: int, T: float) -> float:
@@ -182,13 +317,12 @@ def test_eq1_chain_and_the_capacity_of_every_stage_order():
 
 
 def test_eq1_waits_for_micro_batch_0s_round_trip():
-    """What eq. 12c leaves out so far (solver/README.md, "Left out"), checked so that a bound may read it: under 1F1B
-    stage s runs k + 1 forwards, k = min(p - s - 1, m - 1), before its first backward, which waits for micro-batch 0
-    to go forward and back through every later stage; then it runs its m backwards and the other m - k - 1 forwards,
-    and the stages before it drain. So T >= sum_{s' != s} (F + B)_s' + m B_s + (m - k) F_s, on random pipelines with
-    sends (the write-up's next step for eq. 12c, bench/results/replica_bound-2026-11-29.md, reads it). Tight on some
-    (the least slack is 0 to rounding), and no stronger of its form: with k one smaller it is broken, by up to 2.7 ms
-    on these pipelines, which the second assertion checks."""
+    """Eq. 1r, which eq. 12c's round trip reads (solver/README.md, step 3): under 1F1B stage s runs k + 1 forwards,
+    k = min(p - s - 1, m - 1), before its first backward, which waits for micro-batch 0 to go forward and back through
+    every later stage; then it runs its m backwards and the other m - k - 1 forwards, and the stages before it drain.
+    So T >= sum_{s' != s} (F + B)_s' + m B_s + (m - k) F_s, on random pipelines with sends. Tight on some (the least
+    slack is 0 to rounding), and no stronger of its form: with k one smaller it is broken, by up to 2.7 ms on these
+    pipelines, which the second assertion checks."""
     rng = random.Random(3)
     least, broken = math.inf, math.inf
     for _ in range(3000):
@@ -262,15 +396,19 @@ def test_a_stage_runs_a_layer_no_faster_than_its_rate(case):
     """Random groups of a cluster's devices at random units, each the middle stage of a three-stage plan (no edges
     on it): the evaluator's forward, backward and in-layer all-reduces of that stage per micro-batch and layer are at
     least the slowest rank's layer time plus both directions' all-reduces (the proof's first step), which is at least
-    b / rho(c) for the group's composition. Covers mixed nodes (cephalo_8gpu), tables that are not monotone in
-    the share and measured in-layer figures. Fails if a share line is above a table point, an all-reduce is taken
-    over a faster link than the group could have, or a group's ranks are counted as faster."""
+    b / rho(c) for the group's composition; its backward alone is at least the slowest rank's backward plus one
+    direction's all-reduces, at least ``backward_floors``' (the round trip's B). Covers mixed nodes (cephalo_8gpu),
+    tables that are not monotone in the share and measured in-layer figures. Fails if a share line is above a table
+    point, an all-reduce is taken over a faster link than the group could have, or a group's ranks are counted as
+    faster."""
     g = _GridCase(case)
     cluster, spec, profiles = g.cluster, g.spec, g.profiles
     rng = random.Random(case)
     middle = spec.num_layers - 2
+    pairs = _pairs(g.classes, g.grid)
     for b in profiles[cluster.devices[0].gpu.name].micro_batches("qkv")[:2]:
         rates = stage_rates(spec, profiles, g.classes, g.grid, b)
+        back = size_terms(spec, profiles, g.classes, g.grid, pairs, b).backward_ms
         checked = 0
         for _ in range(40):
             drawn = g.draw(rng, b)
@@ -288,6 +426,11 @@ def test_a_stage_runs_a_layer_no_faster_than_its_rate(case):
             rho = rates[drawn.composition]
             assert rho > 0
             assert stated >= b / rho * (1 - 1e-9), (group, held, stated, b / rho)
+            slowest_back = max(layer_backward_ms(profiles[cluster.device(d).gpu.name], spec, b, u / U)
+                               for d, u in zip(group, held))
+            stated_back = slowest_back + layer_allreduce_ms(cluster, spec, b, group)
+            assert stage.bwd_ms / middle >= stated_back * (1 - 1e-9), (group, held)
+            assert stated_back >= back[drawn.composition] * (1 - 1e-9), (group, held, stated_back)
             checked += 1
         assert checked >= 20
 
@@ -417,10 +560,10 @@ def test_no_plan_beats_the_bound_and_every_replica_pays_its_sync_floor(seed, rep
 def test_every_replica_takes_at_least_its_chain_with_whole_layers(seed, layered):
     """Random four-GPU instances: in the exact optimum and every evaluated plan one move away, each replica's schedule
     (the evaluator's 1F1B with its sends, recomputation and memory, or at sharding stages 2 and 3 its layered
-    compute) takes at least Phi_m of its vector at its micro-batch size and count. This is the step's claim on real
-    plans: stage times from the rates and edge floors of its composition, layers whole. Fails if a layer's time is
-    taken above the rate, an edge above its floor, or the chain above eq. 1. Seed 3's neighbours include two plans at
-    stage 2 or 3."""
+    compute) takes at least Phi_m of its vector at its micro-batch size and count, with every stage's round trip
+    (eq. 1r). This is the step's claim on real plans: stage times from the rates and edge floors of its composition,
+    layers whole. Fails if a layer's time is taken above the rate, an edge above its floor, a backward above its
+    floor, or the chain above eq. 1 and 1r. Seed 3's neighbours include two plans at stage 2 or 3."""
     inst = random_instance(seed, num_devices=4, num_layers=4, heads=16, universe_size=2, global_batch=4,
                            monotone=seed != 11)
     classes = device_classes(inst.cluster)
@@ -436,7 +579,10 @@ def test_every_replica_takes_at_least_its_chain_with_whole_layers(seed, layered)
             b, m = plan.batch(r)
             if (b, m) not in phi:
                 terms = size_terms(inst.spec, inst.profiles, classes, grid, pairs, b)
-                phi[b, m] = chain_floor(terms.layer_ms, *terms.edges, terms.chain, dims, inst.spec.num_layers, m)
+                N = inst.spec.num_layers
+                trip = RoundTrip(backward_ms=terms.backward_ms, middles=True,
+                                 totals=suffix_totals(terms.layer_ms, terms.edges[1], terms.chain, dims, N, 8))
+                phi[b, m] = chain_floor(terms.layer_ms, *terms.edges, terms.chain, dims, N, m, round_trip=trip)
             vector = [0] * len(classes)
             for stage in pipe.stages:
                 for d in stage.device_ids:
@@ -464,6 +610,62 @@ def test_whole_layers_lift_the_bound_where_the_chain_fits(monkeypatch):
     assert sharper.whole_layers and not plain.whole_layers
     assert max(plain.bound_ms, ideal_bound(spec, cluster, profiles, 64).bound_ms) * 1.03 < sharper.bound_ms
     assert sharper.bound_ms <= plan.objective_ms
+
+
+def test_the_round_trip_lifts_the_bound_on_hethub(monkeypatch):
+    """On hethub_nv_gpua / llama2-7b at batch 64 (16 GPUs, replicas of a few stages at 16 micro-batches or fewer) the
+    round trip (eq. 1r) lifts eq. 12c with whole layers by more than 3% (6,588.0 -> 6,850.3 ms), and the bound stays
+    under the plan the search finds; with ``ROUND_TRIP_STAGES`` at 0 it is not priced. Fails if the round trip is not
+    charged where it fits, or charged above what a plan pays."""
+    import solver.relaxation as R
+
+    spec, cluster = PRESETS["llama2-7b"], load_cluster(ROOT / "clusters" / "hethub_nv_gpua.yaml")
+    profiles = ProfileSet(spec)
+    sharper = _bound(spec, cluster, profiles, 64)
+    monkeypatch.setattr(R, "ROUND_TRIP_STAGES", 0)
+    plain = _bound(spec, cluster, profiles, 64)
+    plan = S.search(spec, cluster, profiles, global_batch=64, time_limit=30)
+    assert sharper.round_trip and not plain.round_trip and plain.whole_layers
+    assert plain.bound_ms * 1.03 < sharper.bound_ms <= plan.objective_ms
+
+
+def test_the_round_trip_takes_what_the_budget_leaves(monkeypatch):
+    """``_round_trip_choice`` on cephalo_8gpu / gpt3-1.3b at batch 64, over budgets from whole layers' own work to the
+    whole round trip's: every choice fits its budget, and a larger budget never buys less (none, the first stage's at
+    growing K, every stage's at growing K up to 8, or a size's largest micro-batch count if fewer); below whole
+    layers' work, none of it. Fails if a choice is priced above ``CHAIN_WORK``, a larger budget buys less, or K passes
+    a size's largest micro-batch count."""
+    import solver.relaxation as R
+
+    spec, cluster = PRESETS["gpt3-1.3b"], load_cluster(ROOT / "clusters" / "cephalo_8gpu.yaml")
+    profiles = ProfileSet(spec)
+    classes = device_classes(cluster)
+    grid = class_grid(classes)
+    pairs = _pairs(classes, grid)
+    sizes = micro_batch_sizes(cluster, profiles, 64, None)
+    sized = {b: size_terms(spec, profiles, classes, grid, pairs, b) for b in sizes}
+    N = spec.num_layers
+    monkeypatch.setattr(R, "CHAIN_WORK", math.inf)
+    most = R._round_trip_choice(sized, N, 64)
+    assert most.middles and most.stages == {b: min(8, 64 // b) for b in sized}
+    monkeypatch.setattr(R, "ROUND_TRIP_STAGES", 0)
+    plain = R._round_trip_choice(sized, N, 64)
+    assert plain.stages == {} and plain.work < most.work
+    monkeypatch.setattr(R, "ROUND_TRIP_STAGES", 8)
+
+    def level(choice):
+        return (choice.middles, max(choice.stages.values())) if choice.stages else (False, 0)
+
+    monkeypatch.setattr(R, "CHAIN_WORK", plain.work - 1)
+    assert R._round_trip_choice(sized, N, 64) is None
+    seen = []
+    for budget in np.geomspace(plain.work, most.work, 40).tolist():
+        monkeypatch.setattr(R, "CHAIN_WORK", budget * (1 + 1e-12))
+        choice = R._round_trip_choice(sized, N, 64)
+        assert choice.work <= budget * (1 + 1e-12)
+        seen.append(level(choice))
+    assert seen == sorted(seen) and seen[0] == (False, 0) and seen[-1] == (True, 8)
+    assert {(False, 1), (True, 1)} <= set(seen)
 
 
 def test_a_bucket_of_micro_batch_counts_scales_the_chain_down_from_its_largest():
@@ -549,7 +751,9 @@ def test_the_chain_grows_no_faster_than_the_micro_batch_count(counts):
     of its value at M, so the least over sequences is too; and Phi grows with m. What lets a bucket of counts read the
     chain at its largest count. On random stage times; fails if a term grew faster than in proportion to m, as the last
     stage charged (m - 1) t (its drain left out) would, or if Phi fell as m grew. (A term that grows slower, such as
-    an edge counted once, keeps the inequality; the enumeration test above catches that.)"""
+    an edge counted once, keeps the inequality; the enumeration test above catches that.) The same with the first
+    stage's round trip and with every stage's (eq. 1r's terms, m t - k (t - B) + the rest, k = min(j, m - 1), are at
+    least m / M of theirs at M where they exceed m t, solver/README.md)."""
     classes = _toy_classes(counts)
     grid = class_grid(classes)
     pairs = _pairs(classes, grid)
@@ -558,11 +762,16 @@ def test_the_chain_grows_no_faster_than_the_micro_batch_count(counts):
     for _ in range(6):
         layer, first, last, both = _random_stage_times(grid, rng)
         N = rng.choice([1, 3, 5])
-        chain = chain_pairs(pairs, layer, dims, grid.sum(1))
-        phi = {m: chain_floor(layer, first, last, both, chain, dims, N, m)[1:] for m in (1, 2, 5, 9, 17, 21)}
-        for m, M in itertools.combinations(sorted(phi), 2):
-            assert np.all(phi[m] >= m / M * phi[M] * (1 - 1e-12)), (m, M)
-            assert np.all(phi[m] <= phi[M] * (1 + 1e-12)), (m, M)
+        back = _random_backward(layer, rng)
+        chain = chain_pairs(pairs, layer, dims, grid.sum(1), back)
+        for middles, K in ((None, 0), (False, 2), (True, 8)):
+            trip = None if middles is None else RoundTrip(backward_ms=back, middles=middles,
+                                                          totals=suffix_totals(layer, last, chain, dims, N, K))
+            phi = {m: chain_floor(layer, first, last, both, chain, dims, N, m, round_trip=trip)[1:]
+                   for m in (1, 2, 5, 9, 17, 21)}
+            for m, M in itertools.combinations(sorted(phi), 2):
+                assert np.all(phi[m] >= m / M * phi[M] * (1 - 1e-12)), (m, M, middles)
+                assert np.all(phi[m] <= phi[M] * (1 + 1e-12)), (m, M, middles)
 
 
 def test_a_search_after_the_bound_in_a_fresh_process_runs_its_milps():
