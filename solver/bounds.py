@@ -27,7 +27,7 @@ import numpy as np
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import (RING_PASSES, allreduce_ms, device_memory, device_slot, edge_cost, edge_param_count,
-                             embedding_sync_ms, fitting_layers, group_sync_ms, layer_allreduce_ms, layer_cost,
+                             embedding_sync_ms, fitting_layers, group_sync_ms, layer_allreduce_ms, layer_backward_ms,
                              layer_limits, layer_param_count, layer_train_ms, layered_chain, optimizer_bytes,
                              pipeline_transfers, ring_step_ms, slot_prices, stage_constants)
 from baton.memory import RecomputeSpace
@@ -43,7 +43,7 @@ def _layer_ms(profile, spec, mb, share, part="fb") -> float:
     """fwd + bwd (part 'fb') or bwd only (part 'b') of one layer, no recomputation (eq. 2)."""
     if part == "fb":
         return layer_train_ms(profile, spec, mb, share)
-    return sum(layer_cost(profile, spec, mb, share).bwd_ms.values())
+    return layer_backward_ms(profile, spec, mb, share)
 
 
 def stage_layer_lower_bound(spec, cluster, profiles, mb, ids, part="fb") -> float:

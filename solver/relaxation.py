@@ -52,8 +52,9 @@ beyond it eq. 12c stands without it. HAP's 64 GPUs at
 batch 64 take 0.34e9, the generated 64-GPU clusters of two types at batch 512 1.1-2.0e9, hethub_nv_gpua 0.03e9;
 cephalo_64gpu (6e10 at batch 64) and the generated 64-GPU cluster of three types (5e10) are beyond it."""
 ROUND_TRIP_STAGES = 8
-"""K of ``suffix_totals``: the round trip through the stages after the first is charged at their exact count up to K - 1
-and at k = m - 1 beyond (K is also at most the largest micro-batch count, past which k no longer grows)."""
+"""K of ``suffix_totals``: the round trip through the stages after the stage that pays it is charged at their exact
+count up to K - 1 and at k = m - 1 beyond (K is also at most the largest micro-batch count less one, past which k no
+longer grows: K - 1 exact counts and k = m - 1 beyond are then exact)."""
 MAX_DEVICES = 128
 """The programme runs one step per device count (its levels), per micro-batch size and count bucket: a cluster of more
 devices is not bounded so, however few its classes."""
@@ -416,10 +417,6 @@ class ChainPairs:
     """A middle stage before the rest: compositions that exist and that no smaller one runs as fast, devices left."""
     first: _Pairs
     """A first stage before the rest: compositions that exist, devices left after them."""
-    trip_middle: _Pairs
-    """A middle stage that pays its round trip (eq. 1r) before the rest: compositions that exist and that no
-    composition one device smaller beats at both its layer time and its backward (the term grows with either, so a
-    composition only as fast per layer may still charge less), devices left."""
 
     def work(self, num_layers: int) -> int:
         """Steps of one ``chain_floor``: each middle pair tries every layer count l at every count from l up (N (N + 1)
@@ -428,33 +425,33 @@ class ChainPairs:
         return len(self.middle.a) * N * (N + 1) // 2 + len(self.first.a) * (N + 1)
 
 
-def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np.ndarray,
-                backward_ms: np.ndarray) -> ChainPairs:
-    """``ChainPairs`` of ``layer_ms`` and ``backward_ms`` (per composition; inf where no such stage exists)."""
+def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np.ndarray) -> ChainPairs:
+    """``ChainPairs`` of ``layer_ms`` (per composition; inf where no such stage exists)."""
     exists = np.isfinite(layer_ms)
     quicker = layer_ms < least_below(layer_ms, dims)
     left = pairs.rest != 0
     return ChainPairs(middle=_subset(pairs, quicker[pairs.c] & left, totals),
-                      first=_subset(pairs, exists[pairs.c] & left, totals),
-                      trip_middle=_subset(pairs, (exists & ~_beaten_one_smaller(layer_ms, backward_ms, dims))[pairs.c]
-                                          & left, totals))
+                      first=_subset(pairs, exists[pairs.c] & left, totals))
 
 
-def _beaten_one_smaller(layer_ms: np.ndarray, backward_ms: np.ndarray, dims: list[int]) -> np.ndarray:
-    """Per composition: whether one with a device fewer (not none) has a layer time and a backward (taken at most the
-    layer time, as eq. 1r's term reads it) no greater."""
-    size = len(layer_ms)
+def trip_middles(pairs: _Pairs, layer_ms: np.ndarray, backward_ms: np.ndarray, dims: list[int],
+                 totals: np.ndarray) -> _Pairs:
+    """Middle stages that pay their round trip (eq. 1r) before the rest: compositions that exist and that no
+    composition one device smaller beats at both its layer time and its backward (taken at most the layer time, as
+    the term reads it), devices left. The term grows with either, so a composition only as fast per layer as a smaller
+    one may still charge less, and ``ChainPairs.middle`` would skip it."""
+    exists = np.isfinite(layer_ms)
     back = np.minimum(backward_ms, layer_ms)
-    counts = np.unravel_index(np.arange(size), dims)
-    strides = [int(np.prod(dims[k + 1:])) for k in range(len(dims))]
-    beaten = np.zeros(size, dtype=bool)
+    counts = np.unravel_index(np.arange(len(layer_ms)), dims)
+    strides = [int(np.prod(dims[k + 1:])) for k in range(len(dims))]  # the grid is row-major (``class_grid``)
+    beaten = np.zeros(len(layer_ms), dtype=bool)
     for k, stride in enumerate(strides):
         at = np.nonzero(counts[k] > 0)[0]
         smaller = at - stride
         keep = smaller > 0  # index 0 is no device
         at, smaller = at[keep], smaller[keep]
         beaten[at] |= (layer_ms[smaller] <= layer_ms[at]) & (back[smaller] <= back[at])
-    return beaten
+    return _subset(pairs, (exists & ~beaten)[pairs.c] & (pairs.rest != 0), totals)
 
 
 def _front_stage(per: np.ndarray, after: np.ndarray, num_layers: int, join) -> np.ndarray:
@@ -549,8 +546,8 @@ class RoundTrip:
     """Per composition, a layer's least backward per micro-batch (``backward_floors``), ms."""
     totals: SuffixTotals
     """Least sums of the later stages' times (``suffix_totals``)."""
-    middles: bool
-    """Whether every stage but the last pays its round trip, not only the first (K times the chain's work)."""
+    middles: _Pairs | None
+    """The middle pairs that pay it too (``trip_middles``), or None: only the first stage pays it."""
 
 
 def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray, both_ms: np.ndarray,
@@ -576,8 +573,8 @@ def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray,
     only stage. A middle composition some smaller one runs no slower is skipped: swapping it for the smaller one leaves
     a faster sequence on fewer devices, which the least over every sub-vector at the end takes. Where the middles pay
     their round trip, only one that a composition a device smaller beats at both its layer time and its backward is
-    skipped (``ChainPairs.trip_middle``): one only as fast per layer may have the smaller backward, and so the smaller
-    term. None past the deadline."""
+    skipped (``trip_middles``): one only as fast per layer may have the smaller backward, and so the smaller term. None
+    past the deadline."""
     N = num_layers
     exists = np.isfinite(layer_ms)
     first_ms, last_ms, both_ms = (np.where(exists, e, math.inf) for e in (first_ms, last_ms, both_ms))
@@ -587,14 +584,10 @@ def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray,
     S = m * (held + last_ms[:, None])
     S[0, :] = math.inf
 
-    def chained(t, after):
-        # fmax: (m - 1) t is nan where t is inf and m = 1; such a stage is out of play anyway (t + ... = inf)
-        return t + np.fmax((m - 1) * t, after)
-
-    if round_trip is not None and round_trip.middles:
-        S = _middles_with_trip(S, layer_ms, chain.trip_middle, N, m, round_trip, deadline_s)
+    if round_trip is not None and round_trip.middles is not None:
+        S = _middles_with_trip(S, layer_ms, round_trip.middles, N, m, round_trip, deadline_s)
     else:
-        S = _over_middles(S, layer_ms, chain.middle, N, chained, deadline_s=deadline_s)
+        S = _over_middles(S, layer_ms, chain.middle, N, lambda t, after: _chained(t, after, m), deadline_s=deadline_s)
     if S is None:
         return None
     phi = m * (held[:, N] + both_ms)
@@ -602,7 +595,7 @@ def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray,
     if len(first.a):
         t0 = held[first.c] + first_ms[first.c][:, None]  # by the first stage's layer count l
         with np.errstate(invalid="ignore"):
-            value = chained(t0, S[first.rest][:, ::-1])  # reversed S: column l is N - l
+            value = _chained(t0, S[first.rest][:, ::-1], m)  # reversed S: column l is N - l
             if round_trip is not None:
                 back = np.minimum(round_trip.backward_ms[first.c][:, None] * counts[None, :], t0)
                 tot = round_trip.totals
@@ -613,6 +606,13 @@ def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray,
         phi[first.a[starts]] = np.minimum(phi[first.a[starts]], np.minimum.reduceat(value, starts))
     phi[0] = math.inf
     return least_within(phi, dims)
+
+
+def _chained(t: np.ndarray, after: np.ndarray, m: int) -> np.ndarray:
+    """Eq. 1's chain for a front stage of time ``t`` before a rest whose largest term is ``after``, counted from the
+    front stage's start: t + max((m - 1) t, after)."""
+    # fmax: (m - 1) t is nan where t is inf and m = 1; such a stage is out of play anyway (t + ... = inf)
+    return t + np.fmax((m - 1) * t, after)
 
 
 def _trip(t: np.ndarray, back: np.ndarray, m: int, beyond: np.ndarray, exact: list) -> np.ndarray:
@@ -649,7 +649,7 @@ def _middles_with_trip(S: np.ndarray, layer_ms: np.ndarray, middle: _Pairs, num_
                 t = per * l
                 b = np.minimum(bper * l, t)
                 w = N + 1 - l
-                value = t + np.fmax((m - 1) * t, after[:, :w])
+                value = _chained(t, after[:, :w], m)
                 trip = _trip(t, b, m, beyond[:, :w], [e[:, :w] for e in exact])
                 np.minimum(best[:, l:], np.maximum(value, trip), out=best[:, l:])
         out[targets] = np.minimum(out[targets], np.minimum.reduceat(best, starts, axis=0))
@@ -755,10 +755,10 @@ def size_terms(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass]
     layer_ms = np.where(rates > 0, micro_batch / np.where(rates > 0, rates, 1.0), math.inf)
     edges = edge_floors(spec, profiles, classes, grid, micro_batch)
     dims = [c.count + 1 for c in classes]
-    backward_ms = backward_floors(spec, profiles, classes, grid, micro_batch, layer_ms)
     return SizeTerms(rates=rates, layer_ms=layer_ms, edges=edges,
                      sample_layers=spec.num_layers + edge_layers(layer_ms, *edges, dims),
-                     chain=chain_pairs(pairs, layer_ms, dims, grid.sum(1), backward_ms), backward_ms=backward_ms)
+                     chain=chain_pairs(pairs, layer_ms, dims, grid.sum(1)),
+                     backward_ms=backward_floors(spec, profiles, classes, grid, micro_batch, layer_ms))
 
 
 def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
@@ -783,7 +783,7 @@ def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet
     found = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, False, deadline_s)
     if found is None:
         return None
-    trip = _round_trip_choice(sized, spec.num_layers, global_batch)
+    trip = _round_trip_choice(sized, pairs, [c.count + 1 for c in classes], grid.sum(1), spec.num_layers, global_batch)
     whole_layers = round_trip = False
     if trip is not None:
         sharper = _least_pipeline_ms(spec, classes, grid, pairs, sized, capacity, global_batch, True, deadline_s, trip)
@@ -802,37 +802,40 @@ class _TripChoice:
 
     stages: dict[int, int]
     """Per micro-batch size, K of its ``suffix_totals``; empty: no round trip."""
-    middles: bool
-    """Whether every stage but the last pays it, or only the first."""
+    middles: dict[int, _Pairs] | None
+    """Per micro-batch size, the middle pairs that pay it too (``trip_middles``); None: only the first stage pays it."""
     work: int
     """Steps of whole layers with it (``ChainPairs.work``, ``suffix_work``)."""
 
 
-def _round_trip_choice(sized: dict[int, "SizeTerms"], num_layers: int, global_batch: int) -> _TripChoice | None:
-    """The most of the round trip whole layers can price within ``CHAIN_WORK``: every stage's at K =
-    ``ROUND_TRIP_STAGES`` (or the largest micro-batch count, if fewer), halved until it fits, else the first stage's
-    the same way, else none; None where whole layers alone do not fit. Whole layers take one ``chain_floor`` per size
-    and count bucket (F is the first pass's); the round trip one ``suffix_totals`` per size, K terms per first pair,
-    count bucket and layer count, and with the middles K terms per step of the chain."""
+def _round_trip_choice(sized: dict[int, "SizeTerms"], pairs: _Pairs, dims: list[int], totals: np.ndarray,
+                       num_layers: int, global_batch: int) -> _TripChoice | None:
+    """The most of the round trip whole layers can price within ``CHAIN_WORK``: every stage's but the last at K =
+    ``ROUND_TRIP_STAGES`` (or the largest micro-batch count less one, if fewer), halved until it fits, else the first
+    stage's the same way, else none; None where whole layers alone do not fit. Whole layers take one ``chain_floor``
+    per size and count bucket (F is the first pass's). The round trip adds one ``suffix_totals`` per size and K terms
+    per first pair, count bucket and layer count; with the middles, the chain's pass over ``ChainPairs.middle`` becomes
+    one of K + 1 terms a step over ``trip_middles``' pairs, which the middles' pairs are built for only then."""
     N = num_layers
     buckets = {b: len(_micro_batch_buckets(global_batch // b)) for b in sized}
     work = sum(buckets[b] * x.chain.work(N) for b, x in sized.items())
     if work > CHAIN_WORK:
         return None
-    for middles in (True, False):
+    steps = N * (N + 1) // 2
+    middles = {b: trip_middles(pairs, x.layer_ms, x.backward_ms, dims, totals) for b, x in sized.items()}
+    for paying in (middles, None):
         K = ROUND_TRIP_STAGES
         while K >= 1:
-            per = {b: max(1, min(K, global_batch // b)) for b in sized}
-            # With the middles' round trip the chain runs over their own pairs, K + 1 terms a step.
-            trip = sum(suffix_work(x.chain, N, per[b])
-                       + buckets[b] * per[b] * len(x.chain.first.a) * (N + 1)
-                       + middles * buckets[b] * ((per[b] + 1) * len(x.chain.trip_middle.a)
-                                                 - len(x.chain.middle.a)) * N * (N + 1) // 2
+            per = {b: max(1, min(K, global_batch // b - 1)) for b in sized}
+            trip = sum(suffix_work(x.chain, N, per[b]) + buckets[b] * per[b] * len(x.chain.first.a) * (N + 1)
                        for b, x in sized.items())
+            if paying is not None:
+                trip += sum(buckets[b] * ((per[b] + 1) * len(paying[b].a) - len(x.chain.middle.a)) * steps
+                            for b, x in sized.items())
             if work + trip <= CHAIN_WORK:
-                return _TripChoice(stages=per, middles=middles, work=work + trip)
+                return _TripChoice(stages=per, middles=paying, work=work + trip)
             K //= 2
-    return _TripChoice(stages={}, middles=False, work=work)
+    return _TripChoice(stages={}, middles=None, work=work)
 
 
 def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, pairs: _Pairs,
@@ -852,7 +855,8 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
             totals = suffix_totals(x.layer_ms, x.edges[1], x.chain, dims, N, trip_choice.stages[b], deadline_s)
             if totals is None:
                 return None
-            trip = RoundTrip(backward_ms=x.backward_ms, totals=totals, middles=trip_choice.middles)
+            trip = RoundTrip(backward_ms=x.backward_ms, totals=totals,
+                             middles=None if trip_choice.middles is None else trip_choice.middles[b])
         for bucket in buckets[b]:
             if (b, bucket) not in capacity:
                 F = pipeline_capacity(x.rates, pairs, size, 1.0 - 1.0 / bucket[1], deadline_s)

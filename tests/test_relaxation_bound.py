@@ -41,7 +41,7 @@ from solver.moves import neighbours
 from solver.options import valid_unit_counts
 from solver.relaxation import (DeviceClass, RoundTrip, _pairs, chain_floor, chain_pairs, class_grid, device_classes,
                                edge_floors, micro_batch_sizes, pipeline_capacity, relaxation_bound, size_terms,
-                               stage_rates, suffix_totals, sync_floor)
+                               stage_rates, suffix_totals, sync_floor, trip_middles)
 from tests.conftest import ROOT
 from tests.test_solver_helpers import CROSSED_EDGES, crossed_instance, random_instance
 
@@ -111,6 +111,22 @@ def _layer_splits(num_layers: int, stages: int):
             yield split
 
 
+def _layouts(vector, index, num_layers: int, layer, first, last, both):
+    """Every sequence of stages on some of ``vector``'s devices that can all exist, with every split of the layers (only
+    the first and the last stage may hold none): (sequence, split, stage times), each stage its layers at the
+    composition's per-layer time plus the embedding's floor on the first, the head's on the last, both on an only
+    stage."""
+    for sub in itertools.product(*[range(x + 1) for x in vector]):
+        for seq in _sequences(sub):
+            if not seq or any(math.isinf(layer[index[c]]) for c in seq):
+                continue
+            for split in _layer_splits(num_layers, len(seq)):
+                edge = [both if len(seq) == 1 else first if s == 0 else last if s == len(seq) - 1 else None
+                        for s in range(len(seq))]
+                yield seq, split, [l * layer[index[c]] + (0.0 if e is None else e[index[c]])
+                                   for c, l, e in zip(seq, split, edge)]
+
+
 @pytest.mark.parametrize("counts", [(3,), (2, 1), (1, 1, 1), (2, 2)])
 def test_the_chain_with_whole_layers_is_the_best_sequence_of_stages(counts):
     """Phi_m(a) = the least over every sequence of stage compositions using some of a's devices, and every split of
@@ -127,18 +143,10 @@ def test_the_chain_with_whole_layers_is_the_best_sequence_of_stages(counts):
     for _ in range(6):
         layer, first, last, both = _random_stage_times(grid, rng)
         N, m = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 5])
-        phi = chain_floor(layer, first, last, both, chain_pairs(pairs, layer, dims, grid.sum(1), layer), dims, N, m)
+        phi = chain_floor(layer, first, last, both, chain_pairs(pairs, layer, dims, grid.sum(1)), dims, N, m)
         for v in grid.tolist()[1:]:
-            best = math.inf
-            for sub in itertools.product(*[range(x + 1) for x in v]):
-                for seq in _sequences(sub):
-                    if not seq or any(math.isinf(layer[index[c]]) for c in seq):
-                        continue
-                    for split in _layer_splits(N, len(seq)):
-                        t = [l * layer[index[c]] + (both if len(seq) == 1 else first if s == 0 else
-                                                    last if s == len(seq) - 1 else np.zeros(len(grid)))[index[c]]
-                             for s, (c, l) in enumerate(zip(seq, split))]
-                        best = min(best, max(sum(t[:s]) + m * t[s] for s in range(len(t))))
+            best = min((max(sum(t[:s]) + m * t[s] for s in range(len(t)))
+                        for _, _, t in _layouts(v, index, N, layer, first, last, both)), default=math.inf)
             assert phi[index[tuple(v)]] == pytest.approx(best, rel=1e-12), (v, N, m)
 
 
@@ -169,7 +177,7 @@ def test_suffix_totals_are_the_least_sums_of_so_many_stages(counts):
     for _ in range(4):
         layer, _, last, _ = _random_stage_times(grid, rng)
         N = rng.choice([1, 2, 3])
-        chain = chain_pairs(pairs, layer, dims, grid.sum(1), layer)
+        chain = chain_pairs(pairs, layer, dims, grid.sum(1))
         for K in (1, 2, 3):
             tot = suffix_totals(layer, last, chain, dims, N, K)
             assert len(tot.exact) == K - 1
@@ -220,27 +228,22 @@ def test_the_round_trip_lies_under_every_sequence_and_lifts_the_chain(counts):
     for trial in range(12):
         layer, first, last, both = _random_stage_times(grid, rng)
         back = _random_backward(layer, rng)
+        if trial % 3 == 1:  # backward floors above the layer time: B must be clipped at t before k = m - 1 is charged
+            back = layer * np.array([rng.choice([0.3, 1.5, 3.0]) for _ in layer])
         if trial % 3 == 2:  # few distinct times: a smaller composition as fast per layer but slower backward
             layer = np.array([x if math.isinf(x) else rng.choice([1.0, 1.5]) for x in layer])
             back = layer * np.array([rng.choice([0.1, 0.5, 1.0]) for _ in layer])
         N, m = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 5])
-        chain = chain_pairs(pairs, layer, dims, grid.sum(1), back)
+        chain = chain_pairs(pairs, layer, dims, grid.sum(1))
         plain = chain_floor(layer, first, last, both, chain, dims, N, m)
         for middles, K in itertools.product((False, True), (1, 2, 8)):
-            trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, N, K), middles=middles)
+            trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, N, K),
+                             middles=trip_middles(pairs, layer, back, dims, grid.sum(1)) if middles else None)
             phi = chain_floor(layer, first, last, both, chain, dims, N, m, round_trip=trip)
             for v in grid.tolist()[1:]:
-                best = math.inf
-                for sub in itertools.product(*[range(x + 1) for x in v]):
-                    for seq in _sequences(sub):
-                        if not seq or any(math.isinf(layer[index[c]]) for c in seq):
-                            continue
-                        for split in _layer_splits(N, len(seq)):
-                            t = [l * layer[index[c]] + (both if len(seq) == 1 else first if s == 0 else
-                                                        last if s == len(seq) - 1 else np.zeros(len(grid)))[index[c]]
-                                 for s, (c, l) in enumerate(zip(seq, split))]
-                            b = [min(l * back[index[c]], ts) for c, l, ts in zip(seq, split, t)]
-                            best = min(best, _with_round_trip(t, b, m, middles))
+                best = min((_with_round_trip(t, [min(l * back[index[c]], ts) for c, l, ts in zip(seq, split, t)], m,
+                                             middles)
+                            for seq, split, t in _layouts(v, index, N, layer, first, last, both)), default=math.inf)
                 i = index[tuple(v)]
                 assert plain[i] * (1 - 1e-12) <= phi[i] <= best * (1 + 1e-12), (v, N, m, middles)
                 if sum(v) <= 2 and K >= 2:
@@ -248,6 +251,55 @@ def test_the_round_trip_lies_under_every_sequence_and_lifts_the_chain(counts):
                     exact += 1
                 lifted += phi[i] > plain[i] * (1 + 1e-9)
     assert lifted >= 3 and exact >= 10
+
+
+def test_suffix_totals_takes_the_passes_its_work_counts(monkeypatch):
+    """``suffix_work``, which ``_round_trip_choice`` budgets by, is the passes ``suffix_totals`` makes over the middle
+    pairs (2 K - 2, one at K = 1) times their steps. Fails if the budget counts fewer passes than the programme runs."""
+    import solver.relaxation as R
+
+    classes = _toy_classes((3, 2))
+    grid = class_grid(classes)
+    pairs = _pairs(classes, grid)
+    dims = [4, 3]
+    layer, _, last, _ = _random_stage_times(grid, random.Random(5))
+    chain = chain_pairs(pairs, layer, dims, grid.sum(1))
+    passes = []
+    real = R._over_middles
+    monkeypatch.setattr(R, "_over_middles", lambda *a, **k: passes.append(1) or real(*a, **k))
+    N = 3
+    for K in (1, 2, 3, 8):
+        passes.clear()
+        assert suffix_totals(layer, last, chain, dims, N, K) is not None
+        assert len(passes) * len(chain.middle.a) * N * (N + 1) // 2 == R.suffix_work(chain, N, K), K
+
+
+def test_past_the_deadline_the_round_trip_claims_nothing(monkeypatch):
+    """Past the deadline, ``suffix_totals`` and the chain with every stage's round trip give None, and the bound falls
+    back to the one without whole layers (cephalo_8gpu / gpt3-1.3b at batch 64). Fails if a cut programme's partial
+    values were read as a bound."""
+    import solver.relaxation as R
+
+    classes = _toy_classes((2, 2))
+    grid = class_grid(classes)
+    pairs = _pairs(classes, grid)
+    dims = [3, 3]
+    layer, first, last, both = _random_stage_times(grid, random.Random(2))
+    back = _random_backward(layer, random.Random(3))
+    chain = chain_pairs(pairs, layer, dims, grid.sum(1))
+    trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, 3, 4),
+                     middles=trip_middles(pairs, layer, back, dims, grid.sum(1)))
+    gone = time.perf_counter() - 1
+    assert suffix_totals(layer, last, chain, dims, 3, 4, deadline_s=gone) is None
+    assert chain_floor(layer, first, last, both, chain, dims, 3, 2, deadline_s=gone, round_trip=trip) is None
+    spec, cluster = PRESETS["gpt3-1.3b"], load_cluster(ROOT / "clusters" / "cephalo_8gpu.yaml")
+    profiles = ProfileSet(spec)
+    monkeypatch.setattr(R, "CHAIN_WORK", 0)
+    plain = _bound(spec, cluster, profiles, 64)
+    monkeypatch.setattr(R, "CHAIN_WORK", 2_500_000_000)
+    monkeypatch.setattr(R, "suffix_totals", lambda *a, **k: None)  # as past the deadline
+    cut = _bound(spec, cluster, profiles, 64)
+    assert not cut.whole_layers and not cut.round_trip and cut.bound_ms == plain.bound_ms
 
 
 def test_a_middle_stage_as_fast_per_layer_may_charge_less_round_trip():
@@ -266,8 +318,10 @@ def test_a_middle_stage_as_fast_per_layer_may_charge_less_round_trip():
     last = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5])
     both = np.array([0.1, 0.1, 0.1, 0.1, 0.6, 0.1, 0.6, 0.6, 0.6])
     N, m, dims = 4, 3, [3, 3]
-    chain = chain_pairs(_pairs(classes, grid), layer, dims, grid.sum(1), back)
-    trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, N, 8), middles=True)
+    pairs = _pairs(classes, grid)
+    chain = chain_pairs(pairs, layer, dims, grid.sum(1))
+    trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, N, 8),
+                     middles=trip_middles(pairs, layer, back, dims, grid.sum(1)))
     phi = chain_floor(layer, first, last, both, chain, dims, N, m, round_trip=trip)
     seq, split = [(0, 1), (2, 0), (0, 1)], [2, 1, 1]
     t = [l * layer[index[c]] + (first if s == 0 else last if s == 2 else np.zeros(9))[index[c]]
@@ -580,7 +634,8 @@ def test_every_replica_takes_at_least_its_chain_with_whole_layers(seed, layered)
             if (b, m) not in phi:
                 terms = size_terms(inst.spec, inst.profiles, classes, grid, pairs, b)
                 N = inst.spec.num_layers
-                trip = RoundTrip(backward_ms=terms.backward_ms, middles=True,
+                trip = RoundTrip(backward_ms=terms.backward_ms,
+                                 middles=trip_middles(pairs, terms.layer_ms, terms.backward_ms, dims, grid.sum(1)),
                                  totals=suffix_totals(terms.layer_ms, terms.edges[1], terms.chain, dims, N, 8))
                 phi[b, m] = chain_floor(terms.layer_ms, *terms.edges, terms.chain, dims, N, m, round_trip=trip)
             vector = [0] * len(classes)
@@ -632,9 +687,9 @@ def test_the_round_trip_lifts_the_bound_on_hethub(monkeypatch):
 def test_the_round_trip_takes_what_the_budget_leaves(monkeypatch):
     """``_round_trip_choice`` on cephalo_8gpu / gpt3-1.3b at batch 64, over budgets from whole layers' own work to the
     whole round trip's: every choice fits its budget, and a larger budget never buys less (none, the first stage's at
-    growing K, every stage's at growing K up to 8, or a size's largest micro-batch count if fewer); below whole
-    layers' work, none of it. Fails if a choice is priced above ``CHAIN_WORK``, a larger budget buys less, or K passes
-    a size's largest micro-batch count."""
+    growing K, every stage's at growing K up to 8, or a size's largest micro-batch count less one if fewer); below
+    whole layers' work, none of it. Fails if a choice is priced above ``CHAIN_WORK``, a larger budget buys less, or K
+    passes a size's largest micro-batch count less one."""
     import solver.relaxation as R
 
     spec, cluster = PRESETS["gpt3-1.3b"], load_cluster(ROOT / "clusters" / "cephalo_8gpu.yaml")
@@ -644,24 +699,24 @@ def test_the_round_trip_takes_what_the_budget_leaves(monkeypatch):
     pairs = _pairs(classes, grid)
     sizes = micro_batch_sizes(cluster, profiles, 64, None)
     sized = {b: size_terms(spec, profiles, classes, grid, pairs, b) for b in sizes}
-    N = spec.num_layers
+    N, dims = spec.num_layers, [c.count + 1 for c in classes]
     monkeypatch.setattr(R, "CHAIN_WORK", math.inf)
-    most = R._round_trip_choice(sized, N, 64)
-    assert most.middles and most.stages == {b: min(8, 64 // b) for b in sized}
+    most = R._round_trip_choice(sized, pairs, dims, grid.sum(1), N, 64)
+    assert most.middles is not None and most.stages == {b: max(1, min(8, 64 // b - 1)) for b in sized}
     monkeypatch.setattr(R, "ROUND_TRIP_STAGES", 0)
-    plain = R._round_trip_choice(sized, N, 64)
+    plain = R._round_trip_choice(sized, pairs, dims, grid.sum(1), N, 64)
     assert plain.stages == {} and plain.work < most.work
     monkeypatch.setattr(R, "ROUND_TRIP_STAGES", 8)
 
     def level(choice):
-        return (choice.middles, max(choice.stages.values())) if choice.stages else (False, 0)
+        return (choice.middles is not None, max(choice.stages.values())) if choice.stages else (False, 0)
 
     monkeypatch.setattr(R, "CHAIN_WORK", plain.work - 1)
-    assert R._round_trip_choice(sized, N, 64) is None
+    assert R._round_trip_choice(sized, pairs, dims, grid.sum(1), N, 64) is None
     seen = []
     for budget in np.geomspace(plain.work, most.work, 40).tolist():
         monkeypatch.setattr(R, "CHAIN_WORK", budget * (1 + 1e-12))
-        choice = R._round_trip_choice(sized, N, 64)
+        choice = R._round_trip_choice(sized, pairs, dims, grid.sum(1), N, 64)
         assert choice.work <= budget * (1 + 1e-12)
         seen.append(level(choice))
     assert seen == sorted(seen) and seen[0] == (False, 0) and seen[-1] == (True, 8)
@@ -763,9 +818,10 @@ def test_the_chain_grows_no_faster_than_the_micro_batch_count(counts):
         layer, first, last, both = _random_stage_times(grid, rng)
         N = rng.choice([1, 3, 5])
         back = _random_backward(layer, rng)
-        chain = chain_pairs(pairs, layer, dims, grid.sum(1), back)
+        chain = chain_pairs(pairs, layer, dims, grid.sum(1))
+        paying = trip_middles(pairs, layer, back, dims, grid.sum(1))
         for middles, K in ((None, 0), (False, 2), (True, 8)):
-            trip = None if middles is None else RoundTrip(backward_ms=back, middles=middles,
+            trip = None if middles is None else RoundTrip(backward_ms=back, middles=paying if middles else None,
                                                           totals=suffix_totals(layer, last, chain, dims, N, K))
             phi = {m: chain_floor(layer, first, last, both, chain, dims, N, m, round_trip=trip)[1:]
                    for m in (1, 2, 5, 9, 17, 21)}
