@@ -73,6 +73,13 @@ def _toy_classes(counts) -> list[DeviceClass]:
                         members=tuple(f"{k}:{i}" for i in range(n))) for k, n in enumerate(counts)]
 
 
+def _toy_grid(counts):
+    """``_toy_classes``' grid, pairs, dims and index of each vector."""
+    classes = _toy_classes(counts)
+    grid = class_grid(classes)
+    return grid, _pairs(classes, grid), [n + 1 for n in counts], {tuple(v): i for i, v in enumerate(grid.tolist())}
+
+
 def _random_stage_times(grid: np.ndarray, rng: random.Random):
     """Per composition of ``grid``: a layer's time (inf for some, a stage that cannot exist), the embedding's, the
     head's and both edges' floors (both at least the larger of the two)."""
@@ -135,10 +142,7 @@ def test_the_chain_with_whole_layers_is_the_best_sequence_of_stages(counts):
     only stage; checked by enumerating, on random times with some compositions that cannot be a stage. Fails if the
     recursion charges m t where eq. 1 has (m - 1) t, makes the first or last stage hold a layer, leaves an edge out,
     drops a middle composition a smaller one does not beat, or does not take the least over the sub-vectors."""
-    classes = _toy_classes(counts)
-    grid = class_grid(classes)
-    pairs = _pairs(classes, grid)
-    dims, index = [n + 1 for n in counts], {tuple(v): i for i, v in enumerate(grid.tolist())}
+    grid, pairs, dims, index = _toy_grid(counts)
     rng = random.Random(sum(counts) * 31 + len(counts))
     for _ in range(6):
         layer, first, last, both = _random_stage_times(grid, rng)
@@ -169,10 +173,7 @@ def test_suffix_totals_are_the_least_sums_of_so_many_stages(counts):
     of exactly j stages on some of a's devices holding L whole layers (the last may hold none and runs the head), and
     for K or more stages the least over them all; checked by enumerating. Fails if a stage count is off by one, the
     head is left out, a middle stage may hold no layer, or the least over sub-vectors is not taken."""
-    classes = _toy_classes(counts)
-    grid = class_grid(classes)
-    pairs = _pairs(classes, grid)
-    dims, index = [n + 1 for n in counts], {tuple(v): i for i, v in enumerate(grid.tolist())}
+    grid, pairs, dims, index = _toy_grid(counts)
     rng = random.Random(sum(counts) * 13 + len(counts))
     for _ in range(4):
         layer, _, last, _ = _random_stage_times(grid, rng)
@@ -219,10 +220,7 @@ def test_the_round_trip_lies_under_every_sequence_and_lifts_the_chain(counts):
     one possible suffix of one stage, it equals that least where K >= 2; and it lifts the chain on some. Fails if eq.
     1r's k is one too small (the term would lie above the least), the round trip is not charged, or the suffix's total
     is read at the wrong layer count."""
-    classes = _toy_classes(counts)
-    grid = class_grid(classes)
-    pairs = _pairs(classes, grid)
-    dims, index = [n + 1 for n in counts], {tuple(v): i for i, v in enumerate(grid.tolist())}
+    grid, pairs, dims, index = _toy_grid(counts)
     rng = random.Random(sum(counts) * 17 + len(counts))
     lifted = exact = 0
     for trial in range(12):
@@ -649,39 +647,26 @@ def test_every_replica_takes_at_least_its_chain_with_whole_layers(seed, layered)
     assert (layered_checked > 0) == layered
 
 
-def test_whole_layers_lift_the_bound_where_the_chain_fits(monkeypatch):
-    """On cephalo_8gpu / gpt3-1.3b at batch 64 (about eight samples per GPU, a plan of five stages) the chain with
-    whole layers lifts eq. 12c above its value without them and above eq. 12b, and it stays under a plan the search
-    finds; with no work allowed for the chain the bound is the one without it. Fails if whole layers are not priced
-    where they fit or are priced past ``CHAIN_WORK``."""
+@pytest.mark.parametrize("name, model, knob, flag", [("cephalo_8gpu", "gpt3-1.3b", "CHAIN_WORK", "whole_layers"),
+                                                      ("hethub_nv_gpua", "llama2-7b", "ROUND_TRIP_STAGES", "round_trip")])
+def test_whole_layers_and_the_round_trip_lift_the_bound_where_they_fit(monkeypatch, name, model, knob, flag):
+    """Batch 64. On cephalo_8gpu / gpt3-1.3b (about eight samples per GPU, a plan of five stages) the chain with whole
+    layers lifts eq. 12c above its value without them and above eq. 12b; on hethub_nv_gpua / llama2-7b (16 GPUs,
+    replicas of a few stages at 16 micro-batches or fewer) the round trip (eq. 1r) lifts the bound with whole layers
+    (6,588.0 -> 6,850.3 ms); each by more than 3%, and each stays under the plan the search finds. With its knob at 0
+    (``CHAIN_WORK``, ``ROUND_TRIP_STAGES``) it is not priced. Fails if either is not priced where it fits, is priced
+    past its budget, or is charged above what a plan pays."""
     import solver.relaxation as R
 
-    spec, cluster = PRESETS["gpt3-1.3b"], load_cluster(ROOT / "clusters" / "cephalo_8gpu.yaml")
+    spec, cluster = PRESETS[model], load_cluster(ROOT / "clusters" / f"{name}.yaml")
     profiles = ProfileSet(spec)
     sharper = _bound(spec, cluster, profiles, 64)
-    monkeypatch.setattr(R, "CHAIN_WORK", 0)
+    monkeypatch.setattr(R, knob, 0)
     plain = _bound(spec, cluster, profiles, 64)
     plan = S.search(spec, cluster, profiles, global_batch=64, time_limit=30)
-    assert sharper.whole_layers and not plain.whole_layers
+    assert getattr(sharper, flag) and not getattr(plain, flag) and (plain.whole_layers or flag == "whole_layers")
     assert max(plain.bound_ms, ideal_bound(spec, cluster, profiles, 64).bound_ms) * 1.03 < sharper.bound_ms
     assert sharper.bound_ms <= plan.objective_ms
-
-
-def test_the_round_trip_lifts_the_bound_on_hethub(monkeypatch):
-    """On hethub_nv_gpua / llama2-7b at batch 64 (16 GPUs, replicas of a few stages at 16 micro-batches or fewer) the
-    round trip (eq. 1r) lifts eq. 12c with whole layers by more than 3% (6,588.0 -> 6,850.3 ms), and the bound stays
-    under the plan the search finds; with ``ROUND_TRIP_STAGES`` at 0 it is not priced. Fails if the round trip is not
-    charged where it fits, or charged above what a plan pays."""
-    import solver.relaxation as R
-
-    spec, cluster = PRESETS["llama2-7b"], load_cluster(ROOT / "clusters" / "hethub_nv_gpua.yaml")
-    profiles = ProfileSet(spec)
-    sharper = _bound(spec, cluster, profiles, 64)
-    monkeypatch.setattr(R, "ROUND_TRIP_STAGES", 0)
-    plain = _bound(spec, cluster, profiles, 64)
-    plan = S.search(spec, cluster, profiles, global_batch=64, time_limit=30)
-    assert sharper.round_trip and not plain.round_trip and plain.whole_layers
-    assert plain.bound_ms * 1.03 < sharper.bound_ms <= plan.objective_ms
 
 
 def test_the_round_trip_takes_what_the_budget_leaves(monkeypatch):
