@@ -815,7 +815,7 @@ def _round_trip_choice(sized: dict[int, "SizeTerms"], pairs: _Pairs, dims: list[
     stage's the same way, else none; None where whole layers alone do not fit. Whole layers take one ``chain_floor``
     per size and count bucket (F is the first pass's). The round trip adds one ``suffix_totals`` per size and K terms
     per first pair, count bucket and layer count; with the middles, the chain's pass over ``ChainPairs.middle`` becomes
-    one of K + 1 terms a step over ``trip_middles``' pairs, which the middles' pairs are built for only then."""
+    one of K + 1 terms a step over ``trip_middles``' pairs (built here, so only where whole layers fit)."""
     N = num_layers
     buckets = {b: len(_micro_batch_buckets(global_batch // b)) for b in sized}
     work = sum(buckets[b] * x.chain.work(N) for b, x in sized.items())
