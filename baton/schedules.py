@@ -202,6 +202,14 @@ def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> tup
 
 
 @functools.lru_cache(maxsize=4096)
+def forwards_before_first_backward(num_stages: int, num_microbatches: int, stage: int) -> int:
+    """How many forwards stage ``stage`` runs under 1F1B before its first backward, read from its passes
+    (``one_f_one_b_order``); the bound's eq. 1r charges the first backward's wait against them."""
+    order = one_f_one_b_order(num_stages, num_microbatches, stage)
+    return next(i for i, (kind, _, _) in enumerate(order) if kind == "B")
+
+
+@functools.lru_cache(maxsize=4096)
 def interleaved_one_f_one_b(num_devices: int, num_chunks: int, num_microbatches: int) -> Schedule:
     """Interleaved 1F1B over ``num_devices`` devices of ``num_chunks`` chunks each (Megatron's virtual pipeline
     stages). The micro-batches go in rounds of at least p (max(1, m // p) rounds, as equal as they come, the

@@ -37,6 +37,7 @@ from baton.costmodel import (edge_comm_passes_on_ms, edge_train_ms, layer_allred
                              layer_param_count, layer_train_ms)
 from baton.model_spec import ModelSpec
 from baton.profile import ProfileSet
+from baton.schedules import forwards_before_first_backward
 
 from solver import stop
 from solver.bounds import _sync_line
@@ -456,28 +457,34 @@ def trip_middles(pairs: _Pairs, layer_ms: np.ndarray, backward_ms: np.ndarray, d
 
 def _front_stage(per: np.ndarray, after: np.ndarray, num_layers: int, join) -> np.ndarray:
     """For pairs whose front stage takes ``per`` ms a layer and holds l >= 1 layers before a rest whose value at L - l
-    layers is ``after``: per pair and L, the least over l of ``join(t, after)``, t = l per (inf where no l fits)."""
+    layers is ``after``: per pair and L, the least over l of ``join(t, l, after)``, t = l per (inf where no l fits)."""
     N = num_layers
     best = np.full((len(per), N + 1), math.inf)
     per = per[:, None]
     with np.errstate(invalid="ignore"):
         for l in range(1, N + 1):
-            np.minimum(best[:, l:], join(per * l, after[:, :N + 1 - l]), out=best[:, l:])
+            np.minimum(best[:, l:], join(per * l, l, after[:, :N + 1 - l]), out=best[:, l:])
     return best
 
 
-def _over_middles(values: np.ndarray, layer_ms: np.ndarray, middle: _Pairs, num_layers: int, join, *,
+def _plain(join):
+    """A join of a front stage's time and the rest's value that reads nothing else (``_over_middles``' ``join_at``)."""
+    return lambda c, rest: lambda t, l, after: join(t, after)
+
+
+def _over_middles(values: np.ndarray, layer_ms: np.ndarray, middle: _Pairs, num_layers: int, join_at, *,
                   rest: np.ndarray | None = None, deadline_s: float) -> np.ndarray | None:
     """``values`` with, at every vector a, the least of its own and of ``_front_stage`` over the middle pairs (c, a - c)
     with the rest read at a - c from ``rest`` (one more stage), or where it is None from the result itself, level by
-    level, each reading the levels before it updated (a programme over any number of stages). None past the
-    deadline."""
+    level, each reading the levels before it updated (a programme over any number of stages). ``join_at(c, rest)``
+    gives a level's join, which may read what it needs of its pairs once. None past the deadline."""
     out = values.copy()
     source = out if rest is None else rest
     for sl, targets, starts in middle.levels:
         if stop.past(deadline_s):
             return None
-        best = _front_stage(layer_ms[middle.c[sl]], source[middle.rest[sl]], num_layers, join)
+        c, after = middle.c[sl], middle.rest[sl]
+        best = _front_stage(layer_ms[c], source[after], num_layers, join_at(c, after))
         out[targets] = np.minimum(out[targets], np.minimum.reduceat(best, starts, axis=0))
     return out
 
@@ -511,7 +518,7 @@ def suffix_totals(layer_ms: np.ndarray, last_ms: np.ndarray, chain: ChainPairs, 
 
     def more(values):
         """One middle stage (c, l >= 1) of some of a's devices before ``values`` at a - c and L - l."""
-        found = _over_middles(np.full_like(values, math.inf), layer_ms, chain.middle, N, np.add, rest=values,
+        found = _over_middles(np.full_like(values, math.inf), layer_ms, chain.middle, N, _plain(np.add), rest=values,
                               deadline_s=deadline_s)
         return None if found is None else least_within(found, dims)
 
@@ -521,7 +528,7 @@ def suffix_totals(layer_ms: np.ndarray, last_ms: np.ndarray, chain: ChainPairs, 
         if found is None:
             return None
         exact.append(found)
-    beyond = _over_middles(alone, layer_ms, chain.middle, N, np.add, deadline_s=deadline_s)
+    beyond = _over_middles(alone, layer_ms, chain.middle, N, _plain(np.add), deadline_s=deadline_s)
     if beyond is None:
         return None
     beyond = least_within(beyond, dims)
@@ -585,9 +592,10 @@ def chain_floor(layer_ms: np.ndarray, first_ms: np.ndarray, last_ms: np.ndarray,
     S[0, :] = math.inf
 
     if round_trip is not None and round_trip.middles is not None:
-        S = _middles_with_trip(S, layer_ms, round_trip.middles, N, m, round_trip, deadline_s)
+        S = _over_middles(S, layer_ms, round_trip.middles, N, _trip_join(round_trip, m), deadline_s=deadline_s)
     else:
-        S = _over_middles(S, layer_ms, chain.middle, N, lambda t, after: _chained(t, after, m), deadline_s=deadline_s)
+        S = _over_middles(S, layer_ms, chain.middle, N, _plain(lambda t, after: _chained(t, after, m)),
+                          deadline_s=deadline_s)
     if S is None:
         return None
     phi = m * (held[:, N] + both_ms)
@@ -617,43 +625,32 @@ def _chained(t: np.ndarray, after: np.ndarray, m: int) -> np.ndarray:
 
 def _trip(t: np.ndarray, back: np.ndarray, m: int, beyond: np.ndarray, exact: list) -> np.ndarray:
     """Eq. 1r's term of a stage of time ``t`` and backward ``back`` (at most t) before suffixes whose least sums of j
-    stages are ``exact[j - 1]`` and of K or more ``beyond``: the least over j of (m - k) t + k B + that sum,
-    k = min(j, m - 1), and m - 1 for K or more."""
+    stages are ``exact[j - 1]`` and of K or more ``beyond``: the least over j of (m - k) t + k B + that sum, k + 1 the
+    forwards 1F1B runs on a stage with j stages after it before its first backward (min(j, m - 1)), and for K or more
+    m - 1, the most (a stage runs m forwards in all)."""
     trip = t + (m - 1) * back + beyond
     for j, e in enumerate(exact, start=1):
-        k = min(j, m - 1)
+        k = forwards_before_first_backward(j + 1, m, 0) - 1
         trip = np.minimum(trip, (m - k) * t + k * back + e)
     return trip
 
 
-def _middles_with_trip(S: np.ndarray, layer_ms: np.ndarray, middle: _Pairs, num_layers: int, m: int,
-                       round_trip: RoundTrip, deadline_s: float) -> np.ndarray | None:
-    """``chain_floor``'s S where a middle stage also pays its round-trip term (eq. 1r, the first stage's form counted
-    from the suffix's start): the same programme, each front stage (c, l) charged the larger of t + max((m - 1) t, S)
-    and the least over the suffix's stage counts j of (m - k) t + k B + the least sum of j stages, k = min(j, m - 1).
-    None past the deadline."""
-    N = num_layers
-    out = S.copy()
+def _trip_join(round_trip: RoundTrip, m: int):
+    """``_over_middles``' join where a middle stage also pays its round trip (eq. 1r, the first stage's form counted
+    from the suffix's start): each front stage (c, l) is charged the larger of eq. 1's t + max((m - 1) t, S) and eq.
+    1r's least over the suffix's stage counts (``_trip``), B = l times the backward floor, at most t."""
     tot = round_trip.totals
-    for sl, targets, starts in middle.levels:
-        if stop.past(deadline_s):
-            return None
-        c, rest = middle.c[sl], middle.rest[sl]
-        per, bper = layer_ms[c][:, None], round_trip.backward_ms[c][:, None]
-        after = out[rest]
-        exact = [e[rest] for e in tot.exact]
-        beyond = tot.beyond[rest]
-        best = np.full((len(c), N + 1), math.inf)
-        with np.errstate(invalid="ignore"):
-            for l in range(1, N + 1):
-                t = per * l
-                b = np.minimum(bper * l, t)
-                w = N + 1 - l
-                value = _chained(t, after[:, :w], m)
-                trip = _trip(t, b, m, beyond[:, :w], [e[:, :w] for e in exact])
-                np.minimum(best[:, l:], np.maximum(value, trip), out=best[:, l:])
-        out[targets] = np.minimum(out[targets], np.minimum.reduceat(best, starts, axis=0))
-    return out
+
+    def at(c: np.ndarray, rest: np.ndarray):
+        per_back = round_trip.backward_ms[c][:, None]
+        exact, beyond = [e[rest] for e in tot.exact], tot.beyond[rest]
+
+        def join(t, l, after):
+            w = after.shape[1]
+            trip = _trip(t, np.minimum(per_back * l, t), m, beyond[:, :w], [e[:, :w] for e in exact])
+            return np.maximum(_chained(t, after, m), trip)
+        return join
+    return at
 
 
 def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, holders: int) -> np.ndarray:

@@ -36,6 +36,7 @@ from baton.model_spec import PRESETS
 from baton.pipeline import PipelineTiming, iteration_time_1f1b
 from baton.plan import simple_plan, validate
 from baton.profile import ProfileSet
+from baton.schedules import forwards_before_first_backward
 from solver.ideal import ideal_bound
 from solver.moves import neighbours
 from solver.options import valid_unit_counts
@@ -390,6 +391,9 @@ def test_eq1_waits_for_micro_batch_0s_round_trip():
             broken = min(broken, T - (others + (m - max(min(p - s - 1, m - 1) - 1, 0)) * fwd[s]))
     assert least >= -1e-9 and least < 1e-9
     assert broken < -1.0
+    # The bound reads k from the schedule's own lists.
+    assert all(forwards_before_first_backward(p, m, s) - 1 == min(p - s - 1, m - 1)
+               for p in range(1, 8) for m in range(1, 10) for s in range(p))
 
 
 def _clusters():
