@@ -82,6 +82,7 @@ import gc
 import json
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -426,9 +427,13 @@ def main(argv: list[str] | None = None) -> int:
            "host_link_gb_per_s": cluster.devices[0].host_link_gb_per_s}
     rows: list[dict] = []
     dev = torch.device("cpu" if cpu else "cuda:0")
-    with one_rank_group(dev):  # baton train's one rank: one process group (NCCL on CUDA) for every plan
-        run_models(models, seq_len, global_batch, micro_batches, labels, dev, gpu_type, cluster, cluster_path, capacity,
-                   profiles_dir, args, env, rows, steps=steps, rounds=rounds, warmup=warmup, reps=reps, started=started)
+    try:
+        with one_rank_group(dev):  # baton train's one rank: one process group (NCCL on CUDA) for every plan
+            run_models(models, seq_len, global_batch, micro_batches, labels, dev, gpu_type, cluster, cluster_path,
+                       capacity, profiles_dir, args, env, rows, steps=steps, rounds=rounds, warmup=warmup, reps=reps,
+                       started=started)
+    finally:  # the cluster file is only the preflight's input; every run left one behind in the temp folder
+        shutil.rmtree(work, ignore_errors=True)
     print(markdown(rows, env))
     print(f"bench_gpu: {time.perf_counter() - started:.0f} s")
     return 0

@@ -2,6 +2,7 @@
 cluster, the plans it tries and keeps, the result rows and table) work on the cost model alone."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -173,9 +174,12 @@ def test_cpu_mode_runs_the_whole_benchmark_end_to_end(tmp_path):
     ones, the files. So a GPU run can fail only on the GPU."""
     import json
 
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--device", "cpu", "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(scratch)})
     assert res.returncode == 0, (res.stdout, res.stderr)
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("baton-bench-gpu-")]  # its scratch is gone
     data = json.loads((tmp_path / "gpu.json").read_text())
     env, rows = data["environment"], data["plans"]
     assert "failed" not in env, env.get("failed")
