@@ -59,14 +59,19 @@ def _own_user_directories(tmp_path_factory):
     """Tests never touch the developer's directories: profile lookups see the shipped tables and an empty
     user directory (a table left in ~/.local/share/baton would shadow the shipped ones and change results),
     and `baton train` without --run-dir or --save-dir writes runs/<time> into a temporary directory
-    instead of the checkout."""
+    instead of the checkout. The processes tests start put their temporary files under pytest's own temporary
+    root (TMPDIR), which pytest prunes: a process a test kills on purpose (SIGKILL to a trainer, a torchrun agent,
+    a searching parent) cannot remove its own, and they piled up in /tmp, dozens a day."""
     import os
+    import tempfile
 
-    dirs = {"BATON_PROFILES": "user-profiles", "BATON_RUNS_DIR": "runs"}
+    dirs = {"BATON_PROFILES": "user-profiles", "BATON_RUNS_DIR": "runs", "TMPDIR": "tmp"}
     old = {k: os.environ.get(k) for k in dirs}
     for key, name in dirs.items():
         os.environ[key] = str(tmp_path_factory.mktemp(name))
+    old_tempdir, tempfile.tempdir = tempfile.tempdir, os.environ["TMPDIR"]  # this process looks where they write
     yield
+    tempfile.tempdir = old_tempdir
     for key, value in old.items():
         if value is None:
             os.environ.pop(key, None)
