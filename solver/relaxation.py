@@ -14,7 +14,10 @@ which enter every equation alike), so it needs no layout:
   time eq. 1's chain allows when every stage holds whole layers and the first and last stages run the edges, with
   each stage's wait for micro-batch 0's round trip through the later ones (eq. 1r, ``suffix_totals``), by a
   second programme, where it fits ``CHAIN_WORK``;
-* ``sync_floor`` bounds a replica's data-parallel sync (eq. 13, 15-17) when the plan has ``r`` or more replicas;
+* ``sync_floor`` bounds a replica's data-parallel sync (eq. 13, 15-17) when the plan has ``r`` or more replicas, over
+  the links ``sync_lines`` allows (a replica that fills its node reaches the other replicas over the network), and
+  ``held_counts`` how many micro-batches a replica can run when what its devices hold costs them compute and sync
+  at once;
 * an LP over replicas (how many of each vector, fractions allowed) finds the least time at which the replicas,
   within the cluster's devices and ``r`` replicas, could train the global batch.
 
@@ -36,6 +39,7 @@ from baton.cluster import ClusterSpec, Link, slower_end
 from baton.costmodel import (edge_comm_passes_on_ms, edge_train_ms, layer_allreduce_on_ms, layer_backward_ms,
                              layer_param_count, layer_train_ms)
 from baton.model_spec import ModelSpec
+from baton.operators import padded_vocab
 from baton.profile import ProfileSet
 from baton.schedules import forwards_before_first_backward
 
@@ -56,6 +60,9 @@ ROUND_TRIP_STAGES = 8
 """K of ``suffix_totals``: the round trip through the stages after the stage that pays it is charged at their exact
 count up to K - 1 and at k = m - 1 beyond (K is also at most the largest micro-batch count less one, past which k no
 longer grows: K - 1 exact counts and k = m - 1 beyond are then exact)."""
+SCAN = 8
+"""Counts ``held_counts`` tries one by one below its bisection's answer (the bisection reads the edges' loss at its
+least over larger counts, so it may answer above the largest count that fits)."""
 MAX_DEVICES = 128
 """The programme runs one step per device count (its levels), per micro-batch size and count bucket: a cluster of more
 devices is not bounded so, however few its classes."""
@@ -653,26 +660,49 @@ def _trip_join(round_trip: RoundTrip, m: int):
     return at
 
 
-def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, holders: int) -> np.ndarray:
-    """For every replica vector a: a lower bound on T_dp (eq. 13, 15; the ring passes of eq. 16-17 at stages 2 and 3)
-    in every plan of ``holders`` or more replicas (rule 13): each device d holding P_d parameters pays at least
-    alpha_k P_d + beta_k, the line of a group of that many holders over the fastest link d could reach another replica's
-    holder by (its node's intra link when the holders fit on one node, its NIC otherwise), and the replica's devices
-    hold every layer between them. The least T at which they could, by bisection from below."""
+def least_on_node(classes: list[DeviceClass], grid: np.ndarray) -> np.ndarray:
+    """Per replica vector a and class k: the fewest of a's devices on the node of a device of class k in a (at least
+    that device). A node kind's nodes each hold ``per_node`` devices of each of its classes, so a's a_j devices of a
+    class j of that kind leave at least a_j - (nodes - 1) per_node_j on any one of its nodes."""
+    out = np.zeros(grid.shape, dtype=np.int64)
+    for k, c in enumerate(classes):
+        nodes = c.count // c.per_node
+        for j, other in enumerate(classes):
+            if other.node_kind == c.node_kind:
+                out[:, k] += np.maximum(grid[:, j] - (nodes - 1) * other.per_node, 1 if j == k else 0)
+    return out
+
+
+def sync_lines(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray,
+               holders: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per replica vector a and class k: (alpha, beta), the line under the sync of a device of class k in a replica
+    of a in every plan of ``holders`` or more replicas (rule 13): a device holding P_d parameters pays at least
+    alpha P_d + beta, the line of a group of that many holders over the fastest link d could reach another replica's
+    holder by. That is d's node's intra link only where the other replicas' holders of d's parameters (one each, none
+    of them a's) fit on d's node beside a's own devices there (``least_on_node``): a replica that fills its node leaves
+    no room for them, and d then reaches some holder over its NIC. inf where neither link exists: no plan has this
+    many replicas with that class."""
     line = _sync_line(spec, holders)
-    per_class = []
-    for c in classes:
-        options = []
-        if c.intra is not None and holders <= c.node_devices:
-            options.append(line(c.intra))
-        if c.nic is not None:
-            options.append(line(c.nic))
-        if not options:  # no other replica can be reached: no plan has this many replicas with this class
-            per_class.append((math.inf, math.inf))
-        else:
-            per_class.append((min(o[0] for o in options), min(o[1] for o in options)))
-    alpha = np.array([a for a, _ in per_class])
-    beta = np.array([b for _, b in per_class])
+    on_node = least_on_node(classes, grid)
+    alpha = np.full(grid.shape, math.inf)
+    beta = np.full(grid.shape, math.inf)
+    for k, c in enumerate(classes):
+        nic = line(c.nic) if c.nic is not None else (math.inf, math.inf)
+        alpha[:, k], beta[:, k] = nic
+        if c.intra is not None:
+            fits = holders - 1 <= c.node_devices - on_node[:, k]
+            intra = line(c.intra)
+            alpha[fits, k] = min(intra[0], nic[0])
+            beta[fits, k] = min(intra[1], nic[1])
+    return alpha, beta
+
+
+def sync_floor(spec: ModelSpec, grid: np.ndarray, lines: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """For every replica vector a: a lower bound on T_dp (eq. 13, 15; the ring passes of eq. 16-17 at stages 2 and 3)
+    in the plans ``lines`` (``sync_lines``) holds for: each device d holding P_d parameters pays at least
+    alpha P_d + beta, and the replica's devices hold every layer between them. The least T at which they could, by
+    bisection from below."""
+    alpha, beta = lines
     need = spec.num_layers * layer_param_count(spec, 1.0)
     counts = grid.astype(float)
 
@@ -683,7 +713,7 @@ def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, ho
 
     lo = np.zeros(len(grid))
     hi = np.full(len(grid), max(1.0, float(np.nanmax(np.where(np.isfinite(beta), beta, 0.0))) + 1.0))
-    usable = (counts[:, np.isfinite(alpha)].sum(1) > 0) if np.isfinite(alpha).any() else np.zeros(len(grid), bool)
+    usable = (counts * np.isfinite(alpha)).sum(1) > 0
     for _ in range(200):
         short = usable & (held(hi) < need)
         if not short.any():
@@ -694,6 +724,68 @@ def sync_floor(spec: ModelSpec, classes: list[DeviceClass], grid: np.ndarray, ho
         ok = held(mid) >= need
         lo, hi = np.where(ok, lo, mid), np.where(ok, mid, hi)
     return np.where(usable, lo, math.inf)
+
+
+def held_counts(T: float, grid: np.ndarray, lines: tuple[np.ndarray, np.ndarray], rates: HeldRates, need: float,
+                top: int) -> np.ndarray:
+    """Per replica vector: the most micro-batches m (at most ``top``) a replica of it could run within T when its
+    devices must also sync what they hold (solver/README.md, step 4, "Holding costs compute"). T - T_opt >= T_pipe +
+    T_dp, T_pipe is at least each device's compute and T_dp each device's sync (``sync_lines``), so a device of class k
+    holding P_d layer parameters and a share u of an edge has m kappa P_d + m u epsilon + alpha (P_d + u E) + beta <= T
+    (``HeldRates``). Its layer parameters are so at most (T - beta - u (m epsilon + alpha E)) / w, w = m kappa + alpha;
+    the replica's devices hold every layer (``need``) and each edge at shares adding up to one, on one stage or two,
+    so sum_d (T - beta) / w - loss >= need, the loss at least min_d (m epsilon + alpha E) / w per edge. With each loss
+    taken at its least over counts from m up (a ratio of two lines is monotone in m: at m or at ``top``) the left side
+    falls as m grows, so bisection finds the largest m where that holds, above every m where the condition does; from
+    there down, counts where the condition itself fails are dropped (``SCAN`` at most). 0 where it fails at m = 0."""
+    alpha, beta = lines
+    present = grid > 0
+    room = np.where(present & np.isfinite(alpha) & (T > beta), T - beta, 0.0)
+    need = need * (1 - 1e-12)  # generous: a bound from below must not lose a count to rounding
+
+    def per_device(m, eps, rows):
+        """Per vector and class: (m eps + alpha rows) / w at count m (inf where the class is absent)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            work = np.where(m[:, None] > 0, m[:, None] * rates.layer_ms[None, :], 0.0)
+            spent = np.where(m[:, None] > 0, m[:, None] * eps[None, :], 0.0) + alpha * rows
+            return np.where(present & np.isfinite(alpha), spent / (work + alpha), math.inf)
+
+    def loss(m, at_top):
+        """The least the edges take of the layers' room at count m; with ``at_top``, each term at its least over m and
+        ``top``."""
+        least = [per_device(m, eps, rows) for eps, rows in zip(rates.edge_ms, rates.edge_rows)]
+        if at_top is not None:
+            least = [np.minimum(x, y) for x, y in zip(least, at_top)]
+        least = [x.min(1) for x in least]
+        return np.minimum(least[0] + least[1], least[2])
+
+    tops = np.full(len(grid), float(top))
+    at_top = [per_device(tops, eps, rows) for eps, rows in zip(rates.edge_ms, rates.edge_rows)]
+
+    def ok(m, envelope=at_top):
+        work = np.where(m[:, None] > 0, m[:, None] * rates.layer_ms[None, :], 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            each = np.where(room > 0, room / (work + alpha), 0.0)
+        return (grid * each).sum(1) - loss(m, envelope) >= need
+
+    lo = np.zeros(len(grid))
+    hi = tops.copy()
+    ok_top = ok(hi)
+    while True:
+        open_ = ~ok_top & (hi - lo > 1)
+        if not open_.any():
+            break
+        mid = np.floor((lo + hi) / 2)
+        good = ok(mid)
+        lo = np.where(open_ & good, mid, lo)
+        hi = np.where(open_ & ~good, mid, hi)
+    most = np.where(ok_top, tops, np.where(ok(np.zeros(len(grid))), lo, 0.0))
+    for _ in range(SCAN):
+        short = (most > 0) & ~ok(most, None)
+        if not short.any():
+            break
+        most = np.where(short, most - 1, most)
+    return most
 
 
 def _micro_batch_buckets(most: int, exact: int = 16) -> list[tuple[int, int]]:
@@ -743,6 +835,8 @@ class SizeTerms:
     """The pairs ``chain_floor`` tries."""
     backward_ms: np.ndarray
     """A layer's least backward per micro-batch, ms (``backward_floors``)."""
+    held: "HeldRates"
+    """Per class, its least compute per parameter it holds (``held_rates``)."""
 
 
 def size_terms(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], grid: np.ndarray, pairs: _Pairs,
@@ -755,7 +849,44 @@ def size_terms(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass]
     return SizeTerms(rates=rates, layer_ms=layer_ms, edges=edges,
                      sample_layers=spec.num_layers + edge_layers(layer_ms, *edges, dims),
                      chain=chain_pairs(pairs, layer_ms, dims, grid.sum(1)),
-                     backward_ms=backward_floors(spec, profiles, classes, grid, micro_batch, layer_ms))
+                     backward_ms=backward_floors(spec, profiles, classes, grid, micro_batch, layer_ms),
+                     held=held_rates(spec, profiles, classes, micro_batch))
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRates:
+    """What a device's compute per micro-batch is at least, per class, against what it holds (``held_counts``);
+    inf where the class's table lacks the size."""
+
+    layer_ms: np.ndarray
+    """kappa: the least of t(b, u) / P(u) over the shares u a plan can give, t a layer's forward and backward at
+    micro-batch b with nothing recomputed (``costmodel.layer_train_ms``), P(u) the layer parameters a rank at share u
+    holds (``costmodel.layer_param_count``), ms per parameter. A device holding P_d layer parameters in a stage of any
+    layers at any share spends at least kappa P_d (recomputation and the rest only add)."""
+    edge_ms: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """epsilon of the embedding, of the final norm, head and loss, and of both on one rank: the least of e(b, u) / u
+    over the vocabulary shares (``costmodel.edge_train_ms``), ms per whole vocabulary. A rank at share u spends at
+    least u epsilon."""
+    edge_rows: tuple[float, float, float]
+    """The vocabulary rows' parameters (padded V h) the embedding, the head and both on one rank hold at share 1: a
+    tied head on its own stage keeps a copy, on the embedding's stage none."""
+
+
+def held_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], micro_batch: int) -> HeldRates:
+    """``HeldRates`` at ``micro_batch``."""
+    holds = _holds(profiles, classes, micro_batch)
+    shares = plan_shares(spec)
+
+    def per_class(cost) -> np.ndarray:
+        return np.array([min(cost(profiles[c.gpu], u) for u in shares) if holds[k] else math.inf
+                         for k, c in enumerate(classes)])
+
+    b = micro_batch
+    rows = float(padded_vocab(spec) * spec.hidden_dim)
+    return HeldRates(layer_ms=per_class(lambda prof, u: layer_train_ms(prof, spec, b, u) / layer_param_count(spec, u)),
+                     edge_ms=tuple(per_class(lambda prof, u, f=f, la=la: edge_train_ms(prof, spec, b, u, first=f, last=la) / u)
+                                   for f, la in ((True, False), (False, True), (True, True))),
+                     edge_rows=(rows, rows, rows if spec.tie_embeddings else 2 * rows))
 
 
 def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,
@@ -866,7 +997,7 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
                     return None
                 phi_of[b, bucket] = phi
 
-    def samples(T: float, floor: np.ndarray) -> np.ndarray:
+    def samples(T: float, floor: np.ndarray, lines: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Per vector, the most samples a replica of it could train with its pipeline and sync within T: m b with
         m b (N + E(a)) <= (T - sync) F(a) (F at the largest count of m's bucket, so never less than m's own) and, with
         whole layers, Phi_m(a) <= T - sync, where Phi_m >= (m / hi) Phi_hi (the chain at the bucket's largest count;
@@ -881,9 +1012,10 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
                 return np.nan_to_num(np.floor(count * (1 + 1e-12) + 1e-9), posinf=math.inf)
 
         for b, bucket_list in buckets.items():
+            held = math.inf if lines is None else held_counts(T, grid, lines, sized[b].held, need, G // b)
             for lo, hi in bucket_list:
                 with np.errstate(invalid="ignore", divide="ignore"):
-                    m = np.minimum(hi, most(room * capacity[b, (lo, hi)] / (b * sized[b].sample_layers)))
+                    m = np.minimum(np.minimum(hi, held), most(room * capacity[b, (lo, hi)] / (b * sized[b].sample_layers)))
                     if whole_layers:
                         m = np.minimum(m, most(hi * room / phi_of[b, (lo, hi)]))
                 best = np.maximum(best, np.where(m >= lo, b * m, 0.0))
@@ -915,10 +1047,12 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
     where = (1, 1)
     avail = np.array([c.count for c in classes], dtype=float)
     n_devices = int(avail.sum())
+    need = N * layer_param_count(spec, 1.0)
     for r_lo, r_hi in _replica_buckets(min(G, n_devices)):
-        floor = sync_floor(spec, classes, grid, r_lo)
-        value = least(lambda T: _replicas_lp(samples(T, floor), grid, avail, r_lo, r_hi) >= G * (1 - 1e-9), best / 2,
-                      cap=best)
+        lines = sync_lines(spec, classes, grid, r_lo)
+        floor = sync_floor(spec, grid, lines)
+        value = least(lambda T: _replicas_lp(samples(T, floor, lines), grid, avail, r_lo, r_hi) >= G * (1 - 1e-9),
+                      best / 2, cap=best)
         if value is None:
             return None
         if value < best:

@@ -15,6 +15,7 @@ Two families:
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -278,7 +279,10 @@ def iter_structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: i
       ("spread": r dividing every used kind's group count, the block size a multiple or a divisor of a node's
       group count), or every node's groups of each type are split evenly among them ("share").
     * A pipeline runs through the used node kinds in some order (every order is tried), a kind's groups
-      consecutive in the order above (in a mixed node, every type order is tried).
+      consecutive in the order above (in a mixed node, every type order is tried). A pipeline of one replica may
+      also run a mixed node's groups in any order of their types (``_interleavings``, up to ``INTERLEAVE_LIMIT``
+      orders), and start with any one group of its last kind's, so that its first and last stages can share a node
+      (the tied embedding's sync between them then stays inside the node).
     * Plus the baselines' layouts over canonically ordered devices (kinds in every order, a node's types in
       every order, nodes of a kind and devices of a node and type in cluster order): Megatron's TP-DP-PP rank
       order over the devices of some GPU types, HetHub's one-type stages, HAP's single group. Megatron's and
@@ -335,7 +339,7 @@ def iter_structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: i
             for perm in itertools.permutations(range(len(chosen))):
                 type_orders = [[o for o in itertools.permutations(range(len(type_lists[i]))) if all(sizes[i][t] or t == o[t] for t in range(len(o)))]
                                for i in perm]
-                for torder in itertools.product(*type_orders):
+                for n_order, torder in enumerate(itertools.product(*type_orders)):
                     # Per used kind (in pipeline order), per node, its TP groups in the type order.
                     node_groups = []
                     for pos, ki in enumerate(perm):
@@ -370,6 +374,62 @@ def iter_structured_skeletons(cluster: ClusterSpec, *, heads: int, max_stages: i
                         sk = Skeleton(pipelines=tuple(pipes))
                         if (not mixed or sk.one_shape) and new(sk):
                             yield sk
+                        if r != 1:
+                            continue
+                        # One replica: a mixed node's groups also in every order of their types, not only type
+                        # by type (every type order gives the same set: listed once, at the first).
+                        blocks = [seqs] + (list(_interleavings(node_groups)) if n_order == 0 and mixed else [])
+                        for order in blocks:
+                            one = Skeleton(pipelines=(tuple(g for block in order for g in block),))
+                            if order is not seqs and new(one):
+                                yield one
+                            if len(order) > 1 and len(order[-1]) > 1:
+                                # The last kind's block lends one group to the front: first and last stage on one
+                                # node, where the tied embedding's sync between them stays inside the node.
+                                for grp in order[-1]:
+                                    front = Skeleton(pipelines=((grp,) + tuple(g for g in one.pipelines[0] if g != grp),))
+                                    if new(front):
+                                        yield front
+
+
+INTERLEAVE_LIMIT = 24
+"""Orders of one mixed node's groups by type (``_interleavings``) past which a kind keeps only its type-by-type orders;
+and the most orders of the whole pipeline's kinds together."""
+
+
+def _type_patterns(counts: list[int]):
+    """Every distinct sequence holding ``counts[t]`` copies of each type t, in lexicographic order."""
+    if not any(counts):
+        yield ()
+        return
+    for t, n in enumerate(counts):
+        if n:
+            rest = list(counts)
+            rest[t] -= 1
+            for tail in _type_patterns(rest):
+                yield (t,) + tail
+
+
+def _interleavings(node_groups):
+    """For a pipeline of one replica through the used kinds (``node_groups``: per kind, per node, per type its TP
+    groups), every per-kind block in which each node's groups come in one order of their types, the same order on
+    every node of the kind, the types' groups each in their own order; the given order among them. A kind with more
+    than ``INTERLEAVE_LIMIT`` orders keeps its given one, and so do all where their product is larger."""
+    per_kind = []
+    for rows in node_groups:
+        counts = [len(groups) for groups in rows[0]]
+        patterns = []
+        for pattern in itertools.islice(_type_patterns(counts), INTERLEAVE_LIMIT + 1):
+            block = []
+            for row in rows:
+                nxt = [iter(groups) for groups in row]
+                block.extend(next(nxt[t]) for t in pattern)
+            patterns.append(block)
+        per_kind.append(patterns if len(patterns) <= INTERLEAVE_LIMIT else
+                        [[g for row in rows for groups in row for g in groups]])
+    if math.prod(len(p) for p in per_kind) > INTERLEAVE_LIMIT:
+        return
+    yield from (list(order) for order in itertools.product(*per_kind))
 
 
 def _devices_by_node(cluster: ClusterSpec) -> dict[str, dict[tuple, list[str]]]:

@@ -15,6 +15,7 @@ against what it bounds, and the whole bound against exact optima and evaluated p
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -29,7 +30,7 @@ import pytest
 
 import solver.search as S
 from baton.cluster import from_mapping, load_cluster
-from baton.costmodel import layer_allreduce_ms, layer_backward_ms, layer_train_ms
+from baton.costmodel import layer_allreduce_ms, layer_backward_ms, layer_param_count, layer_train_ms
 from baton.errors import BatonError
 from baton.evaluate import evaluate
 from baton.model_spec import PRESETS
@@ -42,7 +43,8 @@ from solver.moves import neighbours
 from solver.options import valid_unit_counts
 from solver.relaxation import (DeviceClass, RoundTrip, _pairs, chain_floor, chain_pairs, class_grid, device_classes,
                                edge_floors, micro_batch_sizes, pipeline_capacity, relaxation_bound, size_terms,
-                               stage_rates, suffix_totals, sync_floor, trip_middles)
+                               held_counts, held_rates, least_on_node, stage_rates, suffix_totals, sync_floor,
+                               sync_lines, trip_middles)
 from tests.conftest import ROOT
 from tests.test_solver_helpers import CROSSED_EDGES, crossed_instance, random_instance
 
@@ -66,6 +68,15 @@ def _bound(spec, cluster, profiles, global_batch):
                              micro_batch_sizes(cluster, profiles, global_batch, None), ideal.optimizer_ms)
     assert found is not None
     return found
+
+
+def _vector(pipe, klass: dict, num_classes: int) -> tuple[int, ...]:
+    """A replica's devices per class."""
+    vector = [0] * num_classes
+    for stage in pipe.stages:
+        for d in stage.device_ids:
+            vector[klass[d]] += 1
+    return tuple(vector)
 
 
 def _toy_classes(counts) -> list[DeviceClass]:
@@ -594,19 +605,24 @@ def test_no_plan_beats_the_bound_and_every_replica_pays_its_sync_floor(seed, rep
     grid = class_grid(classes)
     index = {tuple(v): i for i, v in enumerate(grid.tolist())}
     floors: dict[int, np.ndarray] = {}
+    need = inst.spec.num_layers * layer_param_count(inst.spec, 1.0)
     synced = 0
     for plan, report in plans:
         assert report.iteration_time_ms >= found.bound_ms * (1 - 1e-9), (plan, report.iteration_time_ms, found)
         r = len(plan.pipelines)
         if r < 2:
             continue
-        floor = floors.setdefault(r, sync_floor(inst.spec, classes, grid, r))
+        floor = floors.setdefault(r, sync_floor(inst.spec, grid, sync_lines(inst.spec, classes, grid, r)))
         for pipe in plan.pipelines:
-            vector = [0] * len(classes)
-            for stage in pipe.stages:
-                for d in stage.device_ids:
-                    vector[klass[d]] += 1
-            assert report.dp_sync_ms >= floor[index[tuple(vector)]] * (1 - 1e-9), (plan, report.dp_sync_ms)
+            vector = _vector(pipe, klass, len(classes))
+            assert report.dp_sync_ms >= floor[index[vector]] * (1 - 1e-9), (plan, report.dp_sync_ms)
+        # What its devices hold costs them compute and sync at once: each replica's count is at most held_counts'.
+        lines = sync_lines(inst.spec, classes, grid, r)
+        for i, pipe in enumerate(plan.pipelines):
+            b, m = plan.batch(i)
+            rates = held_rates(inst.spec, inst.profiles, classes, b)
+            held = held_counts(report.pipeline_ms + report.dp_sync_ms, grid, lines, rates, need, inst.global_batch // b)
+            assert m <= held[index[_vector(pipe, klass, len(classes))]], (plan, m, held)
         synced += 1
     assert len(plans) >= 10
     assert (synced > 0) == replicas
@@ -876,3 +892,108 @@ def test_no_plan_beats_the_bound_on_many_instances(seed):
     assert best.objective_ms >= found.bound_ms * (1 - 1e-9)
     for plan, report in plans:
         assert report.iteration_time_ms >= found.bound_ms * (1 - 1e-9), (plan, report.iteration_time_ms, found)
+
+
+def _placements(count: int, nodes: int, per_node: int):
+    """Every way to spread ``count`` devices of one class over ``nodes`` nodes of ``per_node`` each: counts per node."""
+    for split in itertools.product(range(per_node + 1), repeat=nodes):
+        if sum(split) == count:
+            yield split
+
+
+def test_least_on_node_is_the_fewest_over_every_placement():
+    """Per replica vector and class, ``least_on_node`` is the fewest of the replica's devices on the node of one of its
+    devices of that class, over every way to place the replica on the cluster's nodes: three nodes of one kind (two T4s
+    and a V100 each) and one node of two A100s. Exact: fails if a class of the same kind is left out, another kind
+    counted, or the device itself not counted."""
+    cluster = from_mapping({"name": "kinds", "nodes": [
+        {"name": "a", "count": 3, "gpus": [{"type": "t4", "count": 2}, {"type": "v100-16gb", "count": 1}],
+         "intra_node_link": {"bandwidth_gb_per_s": 10.0, "latency_us": 5.0}},
+        {"name": "b", "gpus": [{"type": "a100-80gb", "count": 2}],
+         "intra_node_link": {"bandwidth_gb_per_s": 300.0, "latency_us": 2.0}}],
+        "inter_node_link": {"bandwidth_gb_per_s": 5.0, "latency_us": 30.0}}, source="<kinds>")
+    classes = device_classes(cluster)
+    grid = class_grid(classes)
+    found = least_on_node(classes, grid)
+    checked = 0
+    for i, a in enumerate(grid.tolist()):
+        for k, c in enumerate(classes):
+            if not a[k]:
+                continue
+            kind = [j for j, o in enumerate(classes) if o.node_kind == c.node_kind]
+            nodes = c.count // c.per_node
+            fewest = min(sum(part[x] for part in split)
+                         for split in itertools.product(*[_placements(a[j], nodes, classes[j].per_node) for j in kind])
+                         for x in range(nodes) if split[kind.index(k)][x] > 0)
+            assert found[i, k] == fewest, (a, c.gpu, found[i, k], fewest)
+            checked += 1
+    assert checked > 100
+
+
+def _two_nodes(model: str):
+    """Two nodes of two A100s each, of two kinds (their intra links differ), a slow network between."""
+    cluster = from_mapping({"name": "2+2", "nodes": [
+        {"name": "n", "gpus": [{"type": "a100-80gb", "count": 2}],
+         "intra_node_link": {"bandwidth_gb_per_s": 200.0, "latency_us": 2.0}},
+        {"name": "m", "gpus": [{"type": "a100-80gb", "count": 2}],
+         "intra_node_link": {"bandwidth_gb_per_s": 150.0, "latency_us": 2.0}}],
+        "inter_node_link": {"bandwidth_gb_per_s": 2.0, "latency_us": 30.0}}, source="<2+2>")
+    spec = PRESETS[model]
+    return spec, cluster, ProfileSet(spec)
+
+
+def _replicas(spec, cluster, groups, m: int):
+    """A plan of one stage per replica, each the tensor-parallel group ``groups[i]`` at equal units, holding every
+    layer, at micro-batch 1 and ``m`` micro-batches, optimizer state sharded (stage 1)."""
+    n = len(groups[0])
+    one = simple_plan(spec, cluster=cluster.name, stages=[[(d, 1) for d in groups[0]]], layers=[spec.num_layers],
+                      units_per_layer=n, micro_batch_size=1, num_microbatches=m)
+    stage = one.pipelines[0].stages[0]
+    return validate(dataclasses.replace(one, zero_stage=1, pipelines=tuple(
+        dataclasses.replace(one.pipelines[0], stages=(dataclasses.replace(stage, devices=tuple(
+            dataclasses.replace(share, id=d) for share, d in zip(stage.devices, group))),)) for group in groups)))
+
+
+def test_a_replica_that_fills_its_node_syncs_over_the_network():
+    """Two replicas, each a tensor-parallel pair filling its node (one node of each kind): every device's holder in
+    the other replica is on the other node, so the sync floor of a replica of a whole node is the network's, and the
+    plan pays at least that. A replica of one device from each node may find its holders beside it: its floor stays
+    the intra link's. Fails if the floor prices the intra link wherever two holders fit on a node (the rule before a
+    replica's own devices on the node were counted)."""
+    spec, cluster, profiles = _two_nodes("gpt3-350m")
+    classes = device_classes(cluster)
+    grid = class_grid(classes)
+    index = {tuple(v): i for i, v in enumerate(grid.tolist())}
+    whole = tuple(2 if c.members[0].startswith("n:") else 0 for c in classes)
+    floor = sync_floor(spec, grid, sync_lines(spec, classes, grid, 2))
+    on_nic = sync_floor(spec, grid, sync_lines(spec, [dataclasses.replace(c, intra=None) for c in classes], grid, 2))
+    in_node = sync_floor(spec, grid, sync_lines(spec, [dataclasses.replace(c, nic=None) for c in classes], grid, 2))
+    roomy = sync_floor(spec, grid, sync_lines(spec, [dataclasses.replace(c, node_devices=4) for c in classes], grid, 2))
+    assert floor[index[whole]] == on_nic[index[whole]] > 5 * roomy[index[whole]]
+    assert floor[index[(1, 1)]] == in_node[index[(1, 1)]]
+    report = evaluate(_replicas(spec, cluster, [("n:0", "n:1"), ("m:0", "m:1")], 2), cluster, profiles)
+    assert report.dp_sync_ms >= floor[index[whole]] * (1 - 1e-9), (report.dp_sync_ms, floor[index[whole]])
+
+
+def test_holding_costs_compute_and_sync_at_once():
+    """Replicas of one device hold the whole model: each device's compute and its sync of all it holds add up, and
+    ``held_counts`` (eq. 12c, step 4) allows each replica its micro-batch count at what the plan takes (T_pipe +
+    T_dp), and where the plan's sync link is the one the bound must assume (two replicas on one node; four, which
+    cannot share a node of two), not at 2% less. Fails if the edges' compute or sync is left out (the count would
+    still fit at 2% less), or if anything is charged above the cost model (the plan's own count would not fit)."""
+    spec, cluster, profiles = _two_nodes("gpt3-350m")
+    classes = device_classes(cluster)
+    grid = class_grid(classes)
+    index = {tuple(v): i for i, v in enumerate(grid.tolist())}
+    need = spec.num_layers * layer_param_count(spec, 1.0)
+    rates = held_rates(spec, profiles, classes, 1)
+    for ids, m, tight in ((("n:0", "n:1"), 4, True), (("n:0", "m:0"), 4, False), (("n:0", "n:1", "m:0", "m:1"), 2, True)):
+        report = evaluate(_replicas(spec, cluster, [(d,) for d in ids], m), cluster, profiles)
+        T = report.pipeline_ms + report.dp_sync_ms
+        lines = sync_lines(spec, classes, grid, len(ids))
+        G = m * len(ids)
+        for d in ids:
+            vector = index[tuple(int(d in c.members) for c in classes)]
+            assert held_counts(T, grid, lines, rates, need, G)[vector] >= m, (ids, T)
+            if tight:
+                assert held_counts(0.98 * T, grid, lines, rates, need, G)[vector] < m, (ids, T)
