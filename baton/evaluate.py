@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from baton.cluster import ClusterSpec
 from baton.costmodel import (device_memory, device_optimizer_ms, device_slot, edge_cost, embedding_sync_ms, group_passes,
