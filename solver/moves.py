@@ -153,6 +153,15 @@ def _explicit_ratios(plan: Plan) -> Plan:
     return dataclasses.replace(plan, pipelines=tuple(pipes))
 
 
+def _summed_ratio(plan: Plan, a: float | None, b: float | None) -> float | None:
+    """The shard ratio of a device that takes over another's: the sum of the two, None (equal parts) where both are,
+    a None beside a number read as the equal part (a stage may mix them)."""
+    if a is None and b is None:
+        return None
+    eq = _equal_ratio(plan)
+    return (eq if a is None else a) + (eq if b is None else b)
+
+
 def _map_devices(plan: Plan, fn: Callable[[DeviceShare], DeviceShare]) -> Plan:
     pipes = [dataclasses.replace(p, stages=tuple(dataclasses.replace(st, devices=tuple(fn(d) for d in st.devices))
                                                  for st in p.stages)) for p in plan.pipelines]
@@ -175,9 +184,9 @@ def _drop_device(plan: Plan) -> Lazy:
                             continue
 
                         def build(r=r, s=s, st=st, k=k, j=j, d=d):
-                            devs = [dataclasses.replace(x, units=x.units + d.units, shard_ratio=None if x.shard_ratio is None
-                                                        else x.shard_ratio + d.shard_ratio) if i == j else x
-                                    for i, x in enumerate(st.devices) if i != k]
+                            devs = [dataclasses.replace(x, units=x.units + d.units,
+                                                        shard_ratio=_summed_ratio(plan, x.shard_ratio, d.shard_ratio))
+                                    if i == j else x for i, x in enumerate(st.devices) if i != k]
                             return _set_pipe(plan, r, _with_group(plan.pipelines[r], s, st.units_per_layer, devs))
                         yield f"replica {r} stage {s}: drop {d.id}, its {d.units} units to {peer.id}", build
             elif len(groups) >= 2 and pipe.chunks == 1:

@@ -60,6 +60,9 @@ ROUND_TRIP_STAGES = 8
 """K of ``suffix_totals``: the round trip through the stages after the stage that pays it is charged at their exact
 count up to K - 1 and at k = m - 1 beyond (K is also at most the largest micro-batch count less one, past which k no
 longer grows: K - 1 exact counts and k = m - 1 beyond are then exact)."""
+NEVER_MS = 1e15
+"""A time past which no replica trains more: the sizes' counts cannot add up to the batch (every table holding only
+micro-batch 2 at batch 3), and the bound's search for the least time stops there instead of doubling forever."""
 SCAN = 8
 """Counts ``held_counts`` tries one by one below its bisection's answer (the bisection reads the edges' loss at its
 least over larger counts, so it may answer above the largest count that fits)."""
@@ -736,7 +739,7 @@ def held_counts(T: float, grid: np.ndarray, lines: tuple[np.ndarray, np.ndarray]
     the replica's devices hold every layer (``need``) and each edge at shares adding up to one, on one stage or two,
     so sum_d (T - beta) / w - loss >= need, the loss at least min_d (m epsilon + alpha E) / w per edge. With each loss
     taken at its least over counts from m up (a ratio of two lines is monotone in m: at m or at ``top``) the left side
-    falls as m grows, so bisection finds the largest m where that holds, above every m where the condition does; from
+    falls as m grows, so bisection finds the largest m where that holds, at or above every m where the condition does; from
     there down, counts where the condition itself fails are dropped (``SCAN`` at most). 0 where it fails at m = 0."""
     alpha, beta = lines
     present = grid > 0
@@ -1028,8 +1031,8 @@ def _least_pipeline_ms(spec: ModelSpec, classes: list[DeviceClass], grid: np.nda
             return cap
         lo, hi = 0.0, min(max(start, 1e-3), cap)
         while not feasible(hi):
-            if stop.past(deadline_s):
-                return None
+            if stop.past(deadline_s) or hi > NEVER_MS:
+                return None  # past NEVER_MS no count of the sizes adds up to the batch: claim nothing
             lo, hi = hi, hi * 2
         while hi - lo > 1e-7 * hi:
             if stop.past(deadline_s):

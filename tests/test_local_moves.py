@@ -40,7 +40,7 @@ import pytest
 from baton.cluster import load_cluster
 from baton.evaluate import evaluate
 from baton.model_spec import PRESETS
-from baton.plan import DeviceShare, Pipeline, Plan, Stage, validate
+from baton.plan import DeviceShare, Pipeline, Plan, Stage, simple_plan, validate
 from baton.profile import ProfileSet
 from solver.moves import MOVES, neighbours, price_neighbours
 from solver.search import search
@@ -205,3 +205,23 @@ def test_recomputing_an_offloaded_tensor_stops_offloading_it():
     assert len(moved) == 1
     dev = validate(moved[0].plan).pipelines[0].stages[1].devices[0]
     assert dev.recompute == ("attn_core",) and dev.offload == ("ctx",)
+
+
+def test_dropping_a_device_beside_one_of_equal_part_sums_their_shard_ratios():
+    """A stage may mix a written shard ratio with None (the equal part, 1 / r). Dropping one of the two devices hands
+    its ratio to the other, the None read as 1 / r: the move raised a TypeError on such plans (a review's random plans
+    found one)."""
+    spec, cluster, profiles = _inputs("a100x2_t4x2", "gpt3-125m")
+    one = simple_plan(spec, cluster=cluster.name, stages=[[("a100:0", 1), ("a100:1", 1)]], layers=[spec.num_layers],
+                      units_per_layer=2, micro_batch_size=1, num_microbatches=2)
+    stage = one.pipelines[0].stages[0]
+    pipes = tuple(dataclasses.replace(one.pipelines[0], stages=(dataclasses.replace(stage, devices=tuple(
+        dataclasses.replace(d, id=f"{gpu}:{i}", shard_ratio=ratio) for i, (d, ratio) in enumerate(zip(stage.devices, ratios)))),))
+        for gpu, ratios in (("a100", (0.25, None)), ("t4", (0.75, None))))
+    plan = validate(dataclasses.replace(one, zero_stage=1, pipelines=pipes))
+    dropped = {nb.detail: nb.plan for nb in neighbours(plan, cluster, profiles, moves=("drop-device",))}
+    kept = dropped["replica 0 stage 0: drop a100:1, its 1 units to a100:0"].pipelines[0].stages[0].devices
+    assert [(d.id, d.units, d.shard_ratio) for d in kept] == [("a100:0", 2, 0.25 + 0.5)]
+    kept = dropped["replica 1 stage 0: drop t4:0, its 1 units to t4:1"].pipelines[1].stages[0].devices
+    assert [(d.id, d.units, d.shard_ratio) for d in kept] == [("t4:1", 2, 0.75 + 0.5)]
+    assert len(dropped) == 4

@@ -997,3 +997,16 @@ def test_holding_costs_compute_and_sync_at_once():
             assert held_counts(T, grid, lines, rates, need, G)[vector] >= m, (ids, T)
             if tight:
                 assert held_counts(0.98 * T, grid, lines, rates, need, G)[vector] < m, (ids, T)
+
+
+def test_a_batch_the_sizes_cannot_add_up_to_gives_no_bound_at_once():
+    """Micro-batches of 2 cannot make a batch of 3: no replica count and size trains it, and the search for the least
+    time used to double forever without a deadline (a review found it on a random instance whose tables held only
+    size 2). Run in a process of its own, so that the hang it guards against fails the test instead of stalling it."""
+    script = ("from baton.cluster import load_cluster; from baton.model_spec import PRESETS; "
+              "from baton.profile import ProfileSet; from solver.relaxation import relaxation_bound; "
+              "spec = PRESETS['tiny']; cluster = load_cluster('clusters/a100x2_t4x2.yaml'); "
+              "print(relaxation_bound(spec, cluster, ProfileSet(spec), 3, [2], 0.0))")
+    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "None"
