@@ -739,8 +739,9 @@ def held_counts(T: float, grid: np.ndarray, lines: tuple[np.ndarray, np.ndarray]
     the replica's devices hold every layer (``need``) and each edge at shares adding up to one, on one stage or two,
     so sum_d (T - beta) / w - loss >= need, the loss at least min_d (m epsilon + alpha E) / w per edge. With each loss
     taken at its least over counts from m up (a ratio of two lines is monotone in m: at m or at ``top``) the left side
-    falls as m grows, so bisection finds the largest m where that holds, at or above every m where the condition does; from
-    there down, counts where the condition itself fails are dropped (``SCAN`` at most). 0 where it fails at m = 0."""
+    falls as m grows, so bisection finds the largest m where that holds, at or above every m where the condition
+    does; from there down, counts where the condition itself fails are dropped (``SCAN`` at most). 0 where it fails
+    at m = 0."""
     alpha, beta = lines
     present = grid > 0
     room = np.where(present & np.isfinite(alpha) & (T > beta), T - beta, 0.0)
