@@ -36,10 +36,9 @@ import highspy
 import numpy as np
 
 from baton.cluster import ClusterSpec, Link, slower_end
-from baton.costmodel import (edge_comm_passes_on_ms, edge_train_ms, layer_allreduce_on_ms, layer_backward_ms,
-                             layer_param_count, layer_train_ms)
+from baton.costmodel import (edge_comm_passes_on_ms, edge_param_count, edge_train_ms, layer_allreduce_on_ms,
+                             layer_backward_ms, layer_param_count, layer_train_ms)
 from baton.model_spec import ModelSpec
-from baton.operators import padded_vocab
 from baton.profile import ProfileSet
 from baton.schedules import forwards_before_first_backward
 
@@ -747,12 +746,15 @@ def held_counts(T: float, grid: np.ndarray, lines: tuple[np.ndarray, np.ndarray]
     room = np.where(present & np.isfinite(alpha) & (T > beta), T - beta, 0.0)
     need = need * (1 - 1e-12)  # generous: a bound from below must not lose a count to rounding
 
+    def per_param(m, per_micro_batch):
+        """m times a per-class figure, per vector and class (0 at m = 0, where an inf figure would give nan)."""
+        return np.where(m[:, None] > 0, m[:, None] * per_micro_batch[None, :], 0.0)
+
     def per_device(m, eps, rows):
         """Per vector and class: (m eps + alpha rows) / w at count m (inf where the class is absent)."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            work = np.where(m[:, None] > 0, m[:, None] * rates.layer_ms[None, :], 0.0)
-            spent = np.where(m[:, None] > 0, m[:, None] * eps[None, :], 0.0) + alpha * rows
-            return np.where(present & np.isfinite(alpha), spent / (work + alpha), math.inf)
+            spent = per_param(m, eps) + alpha * rows
+            return np.where(present & np.isfinite(alpha), spent / (per_param(m, rates.layer_ms) + alpha), math.inf)
 
     def loss(m, at_top):
         """The least the edges take of the layers' room at count m; with ``at_top``, each term at its least over m and
@@ -767,9 +769,8 @@ def held_counts(T: float, grid: np.ndarray, lines: tuple[np.ndarray, np.ndarray]
     at_top = [per_device(tops, eps, rows) for eps, rows in zip(rates.edge_ms, rates.edge_rows)]
 
     def ok(m, envelope=at_top):
-        work = np.where(m[:, None] > 0, m[:, None] * rates.layer_ms[None, :], 0.0)
         with np.errstate(invalid="ignore", divide="ignore"):
-            each = np.where(room > 0, room / (work + alpha), 0.0)
+            each = np.where(room > 0, room / (per_param(m, rates.layer_ms) + alpha), 0.0)
         return (grid * each).sum(1) - loss(m, envelope) >= need
 
     lo = np.zeros(len(grid))
@@ -872,8 +873,9 @@ class HeldRates:
     over the vocabulary shares (``costmodel.edge_train_ms``), ms per whole vocabulary. A rank at share u spends at
     least u epsilon."""
     edge_rows: tuple[float, float, float]
-    """The vocabulary rows' parameters (padded V h) the embedding, the head and both on one rank hold at share 1: a
-    tied head on its own stage keeps a copy, on the embedding's stage none."""
+    """E: the parameters of the embedding, the head and both on one rank that a rank holds in proportion to its
+    vocabulary share (``costmodel.edge_param_count``'s split part: a tied head on its own stage keeps a copy of the
+    rows, on the embedding's stage none)."""
 
 
 def held_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass], micro_batch: int) -> HeldRates:
@@ -886,11 +888,15 @@ def held_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass]
                          for k, c in enumerate(classes)])
 
     b = micro_batch
-    rows = float(padded_vocab(spec) * spec.hidden_dim)
+    roles = ((True, False), (False, True), (True, True))
+    # The part of the edges' parameters that grows with the share (the cost model's count at share 1 less at 0).
+    rows = tuple(edge_param_count(spec, 1.0, first=f, last=la) - edge_param_count(spec, 0.0, first=f, last=la)
+                 for f, la in roles)
     return HeldRates(layer_ms=per_class(lambda prof, u: layer_train_ms(prof, spec, b, u) / layer_param_count(spec, u)),
-                     edge_ms=tuple(per_class(lambda prof, u, f=f, la=la: edge_train_ms(prof, spec, b, u, first=f, last=la) / u)
-                                   for f, la in ((True, False), (False, True), (True, True))),
-                     edge_rows=(rows, rows, rows if spec.tie_embeddings else 2 * rows))
+                     edge_ms=tuple(per_class(lambda prof, u, f=f, la=la: edge_train_ms(prof, spec, b, u, first=f,
+                                                                                        last=la) / u)
+                                   for f, la in roles),
+                     edge_rows=rows)
 
 
 def relaxation_bound(spec: ModelSpec, cluster: ClusterSpec, profiles: ProfileSet, global_batch: int,

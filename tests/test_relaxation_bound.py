@@ -656,11 +656,8 @@ def test_every_replica_takes_at_least_its_chain_with_whole_layers(seed, layered)
                                  middles=trip_middles(pairs, terms.layer_ms, terms.backward_ms, dims, grid.sum(1)),
                                  totals=suffix_totals(terms.layer_ms, terms.edges[1], terms.chain, dims, N, 8))
                 phi[b, m] = chain_floor(terms.layer_ms, *terms.edges, terms.chain, dims, N, m, round_trip=trip)
-            vector = [0] * len(classes)
-            for stage in pipe.stages:
-                for d in stage.device_ids:
-                    vector[klass[d]] += 1
-            assert report.replica_pipeline_ms[r] >= phi[b, m][index[tuple(vector)]] * (1 - 1e-9), (plan, r)
+            vector = _vector(pipe, klass, len(classes))
+            assert report.replica_pipeline_ms[r] >= phi[b, m][index[vector]] * (1 - 1e-9), (plan, r)
             checked += 1
             layered_checked += plan.zero_stage > 1
     assert checked >= 10
