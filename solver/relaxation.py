@@ -51,10 +51,11 @@ MAX_PAIRS = 16_000_000
 16 and 32 GPUs (8 s, about 700 MB at the peak); beyond it the bound is not computed and eq. 12b stands alone."""
 CHAIN_WORK = 2_500_000_000
 """Steps (``ChainPairs.work``, one ``chain_floor`` per micro-batch size and count bucket) eq. 1's chain with whole layers
-may take, about 17 s on this 2-core machine (1.5e8 a second), the round trip's included (``_round_trip_choice``);
-beyond it eq. 12c stands without it. HAP's 64 GPUs at
-batch 64 take 0.34e9, the generated 64-GPU clusters of two types at batch 512 1.1-2.0e9, hethub_nv_gpua 0.03e9;
-cephalo_64gpu (6e10 at batch 64) and the generated 64-GPU cluster of three types (5e10) are beyond it."""
+may take, the round trip's included (``_round_trip_choice``): 6-14 s on this 2-core machine (1.5-3e8 a second); beyond
+it eq. 12c stands without it. Whole layers alone take 0.24e9 on HAP's 64 GPUs at batch 64, 0.74-1.33e9 on the
+generated 64-GPU clusters of two types at batch 512, 0.02e9 on hethub_nv_gpua; cephalo_64gpu (4.1e10 at batch 64) and
+the generated 64-GPU cluster of three types (1.4e10) are beyond it. Raised to 5e9, HAP's bound rose 1.1% (every
+stage's round trip at K = 8, not 4) and the generated clusters' did not move, at 10-12 s more each."""
 ROUND_TRIP_STAGES = 8
 """K of ``suffix_totals``: the round trip through the stages after the stage that pays it is charged at their exact
 count up to K - 1 and at k = m - 1 beyond (K is also at most the largest micro-batch count less one, past which k no
@@ -435,23 +436,27 @@ class ChainPairs:
         return len(self.middle.a) * N * (N + 1) // 2 + len(self.first.a) * (N + 1)
 
 
-def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np.ndarray) -> ChainPairs:
-    """``ChainPairs`` of ``layer_ms`` (per composition; inf where no such stage exists)."""
-    exists = np.isfinite(layer_ms)
+def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np.ndarray,
+                first_ms: np.ndarray | None = None, backward_ms: np.ndarray | None = None) -> ChainPairs:
+    """``ChainPairs`` of ``layer_ms`` (per composition; inf where no such stage exists). Given the first stage's edge
+    floor ``first_ms`` and the backward floor ``backward_ms`` that ``chain_floor`` reads, a first composition that one
+    a device smaller beats at all three is skipped (``_unbeaten``): the smaller one's stage is no slower at any layer
+    count and its round trip no longer, before the same suffix on fewer devices, which the least over sub-vectors at
+    the end takes."""
     quicker = layer_ms < least_below(layer_ms, dims)
     left = pairs.rest != 0
+    if first_ms is None or backward_ms is None:
+        firsts = np.isfinite(layer_ms)
+    else:
+        firsts = _unbeaten((layer_ms, np.where(np.isfinite(layer_ms), first_ms, math.inf), backward_ms), dims)
     return ChainPairs(middle=_subset(pairs, quicker[pairs.c] & left, totals),
-                      first=_subset(pairs, exists[pairs.c] & left, totals))
+                      first=_subset(pairs, firsts[pairs.c] & left, totals))
 
 
-def trip_middles(pairs: _Pairs, layer_ms: np.ndarray, backward_ms: np.ndarray, dims: list[int],
-                 totals: np.ndarray) -> _Pairs:
-    """Middle stages that pay their round trip (eq. 1r) before the rest: compositions that exist and that no
-    composition one device smaller beats at both its layer time and its backward (taken at most the layer time, as
-    the term reads it), devices left. The term grows with either, so a composition only as fast per layer as a smaller
-    one may still charge less, and ``ChainPairs.middle`` would skip it."""
-    exists = np.isfinite(layer_ms)
-    back = np.minimum(backward_ms, layer_ms)
+def _unbeaten(figures: tuple[np.ndarray, ...], dims: list[int]) -> np.ndarray:
+    """Per composition: whether it exists (the first figure finite) and no composition one device smaller is at or
+    under it in every figure."""
+    layer_ms = figures[0]
     counts = np.unravel_index(np.arange(len(layer_ms)), dims)
     strides = [int(np.prod(dims[k + 1:])) for k in range(len(dims))]  # the grid is row-major (``class_grid``)
     beaten = np.zeros(len(layer_ms), dtype=bool)
@@ -460,8 +465,18 @@ def trip_middles(pairs: _Pairs, layer_ms: np.ndarray, backward_ms: np.ndarray, d
         smaller = at - stride
         keep = smaller > 0  # index 0 is no device
         at, smaller = at[keep], smaller[keep]
-        beaten[at] |= (layer_ms[smaller] <= layer_ms[at]) & (back[smaller] <= back[at])
-    return _subset(pairs, (exists & ~beaten)[pairs.c] & (pairs.rest != 0), totals)
+        beaten[at] |= np.logical_and.reduce([f[smaller] <= f[at] for f in figures])
+    return np.isfinite(layer_ms) & ~beaten
+
+
+def trip_middles(pairs: _Pairs, layer_ms: np.ndarray, backward_ms: np.ndarray, dims: list[int],
+                 totals: np.ndarray) -> _Pairs:
+    """Middle stages that pay their round trip (eq. 1r) before the rest: compositions that exist and that no
+    composition one device smaller beats at both its layer time and its backward (taken at most the layer time, as
+    the term reads it), devices left. The term grows with either, so a composition only as fast per layer as a smaller
+    one may still charge less, and ``ChainPairs.middle`` would skip it."""
+    unbeaten = _unbeaten((layer_ms, np.minimum(backward_ms, layer_ms)), dims)
+    return _subset(pairs, unbeaten[pairs.c] & (pairs.rest != 0), totals)
 
 
 def _front_stage(per: np.ndarray, after: np.ndarray, num_layers: int, join) -> np.ndarray:
@@ -851,10 +866,11 @@ def size_terms(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass]
     layer_ms = np.where(rates > 0, micro_batch / np.where(rates > 0, rates, 1.0), math.inf)
     edges = edge_floors(spec, profiles, classes, grid, micro_batch)
     dims = [c.count + 1 for c in classes]
+    backward_ms = backward_floors(spec, profiles, classes, grid, micro_batch, layer_ms)
     return SizeTerms(rates=rates, layer_ms=layer_ms, edges=edges,
                      sample_layers=spec.num_layers + edge_layers(layer_ms, *edges, dims),
-                     chain=chain_pairs(pairs, layer_ms, dims, grid.sum(1)),
-                     backward_ms=backward_floors(spec, profiles, classes, grid, micro_batch, layer_ms),
+                     chain=chain_pairs(pairs, layer_ms, dims, grid.sum(1), edges[0], backward_ms),
+                     backward_ms=backward_ms,
                      held=held_rates(spec, profiles, classes, micro_batch))
 
 

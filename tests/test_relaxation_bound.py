@@ -153,17 +153,25 @@ def test_the_chain_with_whole_layers_is_the_best_sequence_of_stages(counts):
     composition's per-layer time plus the embedding's floor on the first stage, the head's on the last, both on an
     only stage; checked by enumerating, on random times with some compositions that cannot be a stage. Fails if the
     recursion charges m t where eq. 1 has (m - 1) t, makes the first or last stage hold a layer, leaves an edge out,
-    drops a middle composition a smaller one does not beat, or does not take the least over the sub-vectors."""
+    drops a middle composition a smaller one does not beat, drops a first composition that a smaller one beats per
+    layer but not at the embedding, or does not take the least over the sub-vectors. The first compositions are
+    chosen both ways: all of them, and those no smaller one beats at the layer, the embedding and the backward."""
     grid, pairs, dims, index = _toy_grid(counts)
     rng = random.Random(sum(counts) * 31 + len(counts))
+    pruned = 0
     for _ in range(6):
         layer, first, last, both = _random_stage_times(grid, rng)
         N, m = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 5])
-        phi = chain_floor(layer, first, last, both, chain_pairs(pairs, layer, dims, grid.sum(1)), dims, N, m)
-        for v in grid.tolist()[1:]:
-            best = min((max(sum(t[:s]) + m * t[s] for s in range(len(t)))
-                        for _, _, t in _layouts(v, index, N, layer, first, last, both)), default=math.inf)
-            assert phi[index[tuple(v)]] == pytest.approx(best, rel=1e-12), (v, N, m)
+        every = chain_pairs(pairs, layer, dims, grid.sum(1))
+        unbeaten = chain_pairs(pairs, layer, dims, grid.sum(1), first, _random_backward(layer, rng))
+        pruned += len(every.first.a) - len(unbeaten.first.a)
+        for chain in (every, unbeaten):
+            phi = chain_floor(layer, first, last, both, chain, dims, N, m)
+            for v in grid.tolist()[1:]:
+                best = min((max(sum(t[:s]) + m * t[s] for s in range(len(t)))
+                            for _, _, t in _layouts(v, index, N, layer, first, last, both)), default=math.inf)
+                assert phi[index[tuple(v)]] == pytest.approx(best, rel=1e-12), (v, N, m)
+    assert pruned > 0 or len(counts) == 1  # the pruning must have been exercised
 
 
 def _random_backward(layer: np.ndarray, rng: random.Random) -> np.ndarray:
@@ -244,7 +252,9 @@ def test_the_round_trip_lies_under_every_sequence_and_lifts_the_chain(counts):
             layer = np.array([x if math.isinf(x) else rng.choice([1.0, 1.5]) for x in layer])
             back = layer * np.array([rng.choice([0.1, 0.5, 1.0]) for _ in layer])
         N, m = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 5])
-        chain = chain_pairs(pairs, layer, dims, grid.sum(1))
+        # First compositions no smaller one beats at the layer, the embedding and the backward, as `size_terms` builds
+        # them: one beaten per layer but with a shorter backward would charge a shorter round trip.
+        chain = chain_pairs(pairs, layer, dims, grid.sum(1), first, back)
         plain = chain_floor(layer, first, last, both, chain, dims, N, m)
         for middles, K in itertools.product((False, True), (1, 2, 8)):
             trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, N, K),
@@ -339,6 +349,28 @@ def test_a_middle_stage_as_fast_per_layer_may_charge_less_round_trip():
     b = [min(l * back[index[c]], ts) for c, l, ts in zip(seq, split, t)]
     assert _with_round_trip(t, b, m, True) == pytest.approx(6.5)
     assert phi[index[(2, 2)]] <= 6.5 + 1e-12
+
+
+def test_a_first_stage_beaten_per_layer_and_embedding_may_charge_less_round_trip():
+    """The first-stage counterpart, found by a random search for a pruning that ignored the backward: composition
+    (1, 1) runs a layer no faster than (0, 1) (2.0 ms) and its embedding slower (0.5 against 0), but its backward floor
+    is 0.1 against 2.0, so eq. 1r charges it less. On vector (1, 2) at N = 3, m = 3 the least over every sequence is
+    13.5 ms, (1, 1) with 2 layers then (0, 1) with one; skipping (1, 1) as a first stage gave 14.0. Fails if the first
+    compositions are pruned without the backward."""
+    grid, pairs, dims, index = _toy_grid((2, 2))  # (0,0) (0,1) (0,2) (1,0) (1,1) (1,2) (2,0) (2,1) (2,2)
+    layer = np.array([math.inf, 2.0, 1.5, math.inf, 2.0, 2.0, math.inf, 1.0, 1.5])
+    back = np.array([math.inf, 2.0, 0.75, math.inf, 0.1, 1.0, math.inf, 1.0, 0.075])
+    first = np.array([0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.0, 0.5])
+    last = np.array([0.5, 0.0, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0, 0.0])
+    both = np.maximum(first, last) + 0.1
+    N, m = 3, 3
+    chain = chain_pairs(pairs, layer, dims, grid.sum(1), first, back)
+    trip = RoundTrip(backward_ms=back, totals=suffix_totals(layer, last, chain, dims, N, 8), middles=None)
+    phi = chain_floor(layer, first, last, both, chain, dims, N, m, round_trip=trip)
+    best = min(_with_round_trip(t, [min(l * back[index[c]], ts) for c, l, ts in zip(seq, split, t)], m, False)
+               for seq, split, t in _layouts([1, 2], index, N, layer, first, last, both))
+    assert best == pytest.approx(13.5)
+    assert phi[index[(1, 2)]] == pytest.approx(best, rel=1e-12)
 
 
 def _lp_layers(theta, m: int, T: float) -> float:
