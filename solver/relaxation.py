@@ -196,37 +196,55 @@ def _strides(classes: list[DeviceClass]) -> np.ndarray:
     return np.array([int(np.prod(dims[k + 1:])) for k in range(len(dims))], dtype=np.int64)
 
 
-def group_links(classes: list[DeviceClass], c) -> list[Link | None]:
-    """The links a group of composition ``c`` (two or more devices) could have as its slowest, one of which is the
-    fastest it can have: on one node, that node's intra link, possible when every class present has its node kind and
-    fits one node; across nodes, the slower end of the NICs of every class present (each has a device on a node of its
-    kind, and a group spanning nodes pays every involved node's NIC). Empty where no such group exists."""
+def _link_key(classes: list[DeviceClass], c) -> tuple[tuple[int, ...], bool]:
+    """What ``_group_links`` reads of a composition ``c``: its classes present, and whether they can share one node
+    (every class present has one node kind, with an intra link, and fits one node)."""
     n = int(sum(c))
-    present = [k for k, x in enumerate(c) if x]
-    options = []
-    kinds = {classes[k].node_kind for k in present}
-    if (len(kinds) == 1 and classes[present[0]].intra is not None and n <= classes[present[0]].node_devices
-            and all(c[k] <= classes[k].per_node for k in present)):
-        options.append(classes[present[0]].intra)
+    present = tuple(k for k, x in enumerate(c) if x)
+    together = (len({classes[k].node_kind for k in present}) == 1 and classes[present[0]].intra is not None
+                and n <= classes[present[0]].node_devices and all(c[k] <= classes[k].per_node for k in present))
+    return present, together
+
+
+def _group_links(classes: list[DeviceClass], present: tuple[int, ...], together: bool) -> list[Link | None]:
+    """The links a group of two or more devices of the classes ``present`` could have as its slowest, one of which is
+    the fastest it can have: on one node, that node's intra link, where they can share one (``together``); across
+    nodes, the slower end of the NICs of every class present (each has a device on a node of its kind, and a group
+    spanning nodes pays every involved node's NIC). Empty where no such group exists."""
+    options = [classes[present[0]].intra] if together else []
     nics = [classes[k].nic for k in present if classes[k].nic is not None]
     if nics:
         options.append(slower_end(*nics))
     return options
 
 
-def on_fastest_link(classes: list[DeviceClass], c, price) -> float:
+class FastestLink:
     """The least ``price(n, link)`` a group of composition ``c`` (n devices) can pay over the links it could have
-    (``group_links``): 0 for one device, inf where no such group exists. Collectives cost no more on a faster link."""
-    n = int(sum(c))
-    if n <= 1:
-        return 0.0
-    return min((price(n, link) for link in group_links(classes, c)), default=math.inf)
+    (``_group_links``): 0 for one device, inf where no such group exists (collectives cost no more on a faster link).
+    Called over every composition of a cluster's classes at one price, each set of links and each price of n devices
+    on them is worked out once (a 64-GPU cluster of three classes has about 10,000 compositions and a few hundred
+    such pairs)."""
+
+    def __init__(self, classes: list[DeviceClass], price):
+        self.classes, self.price = classes, price
+        self._links: dict[tuple, list[Link | None]] = {}
+        self._paid: dict[tuple, float] = {}
+
+    def __call__(self, c) -> float:
+        n = int(sum(c))
+        if n <= 1:
+            return 0.0
+        key = _link_key(self.classes, c)
+        if (n, key) not in self._paid:
+            if key not in self._links:
+                self._links[key] = _group_links(self.classes, *key)
+            self._paid[n, key] = min((self.price(n, link) for link in self._links[key]), default=math.inf)
+        return self._paid[n, key]
 
 
-def stage_allreduce_ms(spec: ModelSpec, classes: list[DeviceClass], c, micro_batch: int) -> float:
-    """The least eq. 9 can charge a stage of composition ``c`` for its in-layer all-reduces, per layer and micro-batch
-    (both directions): eq. 5 over the fastest link such a group can have."""
-    return 2 * on_fastest_link(classes, c, lambda n, link: layer_allreduce_on_ms(spec, micro_batch, n, link))
+def _in_layer_price(spec: ModelSpec, micro_batch: int):
+    """A group's in-layer all-reduce of one direction at micro-batch b over a link (eq. 5), by its size and link."""
+    return lambda n, link: layer_allreduce_on_ms(spec, micro_batch, n, link)
 
 
 def _holds(profiles: ProfileSet, classes: list[DeviceClass], micro_batch: int) -> list[bool]:
@@ -263,11 +281,12 @@ def stage_rates(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
     holds = _holds(profiles, classes, micro_batch)
     lines = [share_lines(profiles[c.gpu], spec, micro_batch) if holds[k] else None for k, c in enumerate(classes)]
     out = np.zeros(len(grid))
+    in_layer = FastestLink(classes, _in_layer_price(spec, micro_batch))
     for i, c in enumerate(grid):
         n = int(c.sum())
         if n == 0 or n > most_units or any(c[k] and not holds[k] for k in range(len(classes))):
             continue
-        A = stage_allreduce_ms(spec, classes, c, micro_batch)
+        A = 2 * in_layer(c)  # both directions (eq. 9)
         if not math.isfinite(A):
             continue
         R, R_tau = _slowest_rank_ms(lines, c)
@@ -284,12 +303,12 @@ def backward_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceC
     holds = _holds(profiles, classes, micro_batch)
     lines = [backward_lines(profiles[c.gpu], spec, micro_batch) if holds[k] else None for k, c in enumerate(classes)]
     out = np.full(len(grid), math.inf)
+    in_layer = FastestLink(classes, _in_layer_price(spec, micro_batch))
     for i, c in enumerate(grid):
         if not math.isfinite(layer_ms[i]):
             continue
         R, R_tau = _slowest_rank_ms(lines, c)
-        out[i] = R_tau / R + on_fastest_link(classes, c,
-                                             lambda n, link: layer_allreduce_on_ms(spec, micro_batch, n, link))
+        out[i] = R_tau / R + in_layer(c)
     return out
 
 
@@ -306,15 +325,16 @@ def edge_floors(spec: ModelSpec, profiles: ProfileSet, classes: list[DeviceClass
     lines = {role: [edge_lines(profiles[c.gpu], spec, micro_batch, first=first, last=last) if holds[k] else None
                     for k, c in enumerate(classes)] for role, (first, last) in roles.items()}
     out = {role: np.full(len(grid), math.inf) for role in roles}
+    comms = {role: FastestLink(classes, lambda k, link, first=first, last=last:
+                               sum(edge_comm_passes_on_ms(spec, micro_batch, k, link, first=first, last=last)))
+             for role, (first, last) in roles.items()}
     for i, c in enumerate(grid):
         n = int(c.sum())
         if n == 0 or any(c[k] and not holds[k] for k in range(len(classes))):
             continue
-        for role, (first, last) in roles.items():
-            comm = on_fastest_link(classes, c, lambda k, link: sum(edge_comm_passes_on_ms(spec, micro_batch, k, link,
-                                                                                          first=first, last=last)))
+        for role in roles:
             R, R_tau = _slowest_rank_ms(lines[role], c)
-            out[role][i] = R_tau / R + comm
+            out[role][i] = R_tau / R + comms[role](c)
     return out["first"], out["last"], out["both"]
 
 
