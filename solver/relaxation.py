@@ -54,7 +54,7 @@ CHAIN_WORK = 2_500_000_000
 may take, the round trip's included (``_round_trip_choice``): 6-14 s on this 2-core machine (1.5-3e8 a second); beyond
 it eq. 12c stands without it. Whole layers alone take 0.24e9 on HAP's 64 GPUs at batch 64, 0.74-1.33e9 on the
 generated 64-GPU clusters of two types at batch 512, 0.02e9 on hethub_nv_gpua; cephalo_64gpu (4.1e10 at batch 64) and
-the generated 64-GPU cluster of three types (1.4e10) are beyond it. Raised to 5e9, HAP's bound rose 1.1% (every
+the generated 64-GPU cluster of three types (1.4e10) are beyond it. Raised to 5e9, HAP's bound rose 1.2% (every
 stage's round trip at K = 8, not 4) and the generated clusters' did not move, at 10-12 s more each."""
 ROUND_TRIP_STAGES = 8
 """K of ``suffix_totals``: the round trip through the stages after the stage that pays it is charged at their exact
@@ -447,7 +447,8 @@ class ChainPairs:
     middle: _Pairs
     """A middle stage before the rest: compositions that exist and that no smaller one runs as fast, devices left."""
     first: _Pairs
-    """A first stage before the rest: compositions that exist, devices left after them."""
+    """A first stage before the rest: compositions that exist (and, where ``chain_pairs`` was given the edge and
+    backward floors, that no composition a device smaller beats at all three), devices left after them."""
 
     def work(self, num_layers: int) -> int:
         """Steps of one ``chain_floor``: each middle pair tries every layer count l at every count from l up (N (N + 1)
