@@ -55,7 +55,7 @@ may take, the round trip's included (``_round_trip_choice``): 6-14 s on this 2-c
 it eq. 12c stands without it. Whole layers alone take 0.24e9 on HAP's 64 GPUs at batch 64, 0.74-1.33e9 on the
 generated 64-GPU clusters of two types at batch 512, 0.02e9 on hethub_nv_gpua; cephalo_64gpu (4.1e10 at batch 64) and
 the generated 64-GPU cluster of three types (1.4e10) are beyond it. Raised to 5e9, HAP's bound rose 1.2% (every
-stage's round trip at K = 8, not 4) and the generated clusters' did not move, at 10-12 s more each."""
+stage's round trip at K = 8, not 4) and the generated clusters' did not move, at up to 12 s more each."""
 ROUND_TRIP_STAGES = 8
 """K of ``suffix_totals``: the round trip through the stages after the stage that pays it is charged at their exact
 count up to K - 1 and at k = m - 1 beyond (K is also at most the largest micro-batch count less one, past which k no
