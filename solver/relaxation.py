@@ -51,8 +51,8 @@ MAX_PAIRS = 16_000_000
 16 and 32 GPUs (8 s, about 700 MB at the peak); beyond it the bound is not computed and eq. 12b stands alone."""
 CHAIN_WORK = 2_500_000_000
 """Steps (``ChainPairs.work``, one ``chain_floor`` per micro-batch size and count bucket) eq. 1's chain with whole layers
-may take, the round trip's included (``_round_trip_choice``): 6-14 s on this 2-core machine (1.5-3e8 a second); beyond
-it eq. 12c stands without it. Whole layers alone take 0.24e9 on HAP's 64 GPUs at batch 64, 0.74-1.33e9 on the
+may take, the round trip's included (``_round_trip_choice``; 1.6-2.6e8 a second on this 2-core machine: the pass took
+5.9-13.7 s for 1.6-2.2e9 on HAP and the generated 64-GPU clusters of two types); beyond it eq. 12c stands without it. Whole layers alone take 0.24e9 on HAP's 64 GPUs at batch 64, 0.74-1.33e9 on the
 generated 64-GPU clusters of two types at batch 512, 0.02e9 on hethub_nv_gpua; cephalo_64gpu (4.1e10 at batch 64) and
 the generated 64-GPU cluster of three types (1.4e10) are beyond it. Raised to 5e9, HAP's bound rose 1.2% (every
 stage's round trip at K = 8, not 4) and the generated clusters' did not move, at up to 12 s more each."""
