@@ -51,11 +51,12 @@ MAX_PAIRS = 16_000_000
 16 and 32 GPUs (8 s, about 700 MB at the peak); beyond it the bound is not computed and eq. 12b stands alone."""
 CHAIN_WORK = 2_500_000_000
 """Steps (``ChainPairs.work``, one ``chain_floor`` per micro-batch size and count bucket) eq. 1's chain with whole layers
-may take, the round trip's included (``_round_trip_choice``; 1.6-2.6e8 a second on this 2-core machine: the pass took
-5.9-13.7 s for 1.6-2.2e9 on HAP and the generated 64-GPU clusters of two types); beyond it eq. 12c stands without it. Whole layers alone take 0.24e9 on HAP's 64 GPUs at batch 64, 0.74-1.33e9 on the
-generated 64-GPU clusters of two types at batch 512, 0.02e9 on hethub_nv_gpua; cephalo_64gpu (4.1e10 at batch 64) and
-the generated 64-GPU cluster of three types (1.4e10) are beyond it. Raised to 5e9, HAP's bound rose 1.2% (every
-stage's round trip at K = 8, not 4) and the generated clusters' did not move, at up to 12 s more each."""
+may take, the round trip's included (``_round_trip_choice``); beyond it eq. 12c stands without it. On this 2-core
+machine 1.6-2.6e8 a second: the pass took 5.9-13.7 s for 1.6-2.2e9 on HAP and the generated 64-GPU clusters of two
+types. Whole layers alone take 0.24e9 on HAP's 64 GPUs at batch 64, 0.74-1.33e9 on the generated 64-GPU clusters of
+two types at batch 512, 0.02e9 on hethub_nv_gpua; cephalo_64gpu (4.1e10 at batch 64) and the generated 64-GPU cluster
+of three types (1.4e10) are beyond it. Raised to 5e9, HAP's bound rose 1.2% (every stage's round trip at K = 8, not
+4) and the generated clusters' did not move, at up to 12 s more each."""
 ROUND_TRIP_STAGES = 8
 """K of ``suffix_totals``: the round trip through the stages after the stage that pays it is charged at their exact
 count up to K - 1 and at k = m - 1 beyond (K is also at most the largest micro-batch count less one, past which k no
@@ -366,11 +367,18 @@ def least_below(values: np.ndarray, dims: list[int]) -> np.ndarray:
     of some class); infinite at the zero vector."""
     box = least_within(values, dims).reshape(dims)
     inside = np.full(dims, math.inf)
+    for to, frm in _one_device_less(dims):
+        inside[to] = np.minimum(inside[to], box[frm])
+    return inside.reshape(-1)
+
+
+def _one_device_less(dims: list[int]):
+    """Per class, (slices of the vectors with one or more of its devices, slices of the same vectors less one of
+    them), over the grid reshaped to ``dims``."""
     for axis in range(len(dims)):
         to, frm = [slice(None)] * len(dims), [slice(None)] * len(dims)
         to[axis], frm[axis] = slice(1, None), slice(None, -1)
-        inside[tuple(to)] = np.minimum(inside[tuple(to)], box[tuple(frm)])
-    return inside.reshape(-1)
+        yield tuple(to), tuple(frm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,19 +483,14 @@ def chain_pairs(pairs: _Pairs, layer_ms: np.ndarray, dims: list[int], totals: np
 
 
 def _unbeaten(figures: tuple[np.ndarray, ...], dims: list[int]) -> np.ndarray:
-    """Per composition: whether it exists (the first figure finite) and no composition one device smaller is at or
-    under it in every figure."""
-    layer_ms = figures[0]
-    counts = np.unravel_index(np.arange(len(layer_ms)), dims)
-    strides = [int(np.prod(dims[k + 1:])) for k in range(len(dims))]  # the grid is row-major (``class_grid``)
-    beaten = np.zeros(len(layer_ms), dtype=bool)
-    for k, stride in enumerate(strides):
-        at = np.nonzero(counts[k] > 0)[0]
-        smaller = at - stride
-        keep = smaller > 0  # index 0 is no device
-        at, smaller = at[keep], smaller[keep]
-        beaten[at] |= np.logical_and.reduce([f[smaller] <= f[at] for f in figures])
-    return np.isfinite(layer_ms) & ~beaten
+    """Per composition: whether it exists (the first figure, its layer time, finite) and no composition one device
+    smaller is at or under it in every figure (one that does not exist, the zero vector among them, has an infinite
+    layer time and so beats none that does)."""
+    boxes = [f.reshape(dims) for f in figures]
+    beaten = np.zeros(dims, dtype=bool)
+    for to, frm in _one_device_less(dims):
+        beaten[to] |= np.logical_and.reduce([box[frm] <= box[to] for box in boxes])
+    return np.isfinite(figures[0]) & ~beaten.reshape(-1)
 
 
 def trip_middles(pairs: _Pairs, layer_ms: np.ndarray, backward_ms: np.ndarray, dims: list[int],
